@@ -1,0 +1,124 @@
+"""The aggd wire protocol, written once.
+
+Everything else is derived from this module: the Python codec (``codec.py``), the numpy dtype the
+client uses to build whole windows of packets at once, the C header of the XDP program
+(``xdp/aggd_proto.h``) and the P4 header (``aggd/p4/aggd_proto.p4``). ``tests/unit/test_protocol_codegen.py``
+fails when a generated file drifts from this definition. ``docs/protocol.md`` explains the fields.
+
+Header fields are big-endian (network order) so a switch parser reads them natively. The payload is
+an array of little-endian int32: both ends of every deployment we target (x86/ARM workers, the
+XDP aggregator) are little-endian, so the aggregator's per-element loop needs no byte swaps.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+MAGIC = 0xA66D
+VERSION = 1
+
+#: UDP port the aggregator listens on; results go to the job's ``result_port``.
+DEFAULT_PORT = 47000
+DEFAULT_RESULT_PORT = 47001
+#: int32 values in one packet unless configured otherwise.
+DEFAULT_ELEMENTS = 256
+#: Largest payload native XDP on veth takes with a 1500+ MTU page-sized frame (see docs/protocol.md).
+MAX_ELEMENTS = 512
+#: Members of a job are tracked by a 64-bit bitmap in every slot and every result.
+MAX_MEMBERS = 64
+MAX_JOBS = 256
+#: Versions of a job's strategy table kept at once (a ring; see the strategies issue).
+STRATEGY_VERSIONS = 4
+#: Exponent sent with an all-zero chunk: larger than any real one, so it never lowers the sum's scale.
+ZERO_EXPONENT = 0x3FFF
+
+
+class MsgType(enum.IntEnum):
+    CONTRIB = 1  #: worker -> aggregator: one chunk of one round
+    RESULT = 2   #: aggregator -> job's group: the released sum
+    REREAD = 3   #: worker -> aggregator: send me the released result again (I contributed)
+    NACK = 4     #: aggregator -> worker: refused; ``code`` says why
+
+
+class Flag(enum.IntFlag):
+    RETRANSMIT = 0x01  #: this contribution was sent before (loss recovery)
+    OVERFLOW = 0x02    #: the int32 sum overflowed; the values are not to be trusted
+    USERSPACE = 0x04   #: served by the daemon's user-space path, not the kernel
+    CARRIED = 0x08     #: the result holds contributions carried from an earlier round
+    REREAD = 0x10      #: a result re-sent for a worker that lost it
+
+
+class NackCode(enum.IntEnum):
+    NONE = 0
+    UNKNOWN_JOB = 1
+    NOT_MEMBER = 2
+    BAD_CHUNK = 3
+    STALE = 4
+
+
+class StrategyKind(enum.IntEnum):
+    SYNC = 0
+    QUORUM = 1
+    SSP = 2
+    ASYNC = 3
+    WBSP = 4
+
+
+class DropReason(enum.IntEnum):
+    """Why the data plane dropped a packet; one counter each (shared by XDP, P4 and the model)."""
+    TOO_SHORT = 0
+    BAD_MAGIC = 1
+    BAD_VERSION = 2
+    BAD_TYPE = 3
+    BAD_COUNT = 4        #: element count beyond the packet or beyond the configured maximum
+    UNKNOWN_JOB = 5
+    BAD_RANK = 6         #: rank out of the job's range
+    NOT_MEMBER = 7       #: sender is not the registered address of that rank
+    BAD_CHUNK = 8        #: chunk outside the job's slots
+    DUPLICATE = 9        #: a retransmission of a contribution already counted
+    STALE = 10           #: a contribution for a round the slot has moved past
+    BUSY = 11            #: the slot still holds an unreleased earlier round
+    NOT_READY = 12       #: a re-read of a result not released yet
+
+
+class Counter(enum.IntEnum):
+    """Per-job data-plane counters (index into the counter array; drops are separate)."""
+    RX_PACKETS = 0
+    RX_BYTES = 1
+    ELEMENTS = 2         #: int32 elements added into slots
+    CONTRIBUTIONS = 3
+    RELEASED = 4         #: results released (one per slot round)
+    REREADS = 5          #: results re-sent on request
+    OVERFLOWS = 6
+    TO_USERSPACE = 7     #: packets passed up to the daemon (kernel cannot hold them)
+    RETRANSMITS = 8
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    ctype: str  # u8 u16 u32 u64 i16
+    doc: str
+
+
+#: The aggd header, in wire order. Sizes and alignment are checked in the codec.
+HEADER: tuple[Field, ...] = (
+    Field("magic", "u16", f"0x{MAGIC:04X}; anything else is dropped"),
+    Field("version", "u8", f"protocol version, {VERSION}"),
+    Field("type", "u8", "MsgType"),
+    Field("job", "u16", "job id, 0..MAX_JOBS-1"),
+    Field("rank", "u16", "sender's rank (contributions, re-reads); 0xFFFF in results"),
+    Field("round", "u32", "the job's allreduce number"),
+    Field("chunk", "u32", "packet-sized piece of the round's tensor; selects slot chunk % slots"),
+    Field("count", "u16", "int32 elements that carry data (the payload may be padded beyond)"),
+    Field("strategy_version", "u16", "strategy-table version that governs this round (results)"),
+    Field("exponent", "i16", "values are int32 * 2**-exponent; the sum uses the smallest"),
+    Field("flags", "u8", "Flag bits"),
+    Field("code", "u8", "NackCode in NACKs, 0 otherwise"),
+    Field("contributors", "u64", "bitmap of ranks summed in a result (bit i = rank i)"),
+    Field("n_contrib", "u16", "contributions summed in a result (may exceed popcount under wbsp)"),
+    Field("step", "u16", "local step within the round (wbsp); 0 otherwise"),
+    Field("reserved", "u32", "0"),
+)
+
+SIZES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i16": 2}
