@@ -1,0 +1,35 @@
+"""aggctl: the operator CLI. Each sub-command group lives in ``aggd/commands/``."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# (module, attribute) of each sub-command; imported lazily so `aggctl --help` stays fast and a
+# group's heavy imports (bcc, numba) load only when it runs.
+_COMMANDS = {
+    "lab": ("aggd.commands.lab", "lab"),
+    "bench": ("aggd.commands.bench", "bench"),
+    "demo": ("aggd.commands.demo", "demo"),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx):
+        return sorted(_COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in _COMMANDS:
+            return None
+        module, attr = _COMMANDS[name]
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup)
+@click.version_option(package_name="aggd")
+def main():
+    """Drive the aggd gradient aggregator."""
+
+
+if __name__ == "__main__":
+    main()

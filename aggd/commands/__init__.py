@@ -1,0 +1,1 @@
+"""aggctl sub-command groups, one module each."""
