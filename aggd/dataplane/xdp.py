@@ -1,0 +1,230 @@
+"""The XDP data plane: compile ``xdp/aggd_xdp.c`` with bcc, attach it, and manage its maps.
+
+Map layouts come from bcc (ctypes types generated from ``xdp/aggd_maps.h``), so userspace holds no
+hand-written copy of them. :data:`MAP_NAMES` is checked right after loading: a program built
+without one of them fails at start-up, not at the first job.
+"""
+from __future__ import annotations
+
+import ctypes
+import ipaddress
+import logging
+from pathlib import Path
+
+from aggd_client import protocol as proto
+
+from . import DataPlane, JobStats
+
+log = logging.getLogger(__name__)
+
+XDP_DIR = Path(__file__).resolve().parents[2] / "xdp"
+PROGRAM = XDP_DIR / "aggd_xdp.c"
+FUNCTION = "aggd_xdp"
+MAP_NAMES = ("jobs", "members", "slots", "stats")
+
+# XDP attach flags (include/uapi/linux/if_link.h)
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+NO_JOB = proto.MAX_JOBS
+
+
+class XdpError(RuntimeError):
+    pass
+
+
+def multicast_mac(group_ip: str) -> bytes:
+    """01:00:5e plus the low 23 bits of the group address (RFC 1112)."""
+    ip = int(ipaddress.IPv4Address(group_ip))
+    return bytes([0x01, 0x00, 0x5E, (ip >> 16) & 0x7F, (ip >> 8) & 0xFF, ip & 0xFF])
+
+
+def _be32_of(ip: str) -> int:
+    # The map stores network-order bytes; ctypes writes the integer in host (little-endian) order.
+    return int.from_bytes(ipaddress.IPv4Address(ip).packed, "little")
+
+
+def _be16_of(port: int) -> int:
+    return int.from_bytes(port.to_bytes(2, "big"), "little")
+
+
+class SlotAllocator:
+    """First-fit allocation of contiguous slot ranges in the kernel's slot array."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self._used: dict[int, tuple[int, int]] = {}  # job -> (base, count)
+
+    def allocate(self, job: int, count: int) -> int:
+        self.free(job)
+        base = 0
+        for b, n in sorted(self._used.values()):
+            if b - base >= count:
+                break
+            base = max(base, b + n)
+        if base + count > self.total:
+            raise XdpError(f"job {job}: {count} kernel slots do not fit "
+                           f"({self.free_slots()} of {self.total} free)")
+        self._used[job] = (base, count)
+        return base
+
+    def free(self, job: int) -> tuple[int, int] | None:
+        return self._used.pop(job, None)
+
+    def free_slots(self) -> int:
+        return self.total - sum(n for _, n in self._used.values())
+
+
+class XdpDataPlane(DataPlane):
+    """Compiles, loads and (optionally) attaches the aggregator program.
+
+    ``ifname=None`` loads without attaching: the program can then only be run through
+    BPF_PROG_TEST_RUN (tests, ``aggctl bench xdp``).
+    """
+
+    def __init__(self, ifname: str | None = None, *, mode: str = "native", port: int = proto.DEFAULT_PORT,
+                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096):
+        if mode not in MODES:
+            raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+        if not 1 <= elements <= proto.MAX_ELEMENTS:
+            raise XdpError(f"elements per packet must be 1..{proto.MAX_ELEMENTS}, not {elements}")
+        if total_slots < 1:
+            raise XdpError("total_slots must be at least 1")
+        from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
+
+        self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
+        self.total_slots = total_slots
+        self.allocator = SlotAllocator(total_slots)
+        self._attached = False
+        cflags = [f"-I{XDP_DIR}", f"-DELEMS={elements}", f"-DTOTAL_SLOTS={total_slots}",
+                  f"-DAGGD_PORT={port}", "-Wno-unused-function", "-Wno-compare-distinct-pointer-types"]
+        log.info("compiling %s (elements=%d, slots=%d, port=%d)", PROGRAM.name, elements, total_slots, port)
+        try:
+            self.bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
+            self.fn = self.bpf.load_func(FUNCTION.encode(), BPF.XDP)
+        except Exception as exc:
+            raise XdpError(f"cannot load {PROGRAM}: {exc}") from exc
+        self._check_maps()
+        if ifname is not None:
+            self.attach()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _check_maps(self) -> None:
+        missing = []
+        for name in MAP_NAMES:
+            try:
+                self.bpf.get_table(name.encode())
+            except KeyError:
+                missing.append(name)
+        if missing:
+            raise XdpError(f"XDP program lacks maps {missing}")
+        self.jobs = self.bpf[b"jobs"]
+        self.members = self.bpf[b"members"]
+        self.slots = self.bpf[b"slots"]
+        self.stats = self.bpf[b"stats"]
+
+    @property
+    def prog_fd(self) -> int:
+        return self.fn.fd
+
+    def attach(self) -> None:
+        from bcc import BPF
+        try:
+            BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
+        except Exception as exc:
+            raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}") from exc
+        self._attached = True
+        log.info("attached %s to %s in %s mode", FUNCTION, self.ifname, self.mode)
+
+    def detach(self) -> None:
+        if self._attached:
+            from bcc import BPF
+            BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
+            self._attached = False
+            log.info("detached from %s", self.ifname)
+
+    def close(self) -> None:
+        try:
+            self.detach()
+        finally:
+            if getattr(self, "bpf", None) is not None:
+                self.bpf.cleanup()
+                self.bpf = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- jobs ------------------------------------------------------------------------------
+    def install_job(self, cfg) -> None:
+        """Install a job from a config object with ``job, world, slots, max_chunks, members,
+        group`` (and optionally ``kernel_slots``)."""
+        job, world = int(cfg.job), int(cfg.world)
+        if not 0 <= job < proto.MAX_JOBS:
+            raise XdpError(f"job id must be 0..{proto.MAX_JOBS - 1}, not {job}")
+        if not 1 <= world <= proto.MAX_MEMBERS:
+            raise XdpError(f"job {job}: world must be 1..{proto.MAX_MEMBERS}, not {world}")
+        if cfg.group is None:
+            raise XdpError(f"job {job}: the XDP data plane needs a multicast group for results")
+        kernel_slots = int(getattr(cfg, "kernel_slots", None) or cfg.slots)
+        kernel_slots = min(kernel_slots, int(cfg.slots))
+        self.remove_job(job)
+        base = self.allocator.allocate(job, kernel_slots) if kernel_slots else 0
+        self._clear_slots(base, kernel_slots)
+        for rank in range(proto.MAX_MEMBERS):
+            m = self.members.Leaf()
+            if rank in cfg.members:
+                ip, port = cfg.members[rank]
+                m.ip, m.port, m.valid = _be32_of(ip), _be16_of(int(port)), 1
+            self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
+        j = self.jobs.Leaf()
+        j.world = world
+        j.slot_base = base
+        j.n_slots = int(cfg.slots)
+        j.kernel_slots = kernel_slots
+        j.max_chunks = int(cfg.max_chunks)
+        group_ip, group_port = cfg.group
+        j.group_ip = _be32_of(group_ip)
+        j.result_port = _be16_of(int(group_port))
+        ctypes.memmove(ctypes.addressof(j) + type(j).group_mac.offset, multicast_mac(group_ip), 6)
+        j.all_members = (1 << world) - 1
+        entry = j.strategy[0]
+        entry.from_round, entry.version, entry.kind, entry.valid = 0, 0, int(proto.StrategyKind.SYNC), 1
+        j.active = 1
+        self.jobs[ctypes.c_uint32(job)] = j
+        self._reset_stats(job)
+        log.info("installed job %d: world %d, %d slots (%d in kernel at %d)", job, world, cfg.slots,
+                 kernel_slots, base)
+
+    def remove_job(self, job: int) -> None:
+        self.jobs[ctypes.c_uint32(job)] = self.jobs.Leaf()
+        empty = self.members.Leaf()
+        for rank in range(proto.MAX_MEMBERS):
+            self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = empty
+        freed = self.allocator.free(job)
+        if freed:
+            self._clear_slots(*freed)
+
+    def _clear_slots(self, base: int, count: int) -> None:
+        empty = self.slots.Leaf()
+        for i in range(base, base + count):
+            self.slots[ctypes.c_uint32(i)] = empty
+
+    def _reset_stats(self, bucket: int) -> None:
+        self.stats[ctypes.c_uint32(bucket)] = self.stats.Leaf(*([self.stats.sLeaf()] * self.stats.total_cpu))
+
+    # -- counters --------------------------------------------------------------------------
+    def job_stats(self, job: int | None) -> JobStats:
+        bucket = NO_JOB if job is None else job
+        per_cpu = self.stats[ctypes.c_uint32(bucket)]
+        counters = {c.name.lower(): sum(int(cpu.counter[c]) for cpu in per_cpu) for c in proto.Counter}
+        drops = {r.name.lower(): sum(int(cpu.drop[r]) for cpu in per_cpu) for r in proto.DropReason}
+        return JobStats(counters, drops)
+
+    def slot_bank(self, job_base_slot: int):
+        """Raw slot (for tests and debugging)."""
+        return self.slots[ctypes.c_uint32(job_base_slot)]

@@ -1,0 +1,82 @@
+/* Maps and their value layouts. Userspace reads these layouts from bcc (ctypes types generated
+ * from this file), so there is no hand-written copy to drift. Names are checked at start-up by
+ * aggd/xdp_loader.py (MAP_NAMES). */
+#ifndef AGGD_MAPS_H
+#define AGGD_MAPS_H
+
+#include "aggd_proto.h"
+
+#ifndef ELEMS
+#define ELEMS AGGD_DEFAULT_ELEMENTS
+#endif
+#ifndef TOTAL_SLOTS
+#define TOTAL_SLOTS 4096
+#endif
+
+#define NO_JOB AGGD_MAX_JOBS /* counter bucket for packets not (yet) tied to a job */
+
+enum bank_state { BANK_EMPTY = 0, BANK_OPEN = 1, BANK_RELEASED = 2 };
+
+/* One entry of a job's strategy ring: governs rounds >= from_round until a newer entry does. */
+struct strategy_entry {
+	__u32 from_round;
+	__u16 version;
+	__u8 kind;     /* enum aggd_strategy_kind */
+	__u8 valid;
+	__u16 param;   /* quorum k / ssp staleness */
+	__u16 _pad;
+	__u32 timeout_us;
+};
+
+struct job_cfg {
+	__u8 active;
+	__u8 _pad0;
+	__u16 world;
+	__u32 slot_base;     /* first slot of the job's pool in `slots` */
+	__u32 n_slots;       /* pool size: chunk c uses slot c % n_slots */
+	__u32 kernel_slots;  /* slots held in the kernel; the rest are served in user space */
+	__u32 max_chunks;    /* chunk numbers at or above are malformed */
+	__be32 group_ip;     /* results go to this multicast group ... */
+	__be16 result_port;  /* ... on this UDP port */
+	__u8 group_mac[6];
+	__u64 all_members;   /* bitmap with the world's bits set: release test for sync */
+	struct strategy_entry strategy[AGGD_STRATEGY_VERSIONS];
+};
+
+struct member {
+	__be32 ip;
+	__be16 port;
+	__u8 valid;
+	__u8 _pad;
+};
+
+struct bank {
+	__u64 key;           /* (round << 32) | chunk */
+	__u64 bitmap;        /* ranks summed */
+	__u16 n_contrib;
+	__s16 exponent;
+	__u8 state;          /* enum bank_state */
+	__u8 flags;          /* AGGD_FLAG_OVERFLOW when a sum wrapped */
+	__u16 version;       /* strategy version that governs the round */
+	__s32 values[ELEMS];
+};
+
+/* Two banks a slot: the active one accumulates, the other keeps the previous result for re-reads
+ * (SwitchML's shadow copy). */
+struct slot {
+	struct bpf_spin_lock lock;
+	__u32 cur;
+	struct bank bank[2];
+};
+
+struct job_stats {
+	__u64 counter[AGGD_COUNTER__COUNT];
+	__u64 drop[AGGD_DROP_REASON__COUNT];
+};
+
+BPF_ARRAY(jobs, struct job_cfg, AGGD_MAX_JOBS);
+BPF_ARRAY(members, struct member, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
+BPF_ARRAY(slots, struct slot, TOTAL_SLOTS);
+BPF_PERCPU_ARRAY(stats, struct job_stats, AGGD_MAX_JOBS + 1);
+
+#endif /* AGGD_MAPS_H */
