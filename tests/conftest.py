@@ -1,0 +1,30 @@
+"""Fixtures shared across test folders."""
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+
+def unique_lab_name() -> str:
+    """Short and unique, so parallel or crashed runs never collide (namespaces are global)."""
+    return "t" + secrets.token_hex(4)
+
+
+@pytest.fixture
+def make_lab():
+    """Factory ``make_lab(workers=2, **Lab kwargs)`` -> a running Lab, always torn down after the test."""
+    from aggd.lab import Lab
+
+    labs = []
+
+    def make(workers: int = 2, **kwargs) -> Lab:
+        lab = Lab(unique_lab_name(), workers, **kwargs)
+        labs.append(lab)  # before up(), so a half-built lab is removed too
+        return lab.up()
+
+    try:
+        yield make
+    finally:
+        for lab in labs:
+            lab.down()

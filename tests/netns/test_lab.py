@@ -1,0 +1,260 @@
+"""The namespace lab: connectivity, multicast flooding, XDP_TX through the bridge, loss, teardown."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from aggd.cli import main as aggctl
+from aggd.commands.lab import LossPercent
+from aggd.lab import Lab, LabError, in_netns, xdp_prog_id
+from tests.conftest import unique_lab_name
+
+pytestmark = pytest.mark.root
+
+GROUP = "239.77.0.1"
+BOUNCE_PORT = 47999
+SO_RCVBUFFORCE = 33  # not exported by the socket module
+
+# Turns a UDP datagram to BOUNCE_PORT around: swaps MACs, IPs and ports, then XDP_TX.
+# Swapping leaves both checksums valid (one's-complement sums are order-independent).
+BOUNCE_SRC = rb"""
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/udp.h>
+#include <uapi/linux/in.h>
+int bounce(struct xdp_md *ctx) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
+    struct iphdr *ip = (void *)(eth + 1);
+    if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->protocol != IPPROTO_UDP) return XDP_PASS;
+    struct udphdr *udp = (void *)(ip + 1);
+    if ((void *)(udp + 1) > end || udp->dest != htons(PORT)) return XDP_PASS;
+    unsigned char mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    __be32 addr = ip->saddr; ip->saddr = ip->daddr; ip->daddr = addr;
+    __be16 port = udp->source; udp->source = udp->dest; udp->dest = port;
+    return XDP_TX;
+}
+"""
+
+
+def udp_socket(ns: str, bind: tuple[str, int] = ("0.0.0.0", 0), timeout: float = 1.0):
+    with in_netns(ns):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(bind)
+    sock.settimeout(timeout)
+    return sock
+
+
+def drain(sock: socket.socket, quiet: float = 0.5) -> list[bytes]:
+    """Everything that arrives until ``quiet`` seconds pass without a datagram."""
+    sock.settimeout(quiet)
+    got = []
+    try:
+        while True:
+            got.append(sock.recv(2048))
+    except socket.timeout:
+        return got
+
+
+def lab_leftovers(name: str) -> list[str]:
+    namespaces = subprocess.check_output(["ip", "netns", "list"], text=True)
+    links = subprocess.check_output(["ip", "-o", "link", "show"], text=True)
+    return [line for line in (namespaces + links).splitlines() if name in line]
+
+
+def test_workers_ping_the_aggregator(make_lab):
+    lab = make_lab(workers=2)
+    for i in range(2):
+        assert lab.ping(lab.worker_ns(i), lab.agg_ip), f"worker {i} cannot reach the aggregator"
+        assert lab.ping(lab.agg_ns, lab.worker_ip(i))
+    assert "10.77.0.10/24" in lab.check_output(lab.worker_ns(0), ["ip", "-o", "addr", "show", "eth0"])
+
+
+def test_multicast_from_aggregator_reaches_every_worker(make_lab):
+    lab = make_lab(workers=3)
+    receivers = []
+    for i in range(lab.workers):
+        sock = udp_socket(lab.worker_ns(i), ("0.0.0.0", 47001))
+        mreq = socket.inet_aton(GROUP) + socket.inet_aton(lab.worker_ip(i))  # join on eth0
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+        receivers.append(sock)
+    sender = udp_socket(lab.agg_ns)
+    sender.sendto(b"result", (GROUP, 47001))  # no IP_MULTICAST_IF: the lab's route picks agg0
+    for i, sock in enumerate(receivers):
+        data, (src, _) = sock.recvfrom(64)
+        assert (data, src) == (b"result", lab.agg_ip), f"worker {i}"
+        sock.close()
+    sender.close()
+
+
+def test_xdp_tx_on_agg0_comes_back_through_the_bridge(make_lab):
+    from bcc import BPF
+
+    lab = make_lab(workers=2)
+    assert xdp_prog_id(lab.switch_ns, "sw-agg"), "the peer XDP_PASS program is missing"
+    bpf = BPF(text=BOUNCE_SRC, cflags=[f"-DPORT={BOUNCE_PORT}"])
+    try:
+        fn = bpf.load_func(b"bounce", BPF.XDP)
+        with in_netns(lab.agg_ns):
+            BPF.attach_xdp(lab.agg_ifname.encode(), fn, BPF.XDP_FLAGS_DRV_MODE)
+        assert "xdp " in lab.check_output(lab.agg_ns, ["ip", "link", "show", "agg0"])  # native
+        for i in range(lab.workers):
+            sock = udp_socket(lab.worker_ns(i))
+            for seq in range(3):
+                sock.sendto(b"bounce %d" % seq, (lab.agg_ip, BOUNCE_PORT))
+                data, src = sock.recvfrom(64)
+                assert (data, src) == (b"bounce %d" % seq, (lab.agg_ip, BOUNCE_PORT))
+            sock.close()
+    finally:
+        bpf.cleanup()
+
+
+def test_loss_drops_about_the_requested_share(make_lab):
+    lab = make_lab(workers=1, loss_percent=20)
+    receiver = udp_socket(lab.agg_ns, ("0.0.0.0", 47000))
+    receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 4 << 20)  # 500 datagrams must fit
+    sender = udp_socket(lab.worker_ns(0))
+    sent = 500
+    for seq in range(sent):
+        sender.sendto(struct.pack("!I", seq), (lab.agg_ip, 47000))  # no error: dropped in transit
+    lost = sent - len(drain(receiver))
+    assert 0.08 * sent <= lost <= 0.35 * sent, f"{lost} of {sent} lost at 20%"
+
+    lab.set_loss(0)
+    for seq in range(200):
+        sender.sendto(struct.pack("!I", seq), (lab.agg_ip, 47000))
+    assert len(drain(receiver)) == 200
+    assert Lab.load(lab.name).loss_percent == 0
+    sender.close()
+    receiver.close()
+
+
+def test_fractional_loss_threshold(make_lab):
+    lab = make_lab(workers=1, loss_percent=0.5)
+    rules = lab.check_output(lab.switch_ns, ["nft", "list", "table", "bridge", "aggd_loss"])
+    assert "numgen random mod 10000 < 50" in rules
+
+
+def test_down_removes_everything_even_after_a_crash():
+    lab = Lab(unique_lab_name(), workers=2)
+    try:
+        lab.up()
+        sleeper = lab.run(lab.worker_ns(0), ["sleep", "60"])
+        # What a crashed run leaves: a stray namespace with a process of its own in it.
+        subprocess.run(["ip", "netns", "add", f"{lab.name}-w7"], check=True)
+        stray = subprocess.Popen(["ip", "netns", "exec", f"{lab.name}-w7", "sleep", "60"])
+        time.sleep(0.2)
+        assert Lab.exists(lab.name)
+        Lab(lab.name, workers=1).down()  # a fresh object: down() goes by name, not by memory
+        lab.down()  # idempotent
+        assert stray.wait(timeout=5) is not None
+        assert sleeper.wait(timeout=5) is not None
+        assert lab_leftovers(lab.name) == []
+        assert not lab.state_file.exists()
+        assert not Lab.exists(lab.name)
+        with pytest.raises(LabError):
+            Lab.load(lab.name)
+    finally:
+        lab.down()
+
+
+def test_failed_up_cleans_up_and_existing_lab_is_refused(make_lab):
+    lab = make_lab(workers=1)
+    with pytest.raises(LabError, match="already exists"):
+        Lab(lab.name, workers=1).up()
+    assert lab.ping(lab.worker_ns(0), lab.agg_ip), "refusing must not harm the running lab"
+
+    broken = Lab(unique_lab_name(), workers=1, mtu=1500)
+    broken.mtu = 9000  # past the veth's native-XDP limit: attaching XDP_PASS fails mid-way
+    with pytest.raises(LabError, match="native XDP"):
+        broken.up()
+    assert lab_leftovers(broken.name) == []
+
+
+def test_two_labs_built_at_once_share_the_subnet(make_lab):
+    labs, errors = [], []
+
+    def build():
+        try:
+            labs.append(make_lab(workers=1))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for lab in labs:
+        assert lab.ping(lab.worker_ns(0), "10.77.0.1")
+
+
+def test_aggctl_lab_up_status_down():
+    name = unique_lab_name()
+    runner = CliRunner()
+    try:
+        res = runner.invoke(aggctl, ["lab", "up", "--workers", "2", "--loss", "2%", "--name", name])
+        assert res.exit_code == 0, res.output
+        assert f"{name}-w1" in res.output and "10.77.0.11/24" in res.output
+
+        res = runner.invoke(aggctl, ["lab", "status", "--name", name, "--json"])
+        assert res.exit_code == 0, res.output
+        info = json.loads(res.output)
+        assert info["workers"] == 2 and info["loss_percent"] == 2.0
+        assert [n["state"] for n in info["nodes"]] == ["up"] * 4
+        assert info["sw_agg_xdp_prog_id"]
+
+        res = runner.invoke(aggctl, ["lab", "status", "--name", name])
+        assert res.exit_code == 0 and "aggregator" in res.output and f"{name}-agg" in res.output
+
+        res = runner.invoke(aggctl, ["lab", "up", "--workers", "1", "--name", name])
+        assert res.exit_code != 0 and "already exists" in res.output
+
+        res = runner.invoke(aggctl, ["lab", "down", "--name", name])
+        assert res.exit_code == 0 and "removed" in res.output
+        assert lab_leftovers(name) == []
+        res = runner.invoke(aggctl, ["lab", "status", "--name", name])
+        assert res.exit_code != 0 and "no lab" in res.output
+    finally:
+        Lab(name, 1).down()
+
+
+def test_aggctl_binary_runs_lab_commands():
+    aggctl_bin = os.path.join(os.path.dirname(sys.executable), "aggctl")  # .venv/bin/aggctl
+    name = unique_lab_name()
+    try:
+        subprocess.run([aggctl_bin, "lab", "up", "-n", "1", "--name", name], check=True,
+                       capture_output=True)
+        out = subprocess.run([aggctl_bin, "lab", "status", "--name", name], check=True,
+                             capture_output=True, text=True).stdout
+        assert f"{name}-w0" in out
+    finally:
+        subprocess.run([aggctl_bin, "lab", "down", "--name", name], check=True, capture_output=True)
+    assert lab_leftovers(name) == []
+
+
+@pytest.mark.parametrize("text, percent", [("2%", 2.0), ("2", 2.0), ("0.5%", 0.5), (" 0 ", 0.0)])
+def test_loss_option_accepts_percentages(text, percent):
+    assert LossPercent().convert(text, None, None) == percent
+
+
+@pytest.mark.parametrize("text", ["abc", "2%%", "-1%", "101", "%"])
+def test_loss_option_rejects_nonsense(text):
+    res = CliRunner().invoke(aggctl, ["lab", "up", "--workers", "1", "--loss", text, "--name", "x"])
+    assert res.exit_code == 2 and "--loss" in res.output
+    assert not Lab.exists("x")
