@@ -6,6 +6,7 @@ without one of them fails at start-up, not at the first job.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import logging
@@ -85,7 +86,7 @@ class XdpDataPlane(DataPlane):
     """
 
     def __init__(self, ifname: str | None = None, *, mode: str = "native", port: int = proto.DEFAULT_PORT,
-                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096):
+                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096, netns: str | None = None):
         if mode not in MODES:
             raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
         if not 1 <= elements <= proto.MAX_ELEMENTS:
@@ -95,6 +96,7 @@ class XdpDataPlane(DataPlane):
         from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
 
         self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
+        self.netns = netns  # attach inside this network namespace (the lab's aggregator)
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
         self._attached = False
@@ -129,10 +131,17 @@ class XdpDataPlane(DataPlane):
     def prog_fd(self) -> int:
         return self.fn.fd
 
+    def _in_netns(self):
+        if self.netns is None:
+            return contextlib.nullcontext()
+        from aggd.lab import in_netns
+        return in_netns(self.netns)
+
     def attach(self) -> None:
         from bcc import BPF
         try:
-            BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
+            with self._in_netns():
+                BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
         except Exception as exc:
             raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}") from exc
         self._attached = True
@@ -141,7 +150,8 @@ class XdpDataPlane(DataPlane):
     def detach(self) -> None:
         if self._attached:
             from bcc import BPF
-            BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
+            with self._in_netns():
+                BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
             self._attached = False
             log.info("detached from %s", self.ifname)
 
