@@ -58,6 +58,14 @@ static __always_inline int nack(struct xdp_md *ctx, __u8 code)
 	udp->len = htons(sizeof(struct udphdr) + sizeof(struct aggd_hdr));
 	h->type = AGGD_MSG_TYPE_NACK;
 	h->code = code;
+	h->count = 0;
+	h->strategy_version = 0;
+	h->exponent = 0;
+	h->flags = 0;
+	h->contributors = 0;
+	h->n_contrib = 0;
+	h->step = 0;
+	h->reserved = 0;
 	address_to_sender(eth, ip, udp);
 	return XDP_TX;
 }
@@ -115,6 +123,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 	count(job, AGGD_COUNTER_RX_PACKETS, 1);
 	count(job, AGGD_COUNTER_RX_BYTES, udp_len - sizeof(*udp));
+	if (h->flags & AGGD_FLAG_RETRANSMIT)
+		count(job, AGGD_COUNTER_RETRANSMITS, 1);
 	__u32 rank = ntohs(h->rank);
 	if (rank >= cfg->world || rank >= AGGD_MAX_MEMBERS) {
 		count_drop(job, AGGD_DROP_REASON_BAD_RANK);
@@ -143,10 +153,6 @@ int aggd_xdp(struct xdp_md *ctx)
 	if ((void *)(payload + ELEMS) > data_end)
 		return count_drop(job, AGGD_DROP_REASON_TOO_SHORT);
 
-	__u8 flags_in = h->flags;
-	if (flags_in & AGGD_FLAG_RETRANSMIT)
-		count(job, AGGD_COUNTER_RETRANSMITS, 1);
-
 	__u32 round = ntohl(h->round);
 	struct strategy_entry *st = strategy_for(cfg, round);
 	__u16 version = st ? st->version : 0;
@@ -161,6 +167,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	__s16 out_exp = 0;
 	__u8 out_flags = 0;
 	__s32 ovf = 0;
+	int overflowed = 0;
 
 	bpf_spin_lock(&s->lock);
 	__u32 cur = s->cur & 1;
@@ -173,7 +180,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	} else if (o->state == BANK_RELEASED && o->key == key) {
 		res = o;
 	} else if (type == AGGD_MSG_TYPE_REREAD) {
-		reason = (b->state == BANK_OPEN && b->key == key) ? AGGD_DROP_REASON_NOT_READY
+		reason = (key >= b->key || b->state == BANK_EMPTY) ? AGGD_DROP_REASON_NOT_READY
 								    : AGGD_DROP_REASON_STALE;
 	} else {
 		int fresh = 0;
@@ -247,6 +254,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 			if (ovf < 0)
 				b->flags |= AGGD_FLAG_OVERFLOW;
+			overflowed = ovf < 0;
 			b->bitmap = bm;
 			b->n_contrib++;
 			if (release) {
@@ -282,13 +290,13 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (outcome == OUT_ABSORBED || outcome == OUT_RELEASE) {
 		count(job, AGGD_COUNTER_CONTRIBUTIONS, 1);
 		count(job, AGGD_COUNTER_ELEMENTS, n);
+		if (overflowed)
+			count(job, AGGD_COUNTER_OVERFLOWS, 1);
 	}
 	if (outcome == OUT_ABSORBED)
 		return XDP_DROP;
 	if (outcome == OUT_RELEASE) {
 		count(job, AGGD_COUNTER_RELEASED, 1);
-		if (out_flags & AGGD_FLAG_OVERFLOW)
-			count(job, AGGD_COUNTER_OVERFLOWS, 1);
 	} else {
 		count(job, AGGD_COUNTER_REREADS, 1);
 		out_flags |= AGGD_FLAG_REREAD;
@@ -301,6 +309,10 @@ int aggd_xdp(struct xdp_md *ctx)
 	h->strategy_version = htons(out_version);
 	h->contributors = __builtin_bswap64(out_bitmap);
 	h->n_contrib = htons(out_n);
-	address_to_group(eth, ip, udp, cfg);
+	h->step = 0;
+	if (outcome == OUT_RESEND)
+		address_to_sender(eth, ip, udp); /* only the worker that lost it needs it again */
+	else
+		address_to_group(eth, ip, udp, cfg);
 	return XDP_TX;
 }

@@ -68,6 +68,8 @@ def test_retransmit_after_release_resends_result_and_shadow_survives_next_round(
     assert again.verdict_name == "tx"
     out = parse(again.packet)
     assert out.hdr.flags & Flag.REREAD and out.hdr.n_contrib == 3
+    # only the worker that lost it gets it again, by unicast
+    assert (out.ip_dst, out.dport) == worker_addr(1)[1:] and out.eth_dst == worker_addr(1)[0]
     np.testing.assert_array_equal(out.payload, np.full(ELEMENTS, 6))
     # round 1 opens in the other bank: round 0's result is still there for a worker that lost it
     run(dp, contrib(0, round_=1, values=np.full(ELEMENTS, 10, np.int32)))
