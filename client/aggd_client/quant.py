@@ -1,0 +1,182 @@
+"""Per-chunk int32 fixed-point quantisation, as docs/protocol.md specifies.
+
+Every function works on whole blocks of chunks at once: a 2-D array of shape ``(n_chunks, elements)``
+(the last chunk padded with zeros), one exponent per row. The arithmetic is done in float64 whatever
+the input dtype (float16, float32 or float64), and every step is exact except the one rounding to an
+integer the protocol asks for:
+
+* ``Q = floor((2**31 - 1) / world)``; ``m`` the largest magnitude of a chunk;
+* the exponent ``e`` is the largest integer with ``m * 2**e <= Q`` (found from the binary exponents
+  of ``m`` and ``Q``, never from a logarithm, so it is exact for subnormals and for ``m`` near the
+  float64 maximum); an all-zero chunk gets ``ZERO_EXPONENT``;
+* ``q = round(x * 2**e)`` (``ldexp`` then round half to even), so ``|q| <= Q``.
+
+``align_and_sum`` is the aggregator's arithmetic (align every contribution to the smallest exponent
+with an arithmetic right shift, add in int32) for simulations and tests; ``error_bound`` is the bound
+on ``|dequantised sum - exact sum|`` that follows from it.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .protocol.definition import MAX_MEMBERS, ZERO_EXPONENT
+
+__all__ = ["FLOAT_DTYPES", "q_max", "chunk_exponents", "quantise", "quantise_flat", "dequantise",
+           "align_and_sum", "error_bound", "output_rounding"]
+
+#: Input dtypes the client accepts; results come back in the same dtype.
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+INT32_MAX = 2**31 - 1
+#: smallest positive float64 (subnormal): covers the rounding of a subnormal dequantised value.
+_TINY = float(np.ldexp(1.0, -1074))
+
+
+def q_max(world: int) -> int:
+    """``Q``: the largest magnitude one of ``world`` contributions may carry without int32 overflow."""
+    world = int(world)
+    if not 1 <= world <= MAX_MEMBERS:
+        raise ValueError(f"world must be in 1..{MAX_MEMBERS}, got {world}")
+    return INT32_MAX // world
+
+
+def _q_frexp(world: int) -> tuple[float, int]:
+    return math.frexp(float(q_max(world)))  # Q = fq * 2**jq, 0.5 <= fq < 1, exact (Q < 2**31)
+
+
+def chunk_exponents(max_abs: np.ndarray, world: int) -> np.ndarray:
+    """Per-chunk exponent (int32 array) for chunks whose largest magnitude is ``max_abs``.
+
+    The largest ``e`` with ``max_abs * 2**e <= Q``; ``ZERO_EXPONENT`` where ``max_abs == 0``.
+    ``max_abs`` must be finite and non-negative.
+    """
+    fq, jq = _q_frexp(world)
+    fm, km = np.frexp(np.asarray(max_abs, dtype=np.float64))  # m = fm * 2**km (subnormals too)
+    # m * 2**e = fm * 2**(km + e) <= fq * 2**jq: e = jq - km when fm <= fq, one less otherwise.
+    e = (jq - km) - (fm > fq)
+    e[fm == 0] = ZERO_EXPONENT  # frexp(0) = (0, 0)
+    return e.astype(np.int32, copy=False)
+
+
+def _work_dtype(dtype: np.dtype) -> np.dtype:
+    """Float type the scaling and rounding run in. ``x * 2**e`` is a power-of-two scaling whose
+    result is below ``2**31`` in magnitude, so it is exact in float32 for float16/float32 input
+    (as is rounding it to an integer): the outcome is bit-identical to doing it in float64, with
+    half the memory traffic. Anything too small to be exact in float32 rounds to 0 either way."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _quantise_rows(x: np.ndarray, world: int, out: np.ndarray) -> np.ndarray:
+    """Quantise finite 2-D ``x`` into ``out`` (int32-compatible, same shape); returns exponents.
+    No validation: the caller checked dtype, shape and finiteness."""
+    m = np.maximum(x.max(axis=1), -x.min(axis=1))  # no |x| temporary
+    e = chunk_exponents(m, world)
+    y = np.ldexp(x.astype(_work_dtype(x.dtype), copy=False), e[:, None])
+    np.rint(y, out=y)
+    out[...] = y  # |y| <= Q < 2**31: exact
+    return e
+
+
+def quantise(chunks: np.ndarray, world: int, out: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise a ``(n_chunks, elements)`` float block; returns ``(q int32, exponents int32)``.
+
+    ``out``, if given, receives ``q`` (any int32-compatible array of the same shape, e.g. the payload
+    column of a packet array). Raises ``ValueError`` on NaN or infinity.
+    """
+    x = np.asarray(chunks)
+    if x.ndim != 2:
+        raise ValueError(f"quantise takes a (n_chunks, elements) block, got shape {x.shape}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"aggd quantises float16/32/64, got {x.dtype}")
+    q_max(world)
+    if out is None:
+        out = np.empty(x.shape, np.int32)
+    if x.size == 0:
+        return out, np.full(x.shape[0], ZERO_EXPONENT, np.int32)
+    if not (np.isfinite(x.max()) and np.isfinite(x.min())):  # NaN propagates through max/min
+        raise ValueError("cannot quantise a non-finite value (NaN or infinity)")
+    return out, _quantise_rows(x, world, out)
+
+
+def quantise_flat(x: np.ndarray, world: int, elements: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise a flat array of any length, chunked by ``elements`` (last chunk zero-padded)."""
+    x = np.ravel(x)
+    n_chunks = -(-x.size // elements)
+    if x.size != n_chunks * elements:
+        padded = np.zeros(n_chunks * elements, x.dtype)
+        padded[:x.size] = x
+        x = padded
+    return quantise(x.reshape(n_chunks, elements), world)
+
+
+def dequantise(q: np.ndarray, exponents: np.ndarray, out: np.ndarray | None = None,
+               divisor: np.ndarray | None = None) -> np.ndarray:
+    """``q * 2**-exponent`` per chunk in float64 (exact unless subnormal), divided by ``divisor``.
+
+    ``q`` is ``(n_chunks, elements)``; ``exponents`` and ``divisor`` have one value per chunk.
+    ``out``, if given, receives the values cast to its dtype (float16/32 round once, there).
+    """
+    e = np.asarray(exponents).astype(np.int32)
+    with np.errstate(over="ignore"):  # a sum beyond the float64 range is inf, as it should be
+        v = np.ldexp(np.asarray(q).astype(np.float64), -e[:, None])
+    if divisor is not None:
+        v /= np.asarray(divisor, dtype=np.float64)[:, None]
+    if out is None:
+        return v
+    with np.errstate(over="ignore"):  # a float16 sum may not fit: it becomes inf, as a cast would
+        out[...] = v
+    return out
+
+
+def align_and_sum(q: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The aggregator's arithmetic: contributions ``q`` ``(world, n_chunks, elements)`` int32 with
+    ``exponents`` ``(world, n_chunks)`` are aligned to each chunk's smallest exponent by an
+    arithmetic right shift (a floor) and added. Returns ``(sum int64, exponent int32)``; the sum is
+    int64 so callers can check that it fits int32 (it always does for honest senders).
+    """
+    q = np.asarray(q, dtype=np.int32)
+    e = np.asarray(exponents).astype(np.int32)
+    e_min = e.min(axis=0)
+    # |q| < 2**31, so any shift of 31 or more yields floor(q / 2**shift) (0 or -1) as well.
+    shift = np.minimum(e - e_min[None, :], 31)
+    aligned = np.right_shift(q, shift[:, :, None])
+    return aligned.sum(axis=0, dtype=np.int64), e_min
+
+
+def error_bound(world: int, exponents: np.ndarray, n_contrib: np.ndarray | int | None = None
+                ) -> np.ndarray:
+    """Per-chunk bound on ``|dequantised result - exact float64 sum|`` (same units as the data).
+
+    ``exponents`` are the result exponents (one per chunk). Each of the ``world`` contributions
+    loses at most half its own step (``<= u/2``, ``u = 2**-exponent``) to rounding, and at most
+    once more less than ``u`` to the aligning right shift (a floor), hence ``1.5 * world * u``.
+    A result holding another number of contributions than ``world`` (``n_contrib`` of the result
+    under strategies that carry or repeat contributions) has ``1.5 * n_contrib * u``.
+    A chunk whose contributions were all zero (``ZERO_EXPONENT``) is exact. The result of
+    ``dequantise`` in float64 is exact unless subnormal; a smallest subnormal is added to cover that
+    rounding. Divide by ``n_contrib`` for a mean; float16/float32 outputs round once more (see
+    ``output_rounding``).
+    """
+    if not 1 <= int(world) <= MAX_MEMBERS:
+        raise ValueError(f"world must be in 1..{MAX_MEMBERS}, got {world}")
+    e = np.asarray(exponents).astype(np.int32)
+    terms = np.full(e.shape, float(world)) if n_contrib is None else \
+        np.broadcast_to(np.asarray(n_contrib, dtype=np.float64), e.shape)
+    b = np.ldexp(1.5 * terms, -e) + _TINY
+    return np.where(e == ZERO_EXPONENT, 0.0, b)
+
+
+def output_rounding(values: np.ndarray) -> np.ndarray:
+    """Per-element bound on the rounding of a float64 result stored as ``values`` (their dtype).
+
+    Half a unit in the last place at ``values`` for float16/float32 outputs, zero for float64
+    (whose rounding ``error_bound`` already covers). Add it to ``error_bound`` for the end-to-end
+    bound of what ``AggClient.allreduce`` returns.
+    """
+    v = np.asarray(values)
+    if v.dtype == np.float64:
+        return np.zeros(v.shape)
+    return np.spacing(np.abs(v)).astype(np.float64) / 2

@@ -1,0 +1,429 @@
+"""AggClient against a tiny fake aggregator on 127.0.0.1 (no privileges needed).
+
+The fake sums the contributions of ``world`` client threads per (round, chunk) with the aggregator's
+arithmetic (``quant.align_and_sum``: align to the smallest exponent by arithmetic right shift, add),
+deduplicates by rank, re-sends released results to a sender that retransmits, and answers every
+member by unicast to the address its contributions came from (``group=None``). Knobs make it drop
+packets both ways, NACK, or flag OVERFLOW.
+"""
+from __future__ import annotations
+
+import random
+import select
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from aggd_client import (AggClient, AggdError, AggregationOverflowError, NoAnswerError,
+                         NotMemberError, ProtocolError, UnknownJobError)
+from aggd_client import quant
+from aggd_client.protocol import HEADER_SIZE, Header, packet_dtype
+from aggd_client.protocol.definition import MAGIC, VERSION, Flag, MsgType, NackCode
+
+JOB = 7
+
+
+class FakeAggregator:
+    """Sums contributions per (round, chunk); unicasts results to every member."""
+
+    def __init__(self, world: int, *, job: int = JOB, drop: float = 0.0, overflow: bool = False,
+                 members: dict[int, tuple[str, int]] | None = None, seed: int = 1,
+                 n_contrib: int | None = None, group: tuple[str, int] | None = None):
+        self.group = group
+        self.world, self.job, self.drop, self.overflow = world, job, drop, overflow
+        self.registered = members  # rank -> address; None: accept any source
+        self.n_contrib = n_contrib
+        self.rng = random.Random(seed)
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE, if privileged
+        except OSError:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        self.sock.bind(("127.0.0.1", 0))
+        if group is not None:
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF,
+                                 socket.inet_aton("127.0.0.1"))
+            self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 1)
+        self.address = self.sock.getsockname()
+        self.pending: dict[tuple[int, int], dict[int, tuple[bytes, int, int]]] = {}
+        self.released: dict[tuple[int, int], tuple[Header, bytes]] = {}
+        self.addr: dict[int, tuple[str, int]] = {}
+        self.received = self.dropped = self.rereads = self.duplicates = self.retransmits = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+    def _send(self, data: bytes, addr) -> None:
+        if self.drop and self.rng.random() < self.drop:
+            self.dropped += 1
+            return
+        self.sock.sendto(data, addr)
+
+    def _nack(self, h: Header, code: int, src) -> None:
+        h.type, h.code = MsgType.NACK, code
+        self.sock.sendto(h.pack(), src)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r, _, _ = select.select([self.sock], [], [], 0.02)
+            if not r:
+                continue
+            while True:
+                try:
+                    data, src = self.sock.recvfrom(65536, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                self.handle(data, src)
+
+    def handle(self, data: bytes, src) -> None:
+        self.received += 1
+        if self.drop and self.rng.random() < self.drop:
+            self.dropped += 1
+            return
+        h = Header.unpack(data)
+        assert h.magic == MAGIC and h.version == VERSION and h.type == MsgType.CONTRIB
+        if h.job != self.job:
+            return self._nack(h, NackCode.UNKNOWN_JOB, src)
+        if h.rank >= self.world or (self.registered is not None and
+                                    tuple(self.registered.get(h.rank, ())) != tuple(src)):
+            return self._nack(h, NackCode.NOT_MEMBER, src)
+        if h.flags & Flag.RETRANSMIT:
+            self.retransmits += 1
+        key = (h.round, h.chunk)
+        if key in self.released:  # the sender lost the result: send it again
+            self.rereads += 1
+            res, payload = self.released[key]
+            res.flags |= Flag.REREAD
+            return self._send(res.pack() + payload, src)
+        contribs = self.pending.setdefault(key, {})
+        if h.rank in contribs:
+            self.duplicates += 1
+            return
+        self.addr[h.rank] = src
+        contribs[h.rank] = (data, h.exponent, h.count)
+        if len(contribs) < self.world:
+            return
+        del self.pending[key]
+        q = np.stack([np.frombuffer(contribs[r][0], "<i4", offset=HEADER_SIZE)
+                      for r in sorted(contribs)])
+        assert len({c[2] for c in contribs.values()}) == 1, "every member sends the same count"
+        assert not q[:, h.count:].any(), "padding is zero"
+        e = np.array([[contribs[r][1]] for r in sorted(contribs)])
+        total, e_min = quant.align_and_sum(q[:, None, :], e)
+        assert np.abs(total).max() <= 2**31 - 1, "honest senders never overflow int32"
+        res = Header(type=MsgType.RESULT, job=h.job, rank=0xFFFF, round=h.round, chunk=h.chunk,
+                     count=h.count, exponent=int(e_min[0]),
+                     flags=Flag.OVERFLOW if self.overflow else 0,
+                     contributors=(1 << self.world) - 1,
+                     n_contrib=self.world if self.n_contrib is None else self.n_contrib)
+        payload = total[0].astype("<i4").tobytes()
+        self.released[key] = (res, payload)
+        msg = res.pack() + payload
+        if self.group is not None:
+            self._send(msg, self.group)
+            return
+        for r in range(self.world):
+            self._send(msg, self.addr[r])
+
+
+def run_workers(fake: FakeAggregator, arrays, op="sum", rounds=1, **kw):
+    """``len(arrays)`` clients (ranks) in threads; each reduces its array ``rounds`` times."""
+    world = len(arrays)
+    kw.setdefault("give_up_after", 10.0)
+    clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), **kw)
+               for r in range(world)]
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def work(r):
+        try:
+            results[r] = [clients[r].allreduce(arrays[r], op=op) for _ in range(rounds)]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[r] = e
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a worker hung"
+    finally:
+        for c in clients:
+            c.close()
+    for e in errors:
+        if e is not None:
+            raise e
+    return results, clients
+
+
+def expected_and_bound(arrays, world, elements, op="sum"):
+    """The float64 sum of ``arrays`` and the per-element bound the client's result must meet.
+
+    The bound is ``error_bound`` of each chunk's result exponent (the smallest of the workers'),
+    plus slack for the float64 reference's own rounding (a few ulps of the sum of magnitudes)."""
+    flat = [np.ravel(a) for a in arrays]
+    n = flat[0].size
+    exact = np.sum([f.astype(np.float64) for f in flat], axis=0)
+    # the result exponent of each chunk is the smallest of the contributions' exponents
+    exps = np.stack([quant.quantise_flat(f, world, elements)[1] for f in flat]).min(axis=0)
+    bound = np.repeat(quant.error_bound(world, exps), elements)[:n]
+    # the float64 reference itself rounds: at most world ulps of the largest partial sum
+    bound = bound + world * np.spacing(np.sum([np.abs(f.astype(np.float64)) for f in flat], axis=0))
+    if op == "mean":
+        exact, bound = exact / world, bound / world
+    return exact.reshape(np.shape(arrays[0])), bound.reshape(np.shape(arrays[0]))
+
+
+def check_close(result, exact, bound):
+    assert result.shape == exact.shape
+    err = np.abs(result.astype(np.float64) - exact)
+    allowed = bound + quant.output_rounding(result)
+    worst = np.argmax(err - allowed) if err.size else 0
+    assert (err <= allowed).all(), (
+        f"error {err.flat[worst]} > bound {allowed.flat[worst]} at {worst}")
+
+
+def make_arrays(world, size, dtype, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(size) * scale).astype(dtype) for _ in range(world)]
+
+
+ELEMENTS = 256
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("size", [1, ELEMENTS, ELEMENTS + 1, 3 * ELEMENTS - 5])
+@pytest.mark.parametrize("world", [1, 3])
+def test_sum_small(dtype, size, world):
+    arrays = make_arrays(world, size, dtype, seed=size + world)
+    with FakeAggregator(world) as fake:
+        results, _ = run_workers(fake, arrays)
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for (res,) in results:
+        assert res.dtype == np.dtype(dtype)
+        check_close(res, exact, bound)
+    # every worker gets bit-identical results
+    for (res,) in results[1:]:
+        assert np.array_equal(res, results[0][0])
+
+
+@pytest.mark.parametrize("dtype,world,gso", [(np.float32, 4, True), (np.float64, 2, False),
+                                             (np.float16, 3, True)])
+def test_sum_few_mib(dtype, world, gso):
+    size = (3 << 20) // np.dtype(dtype).itemsize + 123  # ~3 MiB, not a multiple of a packet
+    arrays = make_arrays(world, size, dtype, seed=world, scale=0.01)
+    arrays = [a.reshape(-1, 1) for a in arrays]
+    with FakeAggregator(world) as fake:
+        # a window the fake's socket buffer takes from all workers at once; the fake (Python,
+        # sharing the GIL with every worker) is slow: no needless retransmissions
+        results, clients = run_workers(fake, arrays, gso=gso, window=128, retransmit_timeout=0.2)
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for (res,) in results:
+        assert res.shape == (size, 1)
+        check_close(res, exact, bound)
+    assert all(c.stats["results"] == -(-size // ELEMENTS) for c in clients)
+
+
+def test_mean_and_rounds():
+    world = 4
+    arrays = make_arrays(world, 1000, np.float32, seed=3)
+    with FakeAggregator(world) as fake:
+        results, clients = run_workers(fake, arrays, op="mean", rounds=3)
+        assert {k[0] for k in fake.released} == {0, 1, 2}
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS, op="mean")
+    for rs in results:
+        for res in rs:
+            check_close(res, exact, bound)
+    assert all(c.round == 3 for c in clients)
+
+
+def test_mean_uses_n_contrib_of_result():
+    # a result that says it holds 2 contributions is divided by 2, whatever the world size
+    arrays = [np.full(300, 1.5, np.float32), np.full(300, 2.5, np.float32)]
+    with FakeAggregator(2, n_contrib=1) as fake:
+        results, _ = run_workers(fake, arrays, op="mean")
+    assert np.allclose(results[0][0], 4.0, atol=1e-6)
+
+
+def test_shapes_and_zeros():
+    world = 2
+    arrays = [np.zeros((3, 5, 7), np.float32), np.zeros((3, 5, 7), np.float32)]
+    arrays[1][1, 2, 3] = -2.0
+    with FakeAggregator(world) as fake:
+        results, _ = run_workers(fake, arrays, elements=16)
+    expected = arrays[0] + arrays[1]
+    assert results[0][0].shape == (3, 5, 7)
+    assert np.array_equal(results[0][0], expected)
+
+
+def test_small_window_and_slots():
+    # window 3 of 4 slots over 50 chunks: exercises the slot rule and ring wrap-around
+    world = 3
+    arrays = make_arrays(world, 50 * 32 - 7, np.float32, seed=9)
+    with FakeAggregator(world) as fake:
+        results, _ = run_workers(fake, arrays, elements=32, slots=4, window=3, rounds=2)
+    exact, bound = expected_and_bound(arrays, world, 32)
+    for rs in results:
+        for res in rs:
+            check_close(res, exact, bound)
+
+
+def test_lossy_aggregator_still_correct():
+    world = 3
+    arrays = make_arrays(world, 400 * ELEMENTS + 17, np.float32, seed=5)
+    with FakeAggregator(world, drop=0.05, seed=42) as fake:
+        results, clients = run_workers(fake, arrays, rounds=2, retransmit_timeout=0.02,
+                                       slots=128)
+        assert fake.dropped > 50
+        assert fake.retransmits > 0 and fake.rereads > 0
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for rs in results:
+        for res in rs:
+            check_close(res, exact, bound)
+    assert sum(c.stats["retransmits"] for c in clients) > 0
+
+
+def test_unknown_job_nack():
+    with FakeAggregator(1, job=JOB + 1) as fake:
+        with pytest.raises(UnknownJobError) as ei:
+            run_workers(fake, [np.ones(10, np.float32)])
+    assert f"job {JOB}" in str(ei.value)
+    assert f"{fake.address[0]}:{fake.address[1]}" in str(ei.value)
+
+
+def test_not_member_nack():
+    with FakeAggregator(2, members={0: ("127.0.0.1", 1), 1: ("127.0.0.1", 2)}) as fake:
+        with pytest.raises(NotMemberError) as ei:
+            run_workers(fake, [np.ones(10, np.float32)] * 2)
+    assert "not a member" in str(ei.value) and f"job {JOB}" in str(ei.value)
+
+
+def test_overflow_flag_raises():
+    with FakeAggregator(2, overflow=True) as fake:
+        with pytest.raises(AggregationOverflowError) as ei:
+            run_workers(fake, [np.ones(10, np.float32)] * 2)
+    assert ei.value.chunk == 0 and ei.value.job == JOB
+
+
+def test_no_server_gives_up_in_time():
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # takes packets, never answers
+    silent.bind(("127.0.0.1", 0))
+    addr = silent.getsockname()
+    try:
+        with AggClient(addr, JOB, 0, 2, give_up_after=0.5, retransmit_timeout=0.05) as c:
+            t0 = time.monotonic()
+            with pytest.raises(NoAnswerError) as ei:
+                c.allreduce(np.ones(1000, np.float32))
+            waited = time.monotonic() - t0
+            assert c.round == 1
+    finally:
+        silent.close()
+    assert 0.5 <= waited < 1.5
+    msg = str(ei.value)
+    assert f"127.0.0.1:{addr[1]}" in msg and f"job {JOB}" in msg and "0.5" in msg
+    assert isinstance(ei.value, AggdError)
+
+
+def test_ignores_foreign_and_stale_results():
+    """Results of other rounds, other jobs, garbage and duplicates are ignored."""
+    world = 1
+    fake = FakeAggregator(world)
+    with fake:
+        c = AggClient(fake.address, JOB, 0, world, bind=("127.0.0.1", 0))
+        with c:
+            junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            pkt = np.zeros(1, packet_dtype(ELEMENTS))
+            pkt["hdr"]["magic"], pkt["hdr"]["version"] = MAGIC, VERSION
+            pkt["hdr"]["type"], pkt["hdr"]["job"] = MsgType.RESULT, JOB
+            pkt["hdr"]["round"], pkt["hdr"]["count"] = 5, ELEMENTS  # a future/other round
+            pkt["payload"] = 12345
+            junk.sendto(pkt.tobytes(), c.address)
+            pkt["hdr"]["round"], pkt["hdr"]["job"] = 0, JOB + 1  # other job
+            junk.sendto(pkt.tobytes(), c.address)
+            junk.sendto(b"garbage", c.address)
+            junk.close()
+            x = np.arange(ELEMENTS * 2, dtype=np.float64)
+            r0 = c.allreduce(x)
+            r1 = c.allreduce(x * 2)
+    assert np.array_equal(r0, x) and np.array_equal(r1, 2 * x)
+
+
+def test_bad_arguments():
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    try:
+        with pytest.raises(ValueError):
+            AggClient(silent.getsockname(), JOB, 2, 2)
+        with pytest.raises(ValueError):
+            AggClient(silent.getsockname(), JOB, 0, 65)
+        with pytest.raises(ValueError):
+            AggClient(silent.getsockname(), JOB, 0, 1, elements=513)
+        with AggClient(silent.getsockname(), JOB, 0, 1) as c:
+            with pytest.raises(TypeError):
+                c.allreduce(np.ones(4, np.int32))
+            with pytest.raises(ValueError):
+                c.allreduce(np.array([1.0, np.nan]))
+            with pytest.raises(ValueError):
+                c.allreduce(np.ones(3), op="max")
+            assert c.round == 0  # nothing was sent
+            assert c.allreduce(np.zeros(0, np.float32)).shape == (0,)
+            assert c.round == 1
+        with pytest.raises(AggdError):
+            c.allreduce(np.ones(3))
+    finally:
+        silent.close()
+
+
+def test_gso_refused_falls_back(monkeypatch):
+    world = 2
+    arrays = make_arrays(world, 70 * ELEMENTS, np.float32, seed=1)
+    calls = []
+
+    class NoGsoSocket(socket.socket):
+        def sendmsg(self, *a, **kw):
+            calls.append(1)
+            raise OSError(5, "Input/output error")  # EIO: no checksum offload
+
+    import aggd_client.client as client_mod
+    monkeypatch.setattr(client_mod.socket, "socket", NoGsoSocket)
+    with FakeAggregator(world) as fake:
+        results, clients = run_workers(fake, arrays, gso=True)
+    assert all(not c.gso and c.stats["gso_fallbacks"] == 1 for c in clients)
+    assert len(calls) == world
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    check_close(results[0][0], exact, bound)
+
+
+def test_gso_used_on_loopback():
+    world = 2
+    arrays = make_arrays(world, 200 * ELEMENTS, np.float32, seed=2)
+    with FakeAggregator(world) as fake:
+        results, clients = run_workers(fake, arrays, gso=True)
+    assert all(c.gso and c.stats["gso_fallbacks"] == 0 for c in clients)
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    check_close(results[1][0], exact, bound)
+
+
+def test_multicast_group_on_loopback():
+    """Results multicast to a group on lo reach every member's group socket."""
+    world = 3
+    group = ("239.77.0.%d" % random.randint(1, 250), random.randint(40000, 60000))
+    arrays = make_arrays(world, 3 * ELEMENTS + 3, np.float32, seed=4)
+    with FakeAggregator(world, group=group) as fake:
+        results, _ = run_workers(fake, arrays, group=group, rounds=2)
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for rs in results:
+        for res in rs:
+            check_close(res, exact, bound)
