@@ -74,9 +74,17 @@ struct job_stats {
 	__u64 drop[AGGD_DROP_REASON__COUNT];
 };
 
-BPF_ARRAY(jobs, struct job_cfg, AGGD_MAX_JOBS);
-BPF_ARRAY(members, struct member, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
-BPF_ARRAY(slots, struct slot, TOTAL_SLOTS);
-BPF_PERCPU_ARRAY(stats, struct job_stats, AGGD_MAX_JOBS + 1);
+/* With -DAGGD_PIN_DIR="/sys/fs/bpf/aggd" the maps are pinned there and reused by the next load, so
+ * jobs, members, slots and counters survive a daemon restart (the daemon checks the layout first). */
+#ifdef AGGD_PIN_DIR
+#define AGGD_MAP(type, leaf, name, n) BPF_TABLE_PINNED(type, u32, leaf, name, n, AGGD_PIN_DIR "/" #name)
+#else
+#define AGGD_MAP(type, leaf, name, n) BPF_TABLE(type, u32, leaf, name, n)
+#endif
+
+AGGD_MAP("array", struct job_cfg, jobs, AGGD_MAX_JOBS);
+AGGD_MAP("array", struct member, members, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
+AGGD_MAP("array", struct slot, slots, TOTAL_SLOTS);
+AGGD_MAP("percpu_array", struct job_stats, stats, AGGD_MAX_JOBS + 1);
 
 #endif /* AGGD_MAPS_H */

@@ -19,6 +19,8 @@ enum aggd_msg_type {
 	AGGD_MSG_TYPE_RESULT = 2,
 	AGGD_MSG_TYPE_REREAD = 3,
 	AGGD_MSG_TYPE_NACK = 4,
+	AGGD_MSG_TYPE_JOIN = 5,
+	AGGD_MSG_TYPE_JOIN_ACK = 6,
 };
 
 enum aggd_flag {
@@ -35,7 +37,8 @@ enum aggd_nack_code {
 	AGGD_NACK_CODE_NOT_MEMBER = 2,
 	AGGD_NACK_CODE_BAD_CHUNK = 3,
 	AGGD_NACK_CODE_STALE = 4,
-	AGGD_NACK_CODE__COUNT = 5,
+	AGGD_NACK_CODE_BAD_TOKEN = 5,
+	AGGD_NACK_CODE__COUNT = 6,
 };
 
 enum aggd_strategy_kind {

@@ -108,6 +108,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (h->version != AGGD_VERSION)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_VERSION);
 	__u8 type = h->type;
+	if (type == AGGD_MSG_TYPE_JOIN)
+		return XDP_PASS; /* membership is the daemon's business */
 	if (type != AGGD_MSG_TYPE_CONTRIB && type != AGGD_MSG_TYPE_REREAD)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);

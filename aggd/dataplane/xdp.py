@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ipaddress
+import json
 import logging
 from pathlib import Path
 
@@ -86,7 +87,8 @@ class XdpDataPlane(DataPlane):
     """
 
     def __init__(self, ifname: str | None = None, *, mode: str = "native", port: int = proto.DEFAULT_PORT,
-                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096, netns: str | None = None):
+                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096, netns: str | None = None,
+                 pin_dir: str | None = None):
         if mode not in MODES:
             raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
         if not 1 <= elements <= proto.MAX_ELEMENTS:
@@ -102,6 +104,10 @@ class XdpDataPlane(DataPlane):
         self._attached = False
         cflags = [f"-I{XDP_DIR}", f"-DELEMS={elements}", f"-DTOTAL_SLOTS={total_slots}",
                   f"-DAGGD_PORT={port}", "-Wno-unused-function", "-Wno-compare-distinct-pointer-types"]
+        self.pin_dir = Path(pin_dir) if pin_dir else None
+        if self.pin_dir is not None:
+            self._check_pinned_layout()
+            cflags.append(f'-DAGGD_PIN_DIR="{self.pin_dir}"')
         log.info("compiling %s (elements=%d, slots=%d, port=%d)", PROGRAM.name, elements, total_slots, port)
         try:
             self.bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
@@ -109,8 +115,45 @@ class XdpDataPlane(DataPlane):
         except Exception as exc:
             raise XdpError(f"cannot load {PROGRAM}: {exc}") from exc
         self._check_maps()
+        if self.pin_dir is not None:
+            self._recover_allocations()
+            self._layout_file.write_text(json.dumps(self._layout()))
         if ifname is not None:
             self.attach()
+
+    # -- pinned maps (state that survives a restart) ------------------------------------------
+    @property
+    def _layout_file(self) -> Path:
+        return self.pin_dir / "layout.json"
+
+    def _layout(self) -> dict:
+        return {"elements": self.elements, "total_slots": self.total_slots, "port": self.port,
+                "protocol_version": proto.VERSION}
+
+    def _check_pinned_layout(self) -> None:
+        self.pin_dir.mkdir(parents=True, exist_ok=True)
+        if self._layout_file.exists():
+            pinned = json.loads(self._layout_file.read_text())
+            if pinned != self._layout():
+                diff = {k: (pinned.get(k), v) for k, v in self._layout().items() if pinned.get(k) != v}
+                raise XdpError(f"maps pinned in {self.pin_dir} have another layout {diff} (pinned, wanted): "
+                               f"remove them (`aggctl reset`) to start empty, or restore the old settings")
+
+    def _recover_allocations(self) -> None:
+        for job in self.active_jobs():
+            j = self.jobs[ctypes.c_uint32(job)]
+            if j.kernel_slots:
+                self.allocator._used[job] = (int(j.slot_base), int(j.kernel_slots))
+
+    def active_jobs(self) -> list[int]:
+        return [int(k.value) for k, v in self.jobs.items() if v.active]
+
+    def unpin(self) -> None:
+        """Remove the pinned maps: the next load starts empty."""
+        if self.pin_dir is not None and self.pin_dir.exists():
+            for f in self.pin_dir.iterdir():
+                f.unlink()
+            self.pin_dir.rmdir()
 
     # -- lifecycle -------------------------------------------------------------------------
     def _check_maps(self) -> None:

@@ -18,6 +18,8 @@ const bit<8> AGGD_MSG_TYPE_CONTRIB = 1;
 const bit<8> AGGD_MSG_TYPE_RESULT = 2;
 const bit<8> AGGD_MSG_TYPE_REREAD = 3;
 const bit<8> AGGD_MSG_TYPE_NACK = 4;
+const bit<8> AGGD_MSG_TYPE_JOIN = 5;
+const bit<8> AGGD_MSG_TYPE_JOIN_ACK = 6;
 
 const bit<8> AGGD_FLAG_RETRANSMIT = 1;
 const bit<8> AGGD_FLAG_OVERFLOW = 2;
@@ -30,6 +32,7 @@ const bit<8> AGGD_NACK_CODE_UNKNOWN_JOB = 1;
 const bit<8> AGGD_NACK_CODE_NOT_MEMBER = 2;
 const bit<8> AGGD_NACK_CODE_BAD_CHUNK = 3;
 const bit<8> AGGD_NACK_CODE_STALE = 4;
+const bit<8> AGGD_NACK_CODE_BAD_TOKEN = 5;
 
 const bit<8> AGGD_STRATEGY_KIND_SYNC = 0;
 const bit<8> AGGD_STRATEGY_KIND_QUORUM = 1;

@@ -38,6 +38,8 @@ class MsgType(enum.IntEnum):
     RESULT = 2   #: aggregator -> job's group: the released sum
     REREAD = 3   #: worker -> aggregator: send me the released result again (I contributed)
     NACK = 4     #: aggregator -> worker: refused; ``code`` says why
+    JOIN = 5     #: worker -> daemon: rank + job token in the payload; always handled in user space
+    JOIN_ACK = 6 #: daemon -> worker: accepted (job parameters in the payload) or refused (``code``)
 
 
 class Flag(enum.IntFlag):
@@ -54,6 +56,7 @@ class NackCode(enum.IntEnum):
     NOT_MEMBER = 2
     BAD_CHUNK = 3
     STALE = 4
+    BAD_TOKEN = 5
 
 
 class StrategyKind(enum.IntEnum):
