@@ -31,6 +31,7 @@ XDP_FLAGS_DRV_MODE = 1 << 2
 MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 
 NO_JOB = proto.MAX_JOBS
+LAYOUT_DIR = Path("/run/aggd")
 
 
 class XdpError(RuntimeError):
@@ -50,6 +51,21 @@ def _be32_of(ip: str) -> int:
 
 def _be16_of(port: int) -> int:
     return int.from_bytes(port.to_bytes(2, "big"), "little")
+
+
+def layout_file(pin_dir: Path) -> Path:
+    # bpffs holds only BPF objects; /run is as volatile as bpffs, so the two stay in step.
+    return LAYOUT_DIR / (str(pin_dir).strip("/").replace("/", "_") + ".layout.json")
+
+
+def remove_pinned(pin_dir: str | Path) -> None:
+    """Remove maps pinned in ``pin_dir`` and their layout record: the next load starts empty."""
+    pin_dir = Path(pin_dir)
+    if pin_dir.exists():
+        for f in pin_dir.iterdir():
+            f.unlink()
+        pin_dir.rmdir()
+    layout_file(pin_dir).unlink(missing_ok=True)
 
 
 class SlotAllocator:
@@ -124,7 +140,7 @@ class XdpDataPlane(DataPlane):
     # -- pinned maps (state that survives a restart) ------------------------------------------
     @property
     def _layout_file(self) -> Path:
-        return self.pin_dir / "layout.json"
+        return layout_file(self.pin_dir)
 
     def _layout(self) -> dict:
         return {"elements": self.elements, "total_slots": self.total_slots, "port": self.port,
@@ -132,6 +148,7 @@ class XdpDataPlane(DataPlane):
 
     def _check_pinned_layout(self) -> None:
         self.pin_dir.mkdir(parents=True, exist_ok=True)
+        LAYOUT_DIR.mkdir(parents=True, exist_ok=True)
         if self._layout_file.exists():
             pinned = json.loads(self._layout_file.read_text())
             if pinned != self._layout():
@@ -150,10 +167,8 @@ class XdpDataPlane(DataPlane):
 
     def unpin(self) -> None:
         """Remove the pinned maps: the next load starts empty."""
-        if self.pin_dir is not None and self.pin_dir.exists():
-            for f in self.pin_dir.iterdir():
-                f.unlink()
-            self.pin_dir.rmdir()
+        if self.pin_dir is not None:
+            remove_pinned(self.pin_dir)
 
     # -- lifecycle -------------------------------------------------------------------------
     def _check_maps(self) -> None:

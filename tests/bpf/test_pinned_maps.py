@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from aggd.dataplane.bpf_syscall import prog_test_run
-from aggd.dataplane.xdp import XdpDataPlane, XdpError
+from aggd.dataplane.xdp import XdpDataPlane, XdpError, remove_pinned
 from aggd.testing.frames import frame, parse
 from aggd_client.protocol import Header, MsgType
 
@@ -23,12 +23,7 @@ def contrib(rank, round_=0):
 def pin_dir():
     path = f"/sys/fs/bpf/aggdtest-{secrets.token_hex(4)}"
     yield path
-    import pathlib
-    p = pathlib.Path(path)
-    if p.exists():
-        for f in p.iterdir():
-            f.unlink()
-        p.rmdir()
+    remove_pinned(path)
 
 
 def test_reload_keeps_jobs_half_summed_slots_and_counters(pin_dir):
