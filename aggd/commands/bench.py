@@ -1,0 +1,95 @@
+"""``aggctl bench``: benchmarks that print one JSON object per configuration."""
+from __future__ import annotations
+
+import json
+import statistics
+import uuid
+
+import click
+
+from aggd_client import protocol as proto
+
+SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``64M`` -> 67108864 bytes (binary multiples); ``1`` means one byte."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in SUFFIXES else (t, "")
+    try:
+        value = int(float(num) * SUFFIXES[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 256K, 64M or 1G") from None
+    if value < 1:
+        raise click.BadParameter(f"size must be positive, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+@click.group()
+def bench():
+    """Benchmarks (JSON lines with --json)."""
+
+
+@bench.command("allreduce")
+@click.option("--workers", default="4", show_default=True, help="worker counts, e.g. 2,4,8")
+@click.option("--size", "sizes", default="64M", show_default=True,
+              help="tensor sizes in bytes of float32, e.g. 256K,64M")
+@click.option("--iters", default=5, show_default=True, help="timed allreduces per configuration")
+@click.option("--warmup", default=1, show_default=True)
+@click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
+@click.option("--elements", default=proto.DEFAULT_ELEMENTS, show_default=True, help="int32 values a packet")
+@click.option("--slots", default=4096, show_default=True, help="slots in the job's pool")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+def bench_allreduce(workers, sizes, iters, warmup, mode, elements, slots, as_json):
+    """Allreduce float32 tensors through aggd's XDP path in a lab; time and check them."""
+    from aggd.lab import Lab
+    from aggd.labrun import LabJob, run_workers, xdp_aggregator
+
+    worker_counts = _int_list(workers)
+    size_list = [parse_size(s) for s in sizes.split(",")]
+    name = "b" + uuid.uuid4().hex[:6]
+    with Lab(name, max(worker_counts)) as lab, \
+            xdp_aggregator(lab, elements=elements, mode=mode, total_slots=max(slots, 64)) as dp:
+        for n in worker_counts:
+            for nbytes in size_list:
+                elems = max(1, nbytes // 4)
+                job = LabJob(job=1, workers=list(range(n)), slots=slots)
+                dp.install_job(job.config(lab))
+                runs = run_workers(lab, job, elements=elements, gso=(mode == "native"),
+                                   timeout=600 + 0.5 * iters * elems / 1e6 * n,
+                                   extra=["--sizes", str(elems), "--rounds", str(iters),
+                                          "--warmup", str(warmup), "--check", "last"])
+                failed = [r for r in runs if r.returncode != 0 or len(r.records) != iters]
+                if failed:
+                    raise click.ClickException(
+                        f"worker rank {failed[0].rank} failed ({failed[0].returncode}): "
+                        f"{failed[0].stderr.strip()[-2000:]}")
+                # a collective is done when its slowest member is: per round, the max over ranks
+                per_round = [max(r.records[i]["seconds"] for r in runs) for i in range(iters)]
+                sec = statistics.median(per_round)
+                checked = [rec for r in runs for rec in r.records if "max_abs_error" in rec]
+                row = {
+                    "system": "aggd-xdp", "mode": mode, "workers": n, "bytes": elems * 4,
+                    "elements": elems, "elements_per_packet": elements, "iters": iters,
+                    "seconds_per_allreduce": sec,
+                    "algbw_gbps": elems * 4 * 8 / sec / 1e9,
+                    "elements_per_s": elems / sec,
+                    "max_abs_error": max(r["max_abs_error"] for r in checked),
+                    "error_bound": max(r["error_bound"] for r in checked),
+                    "within_bound": all(r["within_bound"] for r in checked),
+                    "retransmits": dp.job_stats(1).counters["retransmits"],
+                }
+                dp.remove_job(1)
+                if as_json:
+                    click.echo(json.dumps(row))
+                else:
+                    click.echo(f"aggd-xdp  workers={n:<2} bytes={row['bytes']:<10} "
+                               f"{sec * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                               f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})")

@@ -1,0 +1,113 @@
+"""Run aggregation jobs in a lab: the XDP aggregator on the lab's ``agg0`` and worker processes in
+the worker namespaces. Shared by the netns tests, ``aggctl bench`` and ``aggctl demo``."""
+from __future__ import annotations
+
+import contextlib
+import json
+import selectors
+import subprocess
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aggd_client import protocol as proto
+
+from .dataplane.xdp import XdpDataPlane
+from .lab import Lab
+
+WORKER_PORT = 40000
+
+
+@dataclass
+class LabJob:
+    """A job over some of the lab's workers (``ranks[i]`` is the lab worker index of rank ``i``)."""
+    job: int
+    workers: list[int]
+    slots: int = 1024
+    max_chunks: int = 1 << 24
+    group: tuple[str, int] = ("239.77.0.1", proto.DEFAULT_RESULT_PORT)
+    port: int = WORKER_PORT
+    kernel_slots: int | None = None
+
+    @property
+    def world(self) -> int:
+        return len(self.workers)
+
+    def config(self, lab: Lab):
+        members = {rank: (lab.worker_ip(w), self.port) for rank, w in enumerate(self.workers)}
+        return types.SimpleNamespace(job=self.job, world=self.world, slots=self.slots,
+                                     max_chunks=self.max_chunks, group=self.group, members=members,
+                                     kernel_slots=self.kernel_slots)
+
+
+@contextlib.contextmanager
+def xdp_aggregator(lab: Lab, *, elements: int = proto.DEFAULT_ELEMENTS, mode: str = "native",
+                   total_slots: int = 4096):
+    """The XDP program attached to the lab's aggregator interface, detached on exit."""
+    dp = XdpDataPlane(lab.agg_ifname, mode=mode, elements=elements, total_slots=total_slots,
+                      netns=lab.agg_ns)
+    try:
+        yield dp
+    finally:
+        dp.close()
+
+
+@dataclass
+class WorkerRun:
+    rank: int
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    stderr: str = ""
+
+
+def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = proto.DEFAULT_ELEMENTS,
+                gso: bool = True, extra: list[str] = (), server_port: int = proto.DEFAULT_PORT,
+                on_record: Callable[[int, dict], None] | None = None) -> list[WorkerRun]:
+    """Start one ``aggd.labworker`` per member, wait for all, return their records.
+
+    ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
+    procs = []
+    for rank, w in enumerate(job.workers):
+        argv = [sys.executable, "-m", "aggd.labworker",
+                "--server", f"{lab.agg_ip}:{server_port}", "--group", f"{job.group[0]}:{job.group[1]}",
+                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--job", str(job.job), "--rank", str(rank),
+                "--world", str(job.world), "--elements", str(elements), "--slots", str(job.slots),
+                *([] if gso else ["--no-gso"]), *extra]
+        procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True))
+    runs = [WorkerRun(rank, -1) for rank in range(len(procs))]
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    for rank, p in enumerate(procs):
+        sel.register(p.stdout, selectors.EVENT_READ, (rank, "out"))
+        sel.register(p.stderr, selectors.EVENT_READ, (rank, "err"))
+    try:
+        open_streams = 2 * len(procs)
+        while open_streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"lab workers of job {job.job} still running after {timeout:.0f} s")
+            for key, _ in sel.select(timeout=min(left, 1.0)):
+                rank, kind = key.data
+                line = key.fileobj.readline()
+                if not line:
+                    sel.unregister(key.fileobj)
+                    open_streams -= 1
+                elif kind == "err":
+                    runs[rank].stderr += line
+                elif line.startswith("{"):
+                    rec = json.loads(line)
+                    runs[rank].records.append(rec)
+                    if on_record:
+                        on_record(rank, rec)
+        for rank, p in enumerate(procs):
+            runs[rank].returncode = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        sel.close()
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return runs

@@ -1,0 +1,140 @@
+"""Workers in their own namespaces allreduce through the real XDP program on the lab's aggregator.
+
+Every worker checks its own result against the exact float64 sum of all members' tensors and the
+documented error bound (aggd.labworker), so each assertion here covers every member.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from aggd.labrun import LabJob, run_workers, xdp_aggregator
+
+pytestmark = pytest.mark.root
+
+DTYPES = ("float32", "float16", "float64")
+ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8}
+SMALL = "1,256,257"  # one element, exactly one packet, one packet plus one element
+MIB = 1 << 20
+
+
+def assert_all_right(runs, expected_records, dp=None):
+    for run in runs:
+        stats = dp.job_stats(1) if dp is not None else ""
+        assert run.returncode == 0, f"rank {run.rank} failed:\n{run.stderr[-3000:]}\n{stats}"
+        assert len(run.records) == expected_records, run.stderr[-3000:]
+        for rec in run.records:
+            assert rec["shape_ok"], rec
+            assert rec["within_bound"], rec
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_small_and_1mib_all_dtypes(make_lab, world):
+    lab = make_lab(world)
+    with xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(world)))
+        dp.install_job(job.config(lab))
+        for dtype in DTYPES:
+            dp.install_job(job.config(lab))  # fresh slots: new worker processes start at round 0
+            sizes = f"{SMALL},{MIB // ITEMSIZE[dtype]}"
+            runs = run_workers(lab, job, timeout=300,
+                               extra=["--sizes", sizes, "--dtypes", dtype, "--rounds", "2"])
+            assert_all_right(runs, 4 * 2, dp)
+        stats = dp.job_stats(1)
+        assert stats.counters["released"] == 2 * (1 + 1 + 2 + MIB // 8 // 256)  # the float64 run
+        assert sum(stats.drops.values()) == stats.drops["duplicate"]  # nothing malformed
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_64mib_all_dtypes(make_lab, world):
+    lab = make_lab(world)
+    with xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(world)), slots=4096)
+        dp.install_job(job.config(lab))
+        for dtype in DTYPES:
+            dp.install_job(job.config(lab))
+            runs = run_workers(lab, job, timeout=900,
+                               extra=["--sizes", str(64 * MIB // ITEMSIZE[dtype]), "--dtypes", dtype])
+            assert_all_right(runs, 1)
+
+
+def test_two_percent_loss_both_ways(make_lab):
+    lab = make_lab(4, loss_percent=2.0)
+    with xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(4)))
+        dp.install_job(job.config(lab))
+        retransmits = 0
+        for dtype in DTYPES:
+            dp.install_job(job.config(lab))
+            runs = run_workers(lab, job, timeout=600,
+                               extra=["--sizes", f"{SMALL},{MIB // ITEMSIZE[dtype]},{8 * MIB // ITEMSIZE[dtype]}",
+                                      "--dtypes", dtype, "--rounds", "2", "--give-up-after", "30"])
+            assert_all_right(runs, 5 * 2, dp)
+            retransmits += dp.job_stats(1).counters["retransmits"]
+        assert retransmits > 0  # the loss was real and was recovered from
+
+
+def test_two_jobs_at_once_do_not_disturb_each_other(make_lab):
+    lab = make_lab(4)
+    with xdp_aggregator(lab) as dp:
+        a = LabJob(job=1, workers=[0, 1], group=("239.77.0.1", 47001))
+        b = LabJob(job=2, workers=[2, 3], group=("239.77.0.2", 47001))
+        dp.install_job(a.config(lab))
+        dp.install_job(b.config(lab))
+        import concurrent.futures as cf
+        with cf.ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(run_workers, lab, a, timeout=300,
+                             extra=["--sizes", f"{SMALL},262144", "--rounds", "3", "--seed", "11"])
+            fb = pool.submit(run_workers, lab, b, timeout=300,
+                             extra=["--sizes", f"{SMALL},262144", "--rounds", "3", "--seed", "22"])
+            assert_all_right(fa.result(), 4 * 3)
+            assert_all_right(fb.result(), 4 * 3)
+        for j in (1, 2):
+            assert dp.job_stats(j).counters["released"] >= 3 * (3 + 1024)
+
+
+ATTEMPT = textwrap.dedent("""
+    import json, sys, numpy as np
+    from aggd_client import AggClient, NotMemberError, UnknownJobError, NoAnswerError
+    server, group, bind, job, rank = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    addr = lambda t: (t.rsplit(":", 1)[0], int(t.rsplit(":", 1)[1]))
+    try:
+        with AggClient(addr(server), job, rank, 2, group=addr(group), bind=addr(bind), give_up_after=3) as c:
+            c.allreduce(np.ones(10, np.float32))
+        print(json.dumps({"error": None}))
+    except (NotMemberError, UnknownJobError, NoAnswerError) as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+""")
+
+
+def attempt(lab, worker, job, rank, port=40000):
+    out = lab.check_output(lab.worker_ns(worker), [
+        sys.executable, "-c", ATTEMPT, f"{lab.agg_ip}:47000", "239.77.0.1:47001",
+        f"{lab.worker_ip(worker)}:{port}", str(job), str(rank)], timeout=60)
+    import json
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_non_member_and_forged_rank_are_refused_and_counted(make_lab):
+    lab = make_lab(3)
+    with xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=[0, 1])
+        dp.install_job(job.config(lab))
+        outsider = attempt(lab, worker=2, job=1, rank=0)        # not a member at all
+        assert outsider["error"] == "NotMemberError", outsider
+        assert "job 1" in outsider["message"]
+        forged = attempt(lab, worker=1, job=1, rank=0)          # member 1 claiming rank 0
+        assert forged["error"] == "NotMemberError", forged
+        unknown = attempt(lab, worker=0, job=9, rank=0)
+        assert unknown["error"] == "UnknownJobError", unknown
+        drops = dp.job_stats(1).drops
+        assert drops["not_member"] >= 2
+        assert dp.job_stats(None).drops["unknown_job"] >= 1
+        # the job is untouched: its members still get exact sums
+        runs = run_workers(lab, job, timeout=120, extra=["--sizes", SMALL, "--rounds", "2"])
+        assert_all_right(runs, 3 * 2)
+        # members x rounds x chunks (1 + 1 + 2): the refused packets added nothing
+        assert dp.job_stats(1).counters["contributions"] == 2 * 2 * 4
