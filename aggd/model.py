@@ -46,6 +46,8 @@ from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAY
                                   Flag, Header, MsgType, NackCode, StrategyKind)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
+from .strategy import SYNC, Strategy, StrategyTable
+
 Addr = tuple[str, int]
 
 #: Drop-counter bucket for packets dropped before their job is known (row MAX_JOBS of a C array).
@@ -93,16 +95,6 @@ NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate)
 # --------------------------------------------------------------------------------------------
 # Configuration.
 
-@dataclass(frozen=True)
-class Strategy:
-    """A release rule. Only SYNC is implemented; the fields are what the others will need."""
-    kind: StrategyKind = StrategyKind.SYNC
-    k: int = 0              #: quorum size (QUORUM)
-    staleness: int = 0      #: rounds a worker may run ahead (SSP)
-    timeout_us: int = 0     #: release deadline after the first contribution (QUORUM)
-
-
-SYNC = Strategy()
 
 
 @dataclass
@@ -175,28 +167,6 @@ class Slot:
             if bank.state == state and bank.key == key:
                 return bank
         return None
-
-
-class StrategyTable:
-    """A job's versioned strategies: a ring of STRATEGY_VERSIONS entries (version, from_round, rule).
-
-    Each round is governed by the entry with the highest ``from_round`` not above it, so a hot swap
-    installs a new version that takes effect from a stated round.
-    """
-
-    def __init__(self, strategy: Strategy) -> None:
-        self.entries: list[tuple[int, int, Strategy]] = [(0, 0, strategy)]
-
-    def install(self, version: int, from_round: int, strategy: Strategy) -> None:
-        if from_round < self.entries[-1][1] or version <= self.entries[-1][0]:
-            raise ValueError("strategy versions and their first rounds must increase")
-        self.entries = (self.entries + [(version, from_round, strategy)])[-STRATEGY_VERSIONS:]
-
-    def governing(self, round_: int) -> tuple[int, Strategy]:
-        for version, first, strategy in reversed(self.entries):
-            if round_ >= first:
-                return version, strategy
-        return self.entries[0][0], self.entries[0][2]
 
 
 @dataclass
