@@ -97,7 +97,9 @@ struct aggd_hdr {
 	__be64 contributors;	/* bitmap of ranks summed in a result (bit i = rank i) */
 	__be16 n_contrib;	/* contributions summed in a result (may exceed popcount under wbsp) */
 	__be16 step;	/* local step within the round (wbsp); 0 otherwise */
-	__be32 reserved;	/* 0 */
+	__u8 strategy;	/* StrategyKind that governed the round (results), so clients adapt */
+	__u8 param;	/* that strategy's parameter: quorum k or ssp staleness */
+	__be16 reserved;	/* 0 */
 } __attribute__((packed));
 
 #endif /* AGGD_PROTO_H */

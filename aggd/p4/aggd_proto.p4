@@ -80,7 +80,9 @@ header aggd_h {
     bit<64> contributors;  // bitmap of ranks summed in a result (bit i = rank i)
     bit<16> n_contrib;  // contributions summed in a result (may exceed popcount under wbsp)
     bit<16> step;  // local step within the round (wbsp); 0 otherwise
-    bit<32> reserved;  // 0
+    bit<8> strategy;  // StrategyKind that governed the round (results), so clients adapt
+    bit<8> param;  // that strategy's parameter: quorum k or ssp staleness
+    bit<16> reserved;  // 0
 }
 
 #endif

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field, fields as dc_fields
+from dataclasses import field, make_dataclass
 
 import numpy as np
 
@@ -25,36 +25,25 @@ def packet_dtype(elements: int) -> np.dtype:
     return np.dtype([("hdr", HEADER_DTYPE), ("payload", PAYLOAD_DTYPE, (elements,))])
 
 
-@dataclass
-class Header:
-    magic: int = d.MAGIC
-    version: int = d.VERSION
-    type: int = d.MsgType.CONTRIB
-    job: int = 0
-    rank: int = 0
-    round: int = 0
-    chunk: int = 0
-    count: int = 0
-    strategy_version: int = 0
-    exponent: int = 0
-    flags: int = 0
-    code: int = 0
-    contributors: int = 0
-    n_contrib: int = 0
-    step: int = 0
-    reserved: int = 0
-
-    def pack(self) -> bytes:
-        return HEADER_STRUCT.pack(*(getattr(self, f.name) for f in d.HEADER))
-
-    @classmethod
-    def unpack(cls, data: bytes | memoryview) -> "Header":
-        if len(data) < HEADER_SIZE:
-            raise ValueError(f"aggd header needs {HEADER_SIZE} bytes, got {len(data)}")
-        return cls(*HEADER_STRUCT.unpack_from(data))
+_DEFAULTS = {"magic": d.MAGIC, "version": d.VERSION, "type": int(d.MsgType.CONTRIB)}
 
 
-assert [f.name for f in dc_fields(Header)] == [f.name for f in d.HEADER]
+def _pack(self) -> bytes:
+    return HEADER_STRUCT.pack(*(getattr(self, f.name) for f in d.HEADER))
+
+
+@classmethod
+def _unpack(cls, data: bytes | memoryview):
+    if len(data) < HEADER_SIZE:
+        raise ValueError(f"aggd header needs {HEADER_SIZE} bytes, got {len(data)}")
+    return cls(*HEADER_STRUCT.unpack_from(data))
+
+
+#: The header as a dataclass, one attribute per wire field (derived, like everything here).
+Header = make_dataclass(
+    "Header", [(f.name, int, field(default=_DEFAULTS.get(f.name, 0))) for f in d.HEADER],
+    namespace={"pack": _pack, "unpack": _unpack, "__module__": __name__,
+               "__doc__": "An aggd header; ``pack()`` / ``Header.unpack(data)``."})
 
 
 def encode(header: Header, payload: np.ndarray | None = None) -> bytes:

@@ -121,7 +121,9 @@ HEADER: tuple[Field, ...] = (
     Field("contributors", "u64", "bitmap of ranks summed in a result (bit i = rank i)"),
     Field("n_contrib", "u16", "contributions summed in a result (may exceed popcount under wbsp)"),
     Field("step", "u16", "local step within the round (wbsp); 0 otherwise"),
-    Field("reserved", "u32", "0"),
+    Field("strategy", "u8", "StrategyKind that governed the round (results), so clients adapt"),
+    Field("param", "u8", "that strategy's parameter: quorum k or ssp staleness"),
+    Field("reserved", "u16", "0"),
 )
 
 SIZES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i16": 2}
