@@ -36,7 +36,7 @@ import time
 
 import numpy as np
 
-from . import quant
+from . import _fast, quant
 from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
@@ -164,12 +164,15 @@ class AggClient:
             raise
         self._group = None if group is None else (group[0], int(group[1]))
 
-        self._tx = np.zeros(0, self._dtype)       # ring of contribution packets, grown on demand
-        self._tx_bytes = memoryview(self._tx.view(np.uint8))
+        self._fast = _fast.warm_up()  # numba kernels, compiled before anything is sent
+        self._ring(0)                 # ring of contribution packets, grown on demand
         self._stage = np.zeros(STAGE, self._dtype)  # receive staging
         raw = memoryview(self._stage.view(np.uint8))
         self._stage_views = [raw[i * self._rec:(i + 1) * self._rec] for i in range(STAGE)]
-        self._words = self._stage.view(np.uint8).reshape(STAGE, self._rec).view(np.uint32)
+        self._stage_u8 = self._stage.view(np.uint8).reshape(STAGE, self._rec)
+        self._stage_i32 = self._stage_u8.view(np.int32)
+        self._words = self._stage_u8.view(np.uint32)
+        self._done_buf = np.zeros(STAGE, np.int64)
         self._sizes = np.zeros(STAGE, np.int64)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -268,8 +271,10 @@ class AggClient:
 
     # -- sending ------------------------------------------------------------------------------
     def _ring(self, size: int) -> np.ndarray:
-        if self._tx.size < size:
+        if not hasattr(self, "_tx") or self._tx.size < size:
             self._tx = np.zeros(size, self._dtype)
+            self._tx_u8 = self._tx.view(np.uint8).reshape(size, self._rec)
+            self._tx_i32 = self._tx_u8.view(np.int32)
             self._tx_bytes = memoryview(self._tx.view(np.uint8))
         return self._tx
 
@@ -340,6 +345,9 @@ class _Transfer:
         self.inflight = 0
         self.done = 0
         self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
+        self.fast_fill = c._fast
+        self.fast_scatter = c._fast and out.dtype != np.float16  # numba has no float16
+        self.fq, self.jq = quant._q_frexp(c._world)
         self.R = min(c._slots, n_chunks)  # ring entries; chunk c lives at c % slots
         h = c._ring(self.R)[:self.R]["hdr"]
         h[...] = 0
@@ -432,6 +440,15 @@ class _Transfer:
     def _fill(self, c0: int, k: int, r0: int) -> None:
         """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
         E, x = self.E, self.x
+        if self.fast_fill:
+            c = self.c
+            if x.dtype == np.float16:
+                xs, xc0 = x[c0 * E:(c0 + k) * E].astype(np.float32), 0
+            else:
+                xs, xc0 = x, c0
+            _fast.fill(xs, xc0, c0, k, E, self.fq, self.jq, c._tx_u8, c._tx_i32, r0,
+                       self.flags_dirty)
+            return
         src = x[c0 * E:(c0 + k) * E]
         if src.size == k * E:
             block = src.reshape(k, E)
@@ -476,6 +493,17 @@ class _Transfer:
     def process(self, m: int) -> int:
         """Handle ``m`` received messages; returns how many chunks got their result."""
         c = self.c
+        if self.fast_scatter:
+            status, nd, ninf = _fast.scatter(
+                c._stage_u8, c._stage_i32, c._sizes, m, c._job, self.round32, self.n_chunks,
+                self.E, self.last_count, self.state, self.out, self.mean, c._done_buf)
+            if status == _fast.OK:
+                self.inflight -= ninf
+                self.done += nd
+                c.stats["results"] += nd
+                c.stats["ignored"] += m - nd
+                return nd
+            # a NACK or a malformed result: the numpy path below sorts it out (and raises)
         w = c._words[:m]
         sz = c._sizes[:m]
         job_ok = (w[:, 1] & self.job_mask) == (self.w_result[1] & self.job_mask)

@@ -203,10 +203,21 @@ def make_arrays(world, size, dtype, seed=0, scale=1.0):
 ELEMENTS = 256
 
 
+@pytest.fixture(params=["numba", "numpy"])
+def path(request, monkeypatch):
+    """Run a test with the numba kernels (when installed) and with the numpy reference path."""
+    from aggd_client import _fast
+    if request.param == "numpy":
+        monkeypatch.setattr(_fast, "AVAILABLE", False)
+    elif not _fast.AVAILABLE:
+        pytest.skip("numba not installed")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
 @pytest.mark.parametrize("size", [1, ELEMENTS, ELEMENTS + 1, 3 * ELEMENTS - 5])
 @pytest.mark.parametrize("world", [1, 3])
-def test_sum_small(dtype, size, world):
+def test_sum_small(dtype, size, world, path):
     arrays = make_arrays(world, size, dtype, seed=size + world)
     with FakeAggregator(world) as fake:
         results, _ = run_workers(fake, arrays)
@@ -221,7 +232,7 @@ def test_sum_small(dtype, size, world):
 
 @pytest.mark.parametrize("dtype,world,gso", [(np.float32, 4, True), (np.float64, 2, False),
                                              (np.float16, 3, True)])
-def test_sum_few_mib(dtype, world, gso):
+def test_sum_few_mib(dtype, world, gso, path):
     size = (3 << 20) // np.dtype(dtype).itemsize + 123  # ~3 MiB, not a multiple of a packet
     arrays = make_arrays(world, size, dtype, seed=world, scale=0.01)
     arrays = [a.reshape(-1, 1) for a in arrays]
@@ -236,7 +247,7 @@ def test_sum_few_mib(dtype, world, gso):
     assert all(c.stats["results"] == -(-size // ELEMENTS) for c in clients)
 
 
-def test_mean_and_rounds():
+def test_mean_and_rounds(path):
     world = 4
     arrays = make_arrays(world, 1000, np.float32, seed=3)
     with FakeAggregator(world) as fake:
@@ -268,7 +279,7 @@ def test_shapes_and_zeros():
     assert np.array_equal(results[0][0], expected)
 
 
-def test_small_window_and_slots():
+def test_small_window_and_slots(path):
     # window 3 of 4 slots over 50 chunks: exercises the slot rule and ring wrap-around
     world = 3
     arrays = make_arrays(world, 50 * 32 - 7, np.float32, seed=9)
@@ -280,7 +291,7 @@ def test_small_window_and_slots():
             check_close(res, exact, bound)
 
 
-def test_lossy_aggregator_still_correct():
+def test_lossy_aggregator_still_correct(path):
     world = 3
     arrays = make_arrays(world, 400 * ELEMENTS + 17, np.float32, seed=5)
     with FakeAggregator(world, drop=0.05, seed=42) as fake:

@@ -1,0 +1,191 @@
+"""The optional numba kernels (aggd_client._fast) against the numpy reference path.
+
+Both paths must produce bit-identical packets and results; a batch the kernel finds anomalous
+(NACK, OVERFLOW, wrong count) must fall back to the numpy path and raise the same error.
+"""
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from aggd_client import AggClient, AggregationOverflowError, NotMemberError, ProtocolError, quant
+from aggd_client import _fast
+from aggd_client.client import STAGE, _Transfer
+from aggd_client.protocol import HEADER_SIZE, packet_dtype
+from aggd_client.protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, NackCode
+
+pytestmark = pytest.mark.skipif(not _fast.AVAILABLE, reason="numba not installed")
+
+JOB = 9
+
+
+@pytest.fixture(scope="module")
+def silent():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    yield s.getsockname()
+    s.close()
+
+
+def transfer(client, x, fast, mean=False, out_dtype=None):
+    out = np.zeros(x.size, out_dtype or x.dtype)
+    n_chunks = -(-x.size // client._elements)
+    t = _Transfer(client, x, out, n_chunks, mean)
+    t.fast_fill = t.fast_scatter = fast
+    return t
+
+
+def rings_after_fill(client, x, fast):
+    """Ring contents after filling all chunks in runs (as admit does: at most the ring's size,
+    split where the ring wraps); one snapshot per run."""
+    t = transfer(client, x, fast)
+    client._tx["payload"] = 0  # entries not filled yet hold an earlier transfer's packets
+    S, snaps, c0 = client._slots, [], 0
+    while c0 < t.n_chunks:
+        k = min(t.n_chunks - c0, max(1, S // 2 + 1))
+        r0 = c0 % S
+        first = min(k, t.R - r0)
+        t._fill(c0, first, r0)
+        if first < k:
+            t._fill(c0 + first, k - first, 0)
+        snaps.append(client._tx[:t.R].copy())
+        c0 += k
+    return snaps
+
+
+def same_rings(a, b):
+    return len(a) == len(b) and all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+
+
+finite = {w: st.floats(width=w, allow_nan=False, allow_infinity=False) for w in (16, 32, 64)}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(width=st.sampled_from([16, 32, 64]), world=st.integers(1, 64), elements=st.integers(1, 9),
+       data=st.data())
+def test_fill_is_bit_identical(silent, width, world, elements, data):
+    dtype = {16: np.float16, 32: np.float32, 64: np.float64}[width]
+    x = data.draw(hnp.arrays(dtype, st.integers(1, 64 * elements), elements=finite[width]))
+    with AggClient(silent, JOB, 0, world, elements=elements, slots=64) as c:
+        slow = rings_after_fill(c, x, fast=False)
+        fast = rings_after_fill(c, x, fast=True)
+    assert same_rings(slow, fast)
+    q, e = quant.quantise_flat(x, world, elements)  # the ring holds every chunk (64 slots)
+    ring = fast[-1][:q.shape[0]]
+    assert np.array_equal(ring["payload"], q) and np.array_equal(ring["hdr"]["exponent"], e)
+    assert np.array_equal(ring["hdr"]["chunk"], np.arange(q.shape[0]))
+    assert ring["hdr"]["count"][-1] == x.size - (x.size - 1) // elements * elements
+
+
+def test_fill_large_random_and_extremes(silent):
+    rng = np.random.default_rng(0)
+    for dtype in (np.float16, np.float32, np.float64):
+        info = np.finfo(dtype)
+        x = (rng.standard_normal(256 * 37 + 5) * 3).astype(dtype)
+        x[:256] = 0
+        x[256:300] = info.max
+        x[600:700] = info.smallest_subnormal
+        x[900] = -info.max
+        for world in (1, 3, 64):
+            with AggClient(silent, JOB, 1, world if world > 1 else 2, slots=16) as c:
+                assert same_rings(rings_after_fill(c, x, False), rings_after_fill(c, x, True))
+
+
+def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0, count=None):
+    """Write RESULT messages for ``chunks`` into the client's staging array; returns m."""
+    st_ = client._stage
+    m = len(chunks)
+    st_[:m] = 0
+    h = st_["hdr"]
+    h["magic"][:m], h["version"][:m], h["type"][:m] = MAGIC, VERSION, MsgType.RESULT
+    h["job"][:m], h["rank"][:m], h["round"][:m] = JOB, 0xFFFF, t.round32
+    h["chunk"][:m] = chunks
+    E = client._elements
+    cnt = np.where(np.asarray(chunks) == t.n_chunks - 1, t.last_count, E)
+    if count is not None:
+        cnt[:] = count
+    h["count"][:m] = cnt
+    h["exponent"][:m] = rng.integers(-60, 80, m) if exps is None else exps
+    h["flags"][:m] = flags
+    h["n_contrib"][:m] = rng.integers(1, 64, m) if n_contrib is None else n_contrib
+    pay = rng.integers(-2**31, 2**31, (m, E), dtype=np.int64).astype(np.int32)
+    for i in range(m):
+        pay[i, cnt[i]:] = 0
+    st_["payload"][:m] = pay
+    client._sizes[:m] = client._rec
+    return m
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mean", [False, True])
+def test_scatter_is_bit_identical(silent, out_dtype, mean):
+    rng = np.random.default_rng(1)
+    E = 64
+    x = np.zeros(E * 50 - 3, out_dtype)
+    with AggClient(silent, JOB, 0, 4, elements=E, slots=64) as c:
+        ts = [transfer(c, x, fast, mean=mean) for fast in (False, True)]
+        for t in ts:
+            t.state[:] = 1
+            t.inflight = t.n_chunks
+        for batch in range(6):
+            chunks = rng.integers(0, 50, rng.integers(1, 40))
+            exps = rng.integers(-990, 1100, chunks.size)
+            exps[rng.random(chunks.size) < 0.2] = ZERO_EXPONENT
+            seed = int(rng.integers(1 << 30))
+            got = []
+            for t in ts:
+                r = np.random.default_rng(seed)
+                m = results_batch(c, t, r, chunks, exps=exps)
+                # noise the kernel must skip: another round, another job, a short datagram
+                if m + 3 <= STAGE:
+                    c._stage[m:m + 3] = c._stage[0]
+                    c._stage["hdr"]["round"][m] = t.round32 + 1
+                    c._stage["hdr"]["job"][m + 1] = JOB + 1
+                    c._sizes[m:m + 2] = c._rec
+                    c._sizes[m + 2] = HEADER_SIZE - 1
+                    m += 3
+                got.append(t.process(m))
+            assert got[0] == got[1]
+        assert np.array_equal(ts[0].state, ts[1].state)
+        assert ts[0].done == ts[1].done and ts[0].inflight == ts[1].inflight
+        assert ts[0].out.tobytes() == ts[1].out.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["overflow", "count", "nack", "stale_nack"])
+def test_scatter_anomalies_fall_back(silent, kind):
+    rng = np.random.default_rng(2)
+    E = 16
+    x = np.zeros(E * 4, np.float32)
+    with AggClient(silent, JOB, 0, 2, elements=E) as c:
+        t = transfer(c, x, True)
+        m = results_batch(c, t, rng, [0, 1, 2],
+                          flags=Flag.OVERFLOW if kind == "overflow" else 0,
+                          count=E - 1 if kind == "count" else None)
+        if kind in ("nack", "stale_nack"):
+            h = c._stage["hdr"]
+            h["type"][1] = MsgType.NACK
+            h["code"][1] = NackCode.NOT_MEMBER if kind == "nack" else NackCode.STALE
+            h["round"][1] = t.round32 + 5 if kind == "stale_nack" else t.round32
+            c._sizes[1] = HEADER_SIZE
+        expected = {"overflow": AggregationOverflowError, "count": ProtocolError,
+                    "nack": NotMemberError}.get(kind)
+        if expected is None:  # a stale NACK of another round is ignored; results still count
+            assert t.process(m) == 2
+            assert t.state[0] == t.state[2] == 2 and t.state[1] == 0
+        else:
+            with pytest.raises(expected):
+                t.process(m)
+
+
+def test_kernels_can_be_disabled(monkeypatch, silent):
+    monkeypatch.setattr(_fast, "AVAILABLE", False)
+    assert _fast.warm_up() is False
+    with AggClient(silent, JOB, 0, 1) as c:
+        t = transfer(c, np.ones(3, np.float32), c._fast)
+        assert not t.fast_fill and not t.fast_scatter
