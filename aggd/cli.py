@@ -11,6 +11,11 @@ _COMMANDS = {
     "lab": ("aggd.commands.lab", "lab"),
     "bench": ("aggd.commands.bench", "bench"),
     "demo": ("aggd.commands.demo", "demo"),
+    "status": ("aggd.commands.status", "status"),
+    "workers": ("aggd.commands.status", "workers"),
+    "jobs": ("aggd.commands.jobs", "jobs"),
+    "strategy": ("aggd.commands.strategy", "strategy"),
+    "config": ("aggd.commands.config", "config"),
 }
 
 
@@ -27,8 +32,12 @@ class LazyGroup(click.Group):
 
 @click.group(cls=LazyGroup)
 @click.version_option(package_name="aggd")
-def main():
+@click.option("--socket", "socket_path", envvar="AGGD_SOCKET", default="/run/aggd/control.sock",
+              show_default=True, help="The daemon's control socket (or $AGGD_SOCKET).")
+@click.pass_context
+def main(ctx, socket_path):
     """Drive the aggd gradient aggregator."""
+    ctx.obj = {"socket": socket_path}
 
 
 if __name__ == "__main__":

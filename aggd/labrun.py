@@ -30,6 +30,10 @@ class LabJob:
     group: tuple[str, int] = ("239.77.0.1", proto.DEFAULT_RESULT_PORT)
     port: int = WORKER_PORT
     kernel_slots: int | None = None
+    #: Join the daemon's job ``name`` with ``token`` (aggd_client.join) instead of being told the
+    #: job's parameters; the daemon registers the members as they join.
+    name: str | None = None
+    token: str | None = None
 
     @property
     def world(self) -> int:
@@ -70,10 +74,13 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
     ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
     procs = []
     for rank, w in enumerate(job.workers):
-        argv = [sys.executable, "-m", "aggd.labworker",
-                "--server", f"{lab.agg_ip}:{server_port}", "--group", f"{job.group[0]}:{job.group[1]}",
-                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--job", str(job.job), "--rank", str(rank),
-                "--world", str(job.world), "--elements", str(elements), "--slots", str(job.slots),
+        if job.token is not None:
+            who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]
+        else:
+            who = ["--job", str(job.job), "--world", str(job.world), "--group", f"{job.group[0]}:{job.group[1]}",
+                   "--elements", str(elements), "--slots", str(job.slots)]
+        argv = [sys.executable, "-m", "aggd.labworker", "--server", f"{lab.agg_ip}:{server_port}",
+                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who,
                 *([] if gso else ["--no-gso"]), *extra]
         procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True))

@@ -7,31 +7,40 @@ per allreduce goes to stdout. Used by the netns tests, ``aggctl bench allreduce`
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
 
 import numpy as np
 
-from aggd_client import AggClient
+from aggd_client import AggClient, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
 
-def tensor(seed: int, rank: int, size: int, dtype: str, round_: int) -> np.ndarray:
+def tensor(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str = "random",
+           elements: int = 256) -> np.ndarray:
     rng = np.random.default_rng([seed, rank, size, round_])
+    if pattern == "integers":
+        # Small integers with the same largest magnitude in every chunk of every worker: every
+        # contribution of a chunk gets the same exponent and quantises exactly, so any data plane
+        # and any arrival order give bit-identical sums (the exact ones).
+        x = rng.integers(-1000, 1001, size).astype(np.float64)
+        x[::elements] = 1024.0
+        return x.astype(dtype)
     x = rng.standard_normal(size, dtype=np.float32 if dtype != "float64" else np.float64)
     # some variety in scale between workers and chunks, as gradients have
     x *= np.float32(1 + rank)
     return x.astype(dtype)
 
 
-def expected(seed, world, size, dtype, round_, elements):
+def expected(seed, world, size, dtype, round_, elements, pattern="random"):
     """(exact float64 sum, per-element bound) for this round."""
     exact = np.zeros(size)
     n_chunks = -(-size // elements)
     exps = None
     for r in range(world):
-        x = tensor(seed, r, size, dtype, round_)
+        x = tensor(seed, r, size, dtype, round_, pattern, elements)
         exact += x
         padded = np.zeros(n_chunks * elements)
         padded[:size] = np.abs(x)
@@ -49,11 +58,12 @@ def _addr(text: str) -> tuple[str, int]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--server", type=_addr, required=True)
-    ap.add_argument("--group", type=_addr, required=True)
+    ap.add_argument("--group", type=_addr, help="results' group (not with --token: the join answer says)")
     ap.add_argument("--bind", type=_addr, required=True)
-    ap.add_argument("--job", type=int, required=True)
+    ap.add_argument("--job", required=True, help="job id; or its name with --token")
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--world", type=int, help="members (not with --token: the join answer says)")
+    ap.add_argument("--token", help="join the daemon's job with this token (aggd_client.join)")
     ap.add_argument("--sizes", default="256", help="comma-separated element counts")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--rounds", type=int, default=1)
@@ -66,17 +76,30 @@ def main(argv=None) -> int:
     ap.add_argument("--check", choices=["all", "last", "none"], default="all",
                     help="which timed rounds to check against the exact sum")
     ap.add_argument("--give-up-after", type=float, default=10.0)
+    ap.add_argument("--pattern", choices=["random", "integers"], default="random",
+                    help="integers: exactly representable sums, identical whatever path serves them")
+    ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
     args = ap.parse_args(argv)
 
-    client = AggClient(args.server, args.job, args.rank, args.world, group=args.group, bind=args.bind,
-                       elements=args.elements, slots=args.slots, window=args.window,
-                       gso=not args.no_gso, give_up_after=args.give_up_after)
+    if args.token is not None:
+        job = int(args.job) if args.job.isdigit() else args.job
+        client = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
+                      window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after)
+        info = client.job_info
+        args.world, args.elements = info.world, info.elements
+        print(f"rank {args.rank} joined: {info}", file=sys.stderr, flush=True)
+    else:
+        if args.world is None:
+            ap.error("--world is needed without --token")
+        client = AggClient(args.server, int(args.job), args.rank, args.world, group=args.group, bind=args.bind,
+                           elements=args.elements, slots=args.slots, window=args.window,
+                           gso=not args.no_gso, give_up_after=args.give_up_after)
     status = 0
     with client:
         for dtype in args.dtypes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
                 for i in range(args.warmup + args.rounds):
-                    x = tensor(args.seed, args.rank, size, dtype, i)
+                    x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
                     t0 = time.perf_counter()
                     out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
@@ -84,9 +107,12 @@ def main(argv=None) -> int:
                         continue
                     rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
                            "seconds": seconds, "shape_ok": out.shape == x.shape and out.dtype == x.dtype}
+                    if args.digest:
+                        rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
                     last = i == args.warmup + args.rounds - 1
                     if args.check == "all" or (args.check == "last" and last):
-                        exact, bound = expected(args.seed, args.world, size, dtype, i, args.elements)
+                        exact, bound = expected(args.seed, args.world, size, dtype, i, args.elements,
+                                                args.pattern)
                         bound = bound + output_rounding(out)
                         err = np.abs(out.astype(np.float64) - exact)
                         rec.update(max_abs_error=float(err.max()), error_bound=float(bound.max()),

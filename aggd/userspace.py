@@ -1,8 +1,13 @@
-"""The aggregator in user space: the protocol over a UDP socket (the daemon's overflow path).
+"""The aggregator in user space: the protocol over UDP sockets (the daemon's overflow path).
 
 The decisions are ``aggd.model.AggregatorModel``'s (in ``userspace`` mode, so short payloads are
 served rather than passed on and every message carries Flag.USERSPACE); the arithmetic is the numba
 kernels'. This module only moves bytes: receive, ``model.process``, send the verdict's message.
+
+The daemon adds three things: more than one socket (the aggd port behind the XDP program, and a
+port for jobs whose packets are larger than the kernel's), jobs with their own packet size (one
+model per size; a packet goes to the model of its job), and handlers for message types the model
+does not serve (JOIN), whose answer goes back to the sender.
 """
 from __future__ import annotations
 
@@ -11,14 +16,16 @@ import logging
 import select
 import socket
 import threading
+from typing import Callable
 
 import numpy as np
 
-from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS
+from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from . import kernels
-from .model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
+from .model import NO_JOB, RULES, Addr, AggregatorModel, JobConfig, Verdict
+from .strategy import StrategyTable, TableEntry, from_entry
 
 log = logging.getLogger(__name__)
 
@@ -27,23 +34,52 @@ BATCH = 64
 _RCVBUF = 4 << 20
 
 
-class UserspaceAggregator:
-    def __init__(self, bind: Addr = ("127.0.0.1", 0), elements: int = DEFAULT_ELEMENTS) -> None:
-        kernels.warm_up()
-        self.model = AggregatorModel(elements, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
-        self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+#: A handler for one message type: (message, sender) -> the answer to send back, or None.
+Handler = Callable[[memoryview, Addr], "bytes | None"]
+
+
+def _udp_socket(bind: Addr) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
         except OSError:
             pass
-        self._sock.bind(bind)
-        self._sock.setblocking(False)
-        self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+        sock.bind(bind)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
         if bind[0] not in ("", "0.0.0.0"):
             # Results leave by the interface the server is bound to (the routing table may have no
             # multicast route, e.g. on loopback).
-            self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(bind[0]))
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(bind[0]))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class UserspaceAggregator:
+    """``bind``: the main address (``address``); ``extra_binds``: more addresses served alike.
+    ``handlers``: message type -> Handler, for types the model does not serve."""
+
+    def __init__(self, bind: Addr = ("127.0.0.1", 0), elements: int = DEFAULT_ELEMENTS, *,
+                 extra_binds: tuple[Addr, ...] = (), handlers: dict[int, Handler] | None = None) -> None:
+        kernels.warm_up()
+        self.elements = elements
+        self.model = self._new_model(elements)     # the aggregator's packet size, and unknown jobs
+        self._models: dict[int, AggregatorModel] = {elements: self.model}
+        self._route: dict[int, AggregatorModel] = {}  # job -> the model of its packet size
+        self.handlers: dict[int, Handler] = dict(handlers or {})
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        try:
+            for addr in (bind, *extra_binds):
+                self._socks.append(_udp_socket(addr))
+        except BaseException:
+            for s in self._socks:
+                s.close()
+            raise
+        self._sock = self._socks[0]
         # Anything longer than the largest valid message is malformed anyway; one spare element
         # lets the model see it as such instead of the kernel truncating it silently.
         self._buf = bytearray(HEADER_SIZE + 4 * (max(elements, MAX_ELEMENTS) + 1))
@@ -51,65 +87,150 @@ class UserspaceAggregator:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.send_errors = 0
+        self.errors = 0  # packets whose handling raised (logged; serving goes on)
+
+    @staticmethod
+    def _new_model(elements: int) -> AggregatorModel:
+        return AggregatorModel(elements, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
 
     @property
     def address(self) -> Addr:
         return self._sock.getsockname()
 
+    @property
+    def addresses(self) -> list[Addr]:
+        return [s.getsockname() for s in self._socks]
+
     # -- registry (thread-safe) ------------------------------------------------------------------
     def add_job(self, cfg: JobConfig) -> None:
+        elements = cfg.elements or self.elements
         with self._lock:
-            self.model.add_job(cfg)
+            model = self._models.get(elements)
+            if model is None:
+                model = self._models[elements] = self._new_model(elements)
+            model.add_job(cfg)
+            self._route[cfg.job] = model
 
     def remove_job(self, job: int) -> None:
         with self._lock:
-            self.model.remove_job(job)
+            model = self._route.pop(job, self.model)
+            model.remove_job(job)
+
+    def has_job(self, job: int) -> bool:
+        with self._lock:
+            return job in self._route
+
+    def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
+        with self._lock:
+            self._route[job].set_member(job, rank, addr)
+
+    def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
+        """Install a job's strategy table (oldest entry first). Refuses a strategy the user-space
+        rules cannot run yet, leaving the job as it was."""
+        strategies = [(e.version, e.from_round, from_entry(e)) for e in entries]
+        missing = sorted({s.kind.name.lower() for _, _, s in strategies if s.kind not in RULES})
+        if missing:
+            raise NotImplementedError(f"the user-space path cannot run {', '.join(missing)} yet")
+        with self._lock:
+            state = self._route[job].jobs[job]
+            table = StrategyTable(strategies[0][2])
+            table.entries = strategies
+            state.strategies = table
+
+    def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
+        """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
+        with self._lock:
+            state = self._route[job].jobs[job]
+            top, per_rank = None, {}
+            for slot in state.slots:
+                for bank in slot.banks:
+                    if bank.state == 0:  # EMPTY
+                        continue
+                    rnd = bank.key[0]
+                    top = rnd if top is None else max(top, rnd)
+                    bits, rank = bank.bitmap, 0
+                    while bits:
+                        if bits & 1:
+                            per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
+                        bits >>= 1
+                        rank += 1
+            return top, per_rank
 
     def counters(self, job: int) -> np.ndarray:
         """uint64[len(Counter)] of ``job``."""
         with self._lock:
-            return self.model.counters(job)
+            return self._route.get(job, self.model).counters(job)
 
     def drops(self, job: int = NO_JOB) -> np.ndarray:
-        """uint64[len(DropReason)] of ``job`` or of the NO_JOB bucket."""
+        """uint64[len(DropReason)] of ``job`` or of the NO_JOB bucket (summed over packet sizes)."""
         with self._lock:
-            return self.model.drops(job)
+            if job == NO_JOB:
+                return sum((m.drops(NO_JOB) for m in self._models.values()), np.zeros(len(DropReason), np.uint64))
+            return self._route.get(job, self.model).drops(job)
 
     def stats(self) -> dict:
         with self._lock:
-            return self.model.stats()
+            out = self.model.stats()
+            for model in self._models.values():
+                if model is self.model:
+                    continue
+                other = model.stats()
+                out["jobs"].update(other["jobs"])
+                for k, v in other["no_job"].items():
+                    out["no_job"][k] += v
+            return out
 
     # -- serving ---------------------------------------------------------------------------------
     def serve_once(self, timeout: float | None = 0.0) -> int:
         """Wait up to ``timeout`` s for packets, then handle up to BATCH of them; return how many."""
-        ready, _, _ = select.select([self._sock], [], [], timeout)
-        if not ready:
-            return 0
+        ready, _, _ = select.select(self._socks, [], [], timeout)
+        handled = 0
+        for sock in ready:
+            handled += self._serve_socket(sock)
+        return handled
+
+    def _serve_socket(self, sock: socket.socket) -> int:
         handled = 0
         while handled < BATCH:
             try:
-                size, src = self._sock.recvfrom_into(self._buf)
+                size, src = sock.recvfrom_into(self._buf)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as e:  # e.g. ICMP errors reported on the socket; keep serving
                 log.debug("recv: %s", e)
                 break
-            with self._lock:
-                verdict = self.model.process(self._view[:size], src)
-            self._send(verdict)
             handled += 1
+            data = self._view[:size]
+            try:
+                handler = self.handlers.get(self._buf[3]) if size >= HEADER_SIZE else None
+                if handler is not None:
+                    answer = handler(data, src)
+                    if answer is not None:
+                        self._sendto(sock, answer, src)
+                    continue
+                job = int.from_bytes(self._buf[4:6], "big") if size >= 6 else NO_JOB
+                with self._lock:
+                    verdict = self._route.get(job, self.model).process(data, src)
+            except Exception:  # one bad packet (or a bug it triggers) must not stop the path
+                self.errors += 1
+                log.exception("user-space path: handling a %d-byte packet from %s failed", size, src)
+                continue
+            self._send(sock, verdict)
         return handled
 
-    def _send(self, verdict: Verdict) -> None:
+    def _send(self, sock: socket.socket, verdict: Verdict) -> None:
         if verdict.action != "tx":
             return
         for addr in verdict.addrs:
-            try:
-                self._sock.sendto(verdict.out, addr)
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EPERM, errno.ECONNREFUSED):
-                    raise
-                self.send_errors += 1
+            self._sendto(sock, verdict.out, addr)
+
+    def _sendto(self, sock: socket.socket, data: bytes, addr: Addr) -> None:
+        try:
+            sock.sendto(data, addr)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EPERM, errno.ECONNREFUSED):
+                raise
+            self.send_errors += 1
 
     def start(self) -> "UserspaceAggregator":
         if self._thread is None:
@@ -117,6 +238,9 @@ class UserspaceAggregator:
             self._thread = threading.Thread(target=self._run, name="aggd-userspace", daemon=True)
             self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -130,7 +254,8 @@ class UserspaceAggregator:
 
     def close(self) -> None:
         self.stop()
-        self._sock.close()
+        for s in self._socks:
+            s.close()
 
     def __enter__(self) -> "UserspaceAggregator":
         return self.start()

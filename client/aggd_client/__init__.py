@@ -3,12 +3,19 @@
 >>> from aggd_client import AggClient
 >>> with AggClient(("10.0.0.1", 47000), job=3, rank=0, world=4, group=("239.1.1.3", 47001)) as c:
 ...     summed = c.allreduce(grads)            # doctest: +SKIP
+
+Or join a job the daemon manages (``aggctl jobs create``) with its token; the answer carries the
+job's id, world, group, packet size and slots:
+
+>>> with join(("10.0.0.1", 47000), "resnet", rank=0, token=TOKEN) as c:  # doctest: +SKIP
+...     summed = c.allreduce(grads)
 """
 from .client import AggClient
-from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
+from .errors import (AggdError, AggregationOverflowError, BadTokenError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
+from .join import JobInfo, join
 
 __version__ = "0.1.0"
 
-__all__ = ["AggClient", "AggdError", "AggregationOverflowError", "NoAnswerError", "NotMemberError",
-           "ProtocolError", "UnknownJobError", "__version__"]
+__all__ = ["AggClient", "AggdError", "AggregationOverflowError", "BadTokenError", "JobInfo",
+           "NoAnswerError", "NotMemberError", "ProtocolError", "UnknownJobError", "join", "__version__"]

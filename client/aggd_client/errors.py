@@ -69,6 +69,16 @@ class NotMemberError(_Refused):
                 f"world size and this address the one registered for it?)")
 
 
+class BadTokenError(_Refused):
+    """NACK code 5 (an answer to a join): the token does not match the job's."""
+
+    code = 5
+
+    def _message(self) -> str:
+        return (f"aggregator {_addr(self.server)} refused to let rank {self.rank} join job {self.job}: "
+                f"the token was refused (check it with `aggctl jobs show {self.job}`)")
+
+
 class AggregationOverflowError(AggdError):
     """A result was flagged OVERFLOW: the int32 sum overflowed and its values cannot be trusted
     (a sender quantised with the wrong world size, or a forged packet)."""

@@ -1,0 +1,47 @@
+"""``aggctl status`` and ``aggctl workers JOB``: what the daemon is doing."""
+from __future__ import annotations
+
+import click
+
+from ._daemon import ago, call, duration, echo_json, json_option, table
+
+
+@click.command()
+@json_option
+def status(as_json):
+    """The daemon: data plane, kernel memory, user-space path, jobs and where their slots live."""
+    s = call("status")
+    if as_json:
+        echo_json(s)
+        return
+    dp, k, us = s["dataplane"], s["kernel"], s["userspace"]
+    where = f" in netns {dp['netns']}" if dp["netns"] else ""
+    click.echo(f"aggd pid {s['pid']}, up {duration(s['uptime'])}, config {s['config'] or '-'}")
+    click.echo(f"data plane: XDP {dp['mode']} on {dp['interface']}{where} "
+               f"({'attached' if dp['attached'] else 'DETACHED'}), {dp['address']}:{dp['port']}, "
+               f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
+    click.echo(f"kernel memory: {k['budget_bytes']} bytes = {k['budget_slots']} slots of {k['slot_bytes']} B; "
+               f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
+    click.echo(f"user-space path: {'running' if us['alive'] else 'STOPPED'}, {us['errors']} errors, "
+               f"{us['send_errors']} send errors")
+    if not s["jobs"]:
+        click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
+        return
+    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL", "USERSPACE"),
+          [(j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
+            j["userspace_slots"]) for j in s["jobs"]])
+
+
+@click.command()
+@click.argument("job")
+@json_option
+def workers(job, as_json):
+    """The members of JOB: registered address, when they joined, the last round they contributed to."""
+    w = call("workers", job=job)
+    if as_json:
+        echo_json(w)
+        return
+    click.echo(f"job {w['job']} ({w['id']}), round {'-' if w['round'] is None else w['round']}")
+    table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG"),
+          [(r["rank"], f"{r['address'][0]}:{r['address'][1]}" if r["address"] else "not joined",
+            ago(r["joined_at"]), r["last_round"], r["lag"]) for r in w["workers"]])

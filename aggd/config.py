@@ -1,0 +1,307 @@
+"""The daemon's configuration: typed sections with defaults, loaded from TOML (``configs/aggd.toml``).
+
+Every key has a type, a default and a check. Loading collects every problem at once and names the
+key path and the reason (``dataplane.mode: must be "native" or "generic", not "fast"``); an unknown
+key or section is an error too, so a typo never silently falls back to a default. ``aggd`` and
+``aggctl config check`` both go through :func:`load` / :func:`parse`.
+
+Which settings a SIGHUP applies live is decided here too (:data:`RELOADABLE`); the rest need a
+restart, and the daemon says so when a reload changes them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import grp
+import ipaddress
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from aggd_client.protocol import DEFAULT_ELEMENTS, DEFAULT_PORT, DEFAULT_RESULT_PORT, MAX_ELEMENTS, MAX_JOBS
+
+DEFAULT_PATH = Path("/etc/aggd/aggd.toml")
+IFNAMSIZ = 16
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """One or more bad settings; ``problems`` lists ``"key.path: reason"`` strings."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        where = f"{source}: " if source else ""
+        super().__init__(where + ("; ".join(problems) if len(problems) == 1 else
+                                  f"{len(problems)} problems:\n  " + "\n  ".join(problems)))
+
+
+def slot_bytes(elements: int) -> int:
+    """An estimate of the kernel memory one slot takes (``struct slot`` of xdp/aggd_maps.h with two
+    banks), for ``aggctl config check``. The daemon measures the real size from the maps header
+    before it sizes the kernel's slot array (``aggd.xdp_ops.probe_value_sizes``)."""
+    return 8 + 2 * (24 + 4 * elements)
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer or a string like ``"64MiB"``, ``"64M"``, ``"1.5G"`` (binary units)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a number of bytes, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"must not be negative, not {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+    raise ValueError(f'must be bytes as an integer or a size like "64MiB", not {value!r}')
+
+
+# -- checks: each returns the (possibly converted) value or raises ValueError(reason) ----------------
+
+def _one_of(*choices: str) -> Callable[[Any], str]:
+    def check(v):
+        if v not in choices:
+            quoted = " or ".join(f'"{c}"' for c in choices) if len(choices) <= 2 else \
+                ", ".join(f'"{c}"' for c in choices[:-1]) + f' or "{choices[-1]}"'
+            raise ValueError(f"must be {quoted}, not {v!r}".replace("'", '"'))
+        return v
+    return check
+
+
+def _int_range(lo: int, hi: int) -> Callable[[Any], int]:
+    def check(v):
+        if not lo <= v <= hi:
+            raise ValueError(f"must be between {lo} and {hi}, not {v}")
+        return v
+    return check
+
+
+def _port(v: int) -> int:
+    return _int_range(1, 65535)(v)
+
+
+def _abs_path(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError(f"must be an absolute path, not {v!r}")
+    return v
+
+
+def _ifname(v: str) -> str:
+    if not v or len(v) >= IFNAMSIZ or "/" in v or v.strip() != v:
+        raise ValueError(f"must be an interface name of 1..{IFNAMSIZ - 1} characters, not {v!r}")
+    return v
+
+
+def _optional_ipv4(v: str) -> str:
+    if v:
+        try:
+            ipaddress.IPv4Address(v)
+        except ValueError:
+            raise ValueError(f"must be an IPv4 address, not {v!r}") from None
+    return v
+
+
+def _multicast_base(v: str) -> str:
+    try:
+        ip = ipaddress.IPv4Address(v)
+    except ValueError:
+        raise ValueError(f"must be an IPv4 multicast address, not {v!r}") from None
+    last = ip + (MAX_JOBS - 1)
+    if not (ip.is_multicast and last.is_multicast):
+        raise ValueError(f"must be an IPv4 multicast address with room for {MAX_JOBS} groups "
+                         f"(224.0.0.0 .. 239.255.255.0), not {v!r}")
+    return v
+
+
+def _host_port(v: str) -> str:
+    host, sep, port = v.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f'must be "HOST:PORT", e.g. "127.0.0.1:9477", not {v!r}')
+    return v
+
+
+def _group_name(v: str) -> str:
+    if v:
+        try:
+            grp.getgrnam(v)
+        except KeyError:
+            raise ValueError(f"no such group {v!r} on this host") from None
+    return v
+
+
+def _size(v: Any) -> int:
+    return parse_size(v)
+
+
+def _setting(default, check: Callable | None = None, doc: str = "", types: tuple = ()):
+    return field(default=default, metadata={"check": check, "doc": doc, "types": types})
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataplaneConfig:
+    interface: str = _setting("eth0", _ifname, "interface the XDP program attaches to")
+    netns: str = _setting("", None, "named network namespace (/run/netns/NAME) of the interface; "
+                                    "empty: the daemon's own")
+    mode: str = _setting("native", _one_of("native", "generic"), "XDP attach mode")
+    address: str = _setting("", _optional_ipv4, "IPv4 address workers send to; empty: the "
+                                                "interface's first address")
+    port: int = _setting(DEFAULT_PORT, _port, "UDP port of the aggd protocol")
+    userspace_port: int = _setting(DEFAULT_PORT + 2, _port,
+                                   "UDP port for jobs whose packets the kernel program cannot take")
+    elements_per_packet: int = _setting(DEFAULT_ELEMENTS, _int_range(1, MAX_ELEMENTS),
+                                        "int32 values a packet holds (the kernel's packet size)")
+    kernel_memory: int = _setting(64 << 20, _size, "bytes of kernel memory for slots", (int, str))
+    pin_dir: str = _setting("/sys/fs/bpf/aggd", _abs_path, "where maps are pinned (bpffs)")
+    unpin_on_stop: bool = _setting(False, None, "remove the pinned maps on a clean stop")
+
+
+@dataclass(frozen=True)
+class JobsConfig:
+    default_slots: int = _setting(1024, _int_range(1, 1 << 20), "slots of a job created without --slots")
+    max_chunks: int = _setting(1 << 24, _int_range(1, (1 << 32) - 1), "largest chunk number + 1")
+    group_base: str = _setting("239.77.0.0", _multicast_base, "job i's results go to this group + i")
+    result_port: int = _setting(DEFAULT_RESULT_PORT, _port, "UDP port results are sent to")
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    socket: str = _setting("/run/aggd/control.sock", _abs_path, "aggctl's Unix socket")
+    group: str = _setting("", _group_name, "group allowed to use aggctl besides root; empty: root only")
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    dir: str = _setting("/var/lib/aggd", _abs_path, "where the job registry is kept (state.json)")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    address: str = _setting("127.0.0.1:9477", _host_port, "Prometheus endpoint (a later issue)")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = _setting("info", _one_of(*LOG_LEVELS), "log level")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    # The dynamic-hybrid policy (straggler detection, automatic switches) comes in a later issue;
+    # its settings will live here and reload on SIGHUP.
+    auto_switch: bool = _setting(False, None, "let the daemon switch strategies by itself (later)")
+
+
+@dataclass(frozen=True)
+class Config:
+    dataplane: DataplaneConfig = field(default_factory=DataplaneConfig)
+    jobs: JobsConfig = field(default_factory=JobsConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    source: str | None = field(default=None, compare=False)
+
+    @property
+    def slot_bytes(self) -> int:
+        return slot_bytes(self.dataplane.elements_per_packet)
+
+    @property
+    def kernel_slots(self) -> int:
+        """Slots the kernel memory budget holds."""
+        return self.dataplane.kernel_memory // self.slot_bytes
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+    def with_changes(self, section: str, **changes) -> "Config":
+        """A copy with some keys of one section changed, checked like a loaded file."""
+        d = self.to_dict()
+        d[section].update(changes)
+        return parse(d, self.source)
+
+
+SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.name != "source"}
+
+#: Settings a SIGHUP applies to the running daemon; any other change needs a restart.
+RELOADABLE = {
+    "log.level", "policy.auto_switch", "control.group", "jobs.default_slots", "jobs.max_chunks",
+    "dataplane.kernel_memory",  # for jobs created afterwards, up to the size loaded at start
+}
+
+
+def parse(data: dict, source: str | None = None) -> Config:
+    """A checked Config from a dict as tomllib returns it; ConfigError lists every problem."""
+    problems: list[str] = []
+    sections = {}
+    for name in data:
+        if name not in SECTIONS:
+            problems.append(f"{name}: unknown section (known: {', '.join(SECTIONS)})")
+    for name, factory in SECTIONS.items():
+        raw = data.get(name, {})
+        if not isinstance(raw, dict):
+            problems.append(f"{name}: must be a table ([{name}]), not {type(raw).__name__}")
+            raw = {}
+        sections[name] = _parse_section(name, factory, raw, problems)
+    if not problems:
+        dp = sections["dataplane"]
+        if dp.userspace_port == dp.port:
+            problems.append(f"dataplane.userspace_port: must differ from dataplane.port ({dp.port})")
+        if sections["jobs"].result_port == dp.port:
+            problems.append(f"jobs.result_port: must differ from dataplane.port ({dp.port})")
+    if problems:
+        raise ConfigError(problems, source)
+    return Config(**sections, source=source)
+
+
+def _parse_section(name: str, factory, raw: dict, problems: list[str]):
+    cls = factory().__class__
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    values = {}
+    for key, value in raw.items():
+        path = f"{name}.{key}"
+        f = known.get(key)
+        if f is None:
+            problems.append(f"{path}: unknown key (known: {', '.join(known)})")
+            continue
+        types = f.metadata["types"] or (type(f.default),)
+        # bool is an int in Python; a TOML `true` where a number belongs is still a mistake.
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            want = " or ".join({"str": "a string", "int": "an integer", "bool": "true or false"}[t.__name__]
+                               for t in types)
+            problems.append(f"{path}: must be {want}, not {value!r}")
+            continue
+        check = f.metadata["check"]
+        try:
+            values[key] = check(value) if check else value
+        except ValueError as exc:
+            problems.append(f"{path}: {exc}")
+    return cls(**values)
+
+
+def load(path: str | Path) -> Config:
+    """Read and check a TOML config file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"not valid TOML: {exc}"], str(path)) from None
+    return parse(data, str(path))
+
+
+def changed_keys(old: Config, new: Config) -> set[str]:
+    """Key paths whose values differ between two configs."""
+    a, b = old.to_dict(), new.to_dict()
+    return {f"{s}.{k}" for s in a for k in a[s] if a[s][k] != b[s][k]}

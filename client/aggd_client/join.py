@@ -1,0 +1,177 @@
+"""Joining a job the aggd daemon manages: ``join(server, job, rank, token)`` -> a ready AggClient.
+
+The exchange (docs/protocol.md, "Joining"): the worker sends a JOIN message from its member address
+(the socket its contributions will leave from); the daemon checks the token and the rank, registers
+the source address as that rank's member address (so the data plane accepts its packets and drops
+anyone else's claiming the rank) and answers with a JOIN_ACK carrying the job's parameters, or with
+a refusal ``code``. Both payloads are UTF-8 JSON objects after the usual 40-byte header: joining
+happens once per worker, and JSON lets the answer grow without a protocol version bump.
+
+The encoders and decoders here are the only definition of the two payloads; the daemon imports them.
+"""
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from dataclasses import dataclass
+
+from .client import AggClient
+from .errors import BadTokenError, NoAnswerError, NotMemberError, ProtocolError, UnknownJobError
+from .protocol import HEADER_SIZE, Header
+from .protocol.definition import MsgType, NackCode
+
+#: ``job`` header field of a JOIN that names its job in the payload instead.
+JOB_BY_NAME = 0xFFFF
+MAX_JOIN_BYTES = 1400  # one unfragmented datagram
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job's parameters as the daemon's JOIN_ACK gives them."""
+    job: int
+    name: str
+    world: int
+    group: tuple[str, int]
+    port: int               #: UDP port contributions go to (the aggd port, or the user-space port)
+    elements: int
+    slots: int
+    max_chunks: int
+    strategy: str
+    strategy_version: int
+    gso: bool = True        #: false when the aggregator runs XDP in generic mode
+
+    @classmethod
+    def from_json(cls, d: dict) -> "JobInfo":
+        try:
+            return cls(job=int(d["job"]), name=str(d["name"]), world=int(d["world"]),
+                       group=(str(d["group"][0]), int(d["group"][1])), port=int(d["port"]),
+                       elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
+                       strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
+                       gso=bool(d.get("gso", True)))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
+
+
+# -- messages ------------------------------------------------------------------------------------
+
+def encode_join(job: int | str, rank: int, token: str) -> bytes:
+    """A JOIN for job id ``job`` (an int) or job name ``job`` (a str)."""
+    body: dict = {"token": token}
+    if isinstance(job, str):
+        body["job"] = job
+        job_field = JOB_BY_NAME
+    else:
+        job_field = int(job)
+    return Header(type=MsgType.JOIN, job=job_field, rank=int(rank)).pack() + json.dumps(body).encode()
+
+
+def decode_join(data: bytes) -> tuple[Header, int | str, str]:
+    """(header, job id or name, token) of a JOIN; ValueError if malformed."""
+    hdr = Header.unpack(data)
+    body = json.loads(bytes(data[HEADER_SIZE:]).decode())
+    if not isinstance(body, dict) or not isinstance(body.get("token"), str):
+        raise ValueError("a JOIN payload is a JSON object with a string token")
+    job: int | str = hdr.job
+    if hdr.job == JOB_BY_NAME:
+        if not isinstance(body.get("job"), str):
+            raise ValueError("a JOIN by name carries the job's name in the payload")
+        job = body["job"]
+    return hdr, job, body["token"]
+
+
+def encode_join_ack(job: int, rank: int, code: int, body: dict) -> bytes:
+    """A JOIN_ACK: ``code`` 0 and the job's parameters, or a NackCode and ``{"error": message}``."""
+    return Header(type=MsgType.JOIN_ACK, job=job, rank=rank, code=int(code)).pack() + json.dumps(body).encode()
+
+
+def decode_join_ack(data: bytes) -> tuple[Header, dict]:
+    hdr = Header.unpack(data)
+    try:
+        body = json.loads(bytes(data[HEADER_SIZE:]).decode() or "{}")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"malformed JOIN_ACK payload: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"malformed JOIN_ACK payload: {body!r}")
+    return hdr, body
+
+
+# -- the worker side -----------------------------------------------------------------------------
+
+def request_join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
+                 bind: tuple[str, int] = ("0.0.0.0", 0), timeout: float = 5.0,
+                 retry_every: float = 0.25) -> tuple[JobInfo, tuple[str, int]]:
+    """Send a JOIN from ``bind`` until the daemon answers; return (job info, the bound address).
+
+    Raises BadTokenError, NotMemberError or UnknownJobError when refused (with the daemon's reason),
+    NoAnswerError after ``timeout`` seconds without an answer."""
+    server = (socket.gethostbyname(server[0]), int(server[1]))
+    msg = encode_join(job, rank, token)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind((bind[0], int(bind[1])))
+        deadline = time.monotonic() + timeout
+        next_send = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise NoAnswerError(server, job, timeout, f"rank {rank} sent JOIN and got no JOIN_ACK")
+            if now >= next_send:
+                try:
+                    sock.sendto(msg, server)
+                except OSError:
+                    pass  # e.g. ECONNREFUSED from an earlier ICMP: the daemon may be starting
+                next_send = now + retry_every
+            ready, _, _ = select.select([sock], [], [], max(0.0, min(next_send, deadline) - now))
+            if not ready:
+                continue
+            try:
+                data, src = sock.recvfrom(65535)
+            except OSError:
+                continue
+            if src[0] != server[0] or len(data) < HEADER_SIZE:
+                continue
+            hdr, body = decode_join_ack(data)
+            if hdr.type != MsgType.JOIN_ACK or hdr.rank != rank:
+                continue
+            local = sock.getsockname()
+            if local[0] == "0.0.0.0":
+                probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                probe.connect(server)
+                local = (probe.getsockname()[0], local[1])
+                probe.close()
+            if hdr.code != NackCode.NONE:
+                _raise_refusal(server, job, rank, local, hdr.code, body.get("error", ""))
+            return JobInfo.from_json(body), (local[0], local[1])
+    finally:
+        sock.close()
+
+
+def _raise_refusal(server, job, rank, address, code: int, reason: str):
+    errors = {NackCode.BAD_TOKEN: BadTokenError, NackCode.NOT_MEMBER: NotMemberError,
+              NackCode.UNKNOWN_JOB: UnknownJobError}
+    cls = errors.get(code)
+    if cls is None:
+        raise ProtocolError(f"aggregator {server[0]}:{server[1]} refused the join of rank {rank} to job "
+                            f"{job} with code {code}: {reason}")
+    raise cls(server, job, rank, address, reason)
+
+
+def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
+         bind: tuple[str, int] = ("0.0.0.0", 0), timeout: float = 5.0, **client_options) -> AggClient:
+    """Join job ``job`` (its name or id) of the daemon at ``server`` as ``rank`` with the job's
+    ``token``, and return an :class:`AggClient` set up with the job's parameters (its ``job_info``
+    attribute holds them). The worker's member address is ``bind`` (port 0: one is picked and kept).
+
+    ``client_options`` go to AggClient (``window``, ``retransmit_timeout``, ``give_up_after``, ``gso``);
+    ``gso`` is turned off when the daemon says its data plane cannot take GSO batches.
+    """
+    info, address = request_join(server, job, rank, token, bind=bind, timeout=timeout)
+    client_options["gso"] = bool(client_options.get("gso", True)) and info.gso
+    # The JOIN left from `address`, which is now the registered member address; the client's
+    # socket takes it over (the join socket is closed, so the port is free again).
+    client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
+                       bind=address, elements=info.elements, slots=info.slots, **client_options)
+    client.job_info = info
+    return client
