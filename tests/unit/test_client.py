@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from aggd_client import (AggClient, AggdError, AggregationOverflowError, NoAnswerError,
-                         NotMemberError, ProtocolError, UnknownJobError)
+                         NotMemberError, UnknownJobError)
 from aggd_client import quant
 from aggd_client.protocol import HEADER_SIZE, Header, packet_dtype
 from aggd_client.protocol.definition import MAGIC, VERSION, Flag, MsgType, NackCode
@@ -31,8 +31,10 @@ class FakeAggregator:
 
     def __init__(self, world: int, *, job: int = JOB, drop: float = 0.0, overflow: bool = False,
                  members: dict[int, tuple[str, int]] | None = None, seed: int = 1,
-                 n_contrib: int | None = None, group: tuple[str, int] | None = None):
+                 n_contrib: int | None = None, group: tuple[str, int] | None = None,
+                 remember: bool = True):
         self.group = group
+        self.remember = remember  # keep released results for re-sends (off: memory tests)
         self.world, self.job, self.drop, self.overflow = world, job, drop, overflow
         self.registered = members  # rank -> address; None: accept any source
         self.n_contrib = n_contrib
@@ -128,7 +130,8 @@ class FakeAggregator:
                      contributors=(1 << self.world) - 1,
                      n_contrib=self.world if self.n_contrib is None else self.n_contrib)
         payload = total[0].astype("<i4").tobytes()
-        self.released[key] = (res, payload)
+        if self.remember:
+            self.released[key] = (res, payload)
         msg = res.pack() + payload
         if self.group is not None:
             self._send(msg, self.group)
@@ -304,6 +307,26 @@ def test_lossy_aggregator_still_correct(path):
         for res in rs:
             check_close(res, exact, bound)
     assert sum(c.stats["retransmits"] for c in clients) > 0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_memory_stays_modest(dtype):
+    """Beyond the returned array the client needs a ring of packets, not a copy of the tensor."""
+    import tracemalloc
+    x = np.random.default_rng(0).standard_normal(1 << 19).astype(dtype)
+    with FakeAggregator(1, remember=False) as fake:
+        with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64) as c:
+            c.allreduce(x[:1000])  # sockets, ring and kernels set up
+            tracemalloc.start()
+            try:
+                base = tracemalloc.get_traced_memory()[0]
+                out = c.allreduce(x)
+                peak = tracemalloc.get_traced_memory()[1] - base
+            finally:
+                tracemalloc.stop()
+    assert out.shape == x.shape
+    print(f"peak {peak / 2**20:.2f} MiB for a {x.nbytes / 2**20:.1f} MiB tensor")
+    assert peak <= 2 * x.nbytes, f"peak {peak / 2**20:.1f} MiB for a {x.nbytes / 2**20:.1f} MiB tensor"
 
 
 def test_unknown_job_nack():

@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 from aggd_client import AggClient, AggregationOverflowError, NotMemberError, ProtocolError, quant
 from aggd_client import _fast
 from aggd_client.client import STAGE, _Transfer
-from aggd_client.protocol import HEADER_SIZE, packet_dtype
+from aggd_client.protocol import HEADER_SIZE
 from aggd_client.protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, NackCode
 
 pytestmark = pytest.mark.skipif(not _fast.AVAILABLE, reason="numba not installed")
