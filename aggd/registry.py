@@ -114,7 +114,8 @@ class Job:
 
     def join_info(self) -> dict:
         """The job's parameters a worker needs (the JOIN_ACK payload, see docs/protocol.md)."""
-        return {"job": self.id, "name": self.name, "world": self.world, "group": list(self.group),
+        return {"job": self.id, "name": self.name, "world": self.world,
+                "group": list(self.group) if self.group else None,
                 "port": self.port, "elements": self.elements, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
                 "strategy_version": self.strategy_version}
@@ -330,6 +331,26 @@ class Registry:
     def with_limits(self, limits: Limits) -> None:
         """New limits (a reload): existing jobs keep their placement; new jobs use the new ones."""
         self.limits = limits
+
+
+def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: float = 0.0) -> tuple[bytes | None, JoinOutcome | None]:
+    """A JOIN message from ``src`` -> (the JOIN_ACK to send back, the registry's outcome).
+
+    (None, None) for a malformed JOIN (not answered: it may not even come from an aggd client).
+    The caller applies an accepted outcome with ``changed`` to the data planes."""
+    from aggd_client.membership import decode_join, encode_join_ack
+
+    try:
+        hdr, ref, token = decode_join(data)
+    except (ValueError, UnicodeDecodeError):
+        return None, None
+    outcome = registry.join(ref, hdr.rank, token, src, now)
+    if outcome.code != NackCode.NONE:
+        job_id = outcome.job.id if outcome.job else hdr.job
+        return encode_join_ack(job_id, hdr.rank, outcome.code, {"error": outcome.message}), outcome
+    body = outcome.job.join_info()
+    body["gso"] = registry.limits.gso
+    return encode_join_ack(outcome.job.id, hdr.rank, 0, body), outcome
 
 
 def _ip_add(base: str, n: int) -> ipaddress.IPv4Address:

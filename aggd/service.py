@@ -26,13 +26,13 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from aggd_client import protocol as proto
-from aggd_client.join import decode_join, encode_join_ack
+from aggd_client.protocol import Header
 
 from . import xdp_ops
 from .config import Config, changed_keys, RELOADABLE
 from .control import ControlError
 from .model import JobConfig
-from .registry import Job, Limits, Registry, RegistryError
+from .registry import Job, Limits, Registry, RegistryError, answer_join
 
 log = logging.getLogger("aggd")
 
@@ -258,33 +258,28 @@ class Service:
         if missing:
             raise ControlError("unsupported", f"job {job.name}: the user-space path cannot run "
                                               f"{', '.join(missing)} yet")
-        self.us.set_strategy(job.id, entries)
+        try:
+            self.us.set_strategy(job.id, entries)
+        except (ValueError, NotImplementedError) as exc:
+            raise ControlError("unsupported", f"job {job.name}: {exc}") from None
         if hasattr(self.dp, "set_strategy"):
             self.dp.set_strategy(job.id, entries)
 
     # -- JOIN (runs on the user-space thread) ---------------------------------------------------------
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
-        try:
-            hdr, ref, token = decode_join(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            log.info("malformed JOIN from %s:%d: %s", src[0], src[1], exc)
-            return None
         with self.lock:
-            outcome = self.registry.join(ref, hdr.rank, token, src, time.time())
-            if outcome.code != proto.NackCode.NONE:
-                log.warning("join refused: rank %d of job %r from %s:%d: %s", hdr.rank, ref, src[0], src[1],
-                            outcome.message)
-                job_id = outcome.job.id if outcome.job else (hdr.job if isinstance(ref, int) else 0xFFFF)
-                return encode_join_ack(job_id, hdr.rank, outcome.code, {"error": outcome.message})
-            job = outcome.job
-            if outcome.changed:
-                xdp_ops.set_member(self.dp, job.id, hdr.rank, src)
-                self.us.set_member(job.id, hdr.rank, src)
+            answer, outcome = answer_join(self.registry, data, src, time.time())
+            if outcome is None:
+                log.info("malformed JOIN from %s:%d ignored", src[0], src[1])
+            elif outcome.code != proto.NackCode.NONE:
+                log.warning("join refused (%s) from %s:%d: %s", outcome.code.name, src[0], src[1], outcome.message)
+            elif outcome.changed:
+                job, rank = outcome.job, Header.unpack(data).rank
+                xdp_ops.set_member(self.dp, job.id, rank, src)
+                self.us.set_member(job.id, rank, src)
                 self._save()
-                log.info("job %s: rank %d joined from %s:%d", job.name, hdr.rank, src[0], src[1])
-            body = job.join_info()
-            body["gso"] = self.registry.limits.gso
-            return encode_join_ack(job.id, hdr.rank, 0, body)
+                log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
+            return answer
 
     # -- reload --------------------------------------------------------------------------------------
     def reload(self, new: Config) -> list[str]:

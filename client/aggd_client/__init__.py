@@ -13,7 +13,7 @@ job's id, world, group, packet size and slots:
 from .client import AggClient
 from .errors import (AggdError, AggregationOverflowError, BadTokenError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
-from .join import JobInfo, join
+from .membership import JobInfo, join
 
 __version__ = "0.1.0"
 

@@ -33,7 +33,7 @@ class JobInfo:
     job: int
     name: str
     world: int
-    group: tuple[str, int]
+    group: tuple[str, int] | None  #: results' multicast group; None: unicast to each member
     port: int               #: UDP port contributions go to (the aggd port, or the user-space port)
     elements: int
     slots: int
@@ -46,7 +46,8 @@ class JobInfo:
     def from_json(cls, d: dict) -> "JobInfo":
         try:
             return cls(job=int(d["job"]), name=str(d["name"]), world=int(d["world"]),
-                       group=(str(d["group"][0]), int(d["group"][1])), port=int(d["port"]),
+                       group=None if d["group"] is None else (str(d["group"][0]), int(d["group"][1])),
+                       port=int(d["port"]),
                        elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
                        gso=bool(d.get("gso", True)))

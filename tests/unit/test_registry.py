@@ -1,0 +1,174 @@
+"""The job registry: pure logic (placement, tokens, joins, strategy versions, persistence)."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from aggd.registry import Limits, Registry, RegistryError, answer_join
+from aggd_client.membership import decode_join_ack, encode_join
+from aggd_client.protocol import MsgType, NackCode
+
+LIMITS = Limits(kernel_budget=16, elements=256, port=47000, userspace_port=47002, result_port=47001)
+
+
+def registry(**changes) -> Registry:
+    counter = itertools.count()
+    limits = Limits(**{**LIMITS.__dict__, **changes})
+    return Registry(limits, token_factory=lambda: f"token{next(counter)}")
+
+
+def test_create_assigns_id_token_group_and_kernel_slots():
+    r = registry()
+    a = r.create("resnet", 4, slots=8, now=5.0)
+    b = r.create("bert", 2, slots=4)
+    assert (a.id, a.token, a.group, a.port) == (1, "token0", ("239.77.0.1", 47001), 47000)
+    assert (b.id, b.group[0]) == (2, "239.77.0.2")
+    assert (a.kernel_base, a.kernel_slots, b.kernel_base, b.kernel_slots) == (0, 8, 8, 4)
+    assert r.kernel_used() == 12 and r.largest_free_run() == 4
+    assert a.placement()["kernel"] == {"slots": [0, 8], "array": [0, 8]}
+    assert a.placement()["userspace"] == {"slots": [8, 8]}
+    assert r.get("resnet") is a and r.get(1) is a and r.get("1") is a
+
+
+def test_a_budget_for_half_a_job_splits_its_slots():
+    r = registry(kernel_budget=4)
+    job = r.create("half", 2, slots=8)
+    assert (job.kernel_slots, job.userspace_slots) == (4, 4)
+    assert job.placement()["userspace"]["slots"] == [4, 8]
+    assert r.create("rest", 2, slots=8).kernel_slots == 0  # nothing left: all in user space
+
+
+def test_zero_budget_puts_everything_in_user_space():
+    r = registry(kernel_budget=0)
+    assert r.create("a", 2, slots=8).kernel_slots == 0
+    assert r.largest_free_run() == 0
+
+
+def test_kernel_slots_cap_and_other_packet_sizes():
+    r = registry()
+    assert r.create("capped", 2, slots=8, kernel_slots=3).kernel_slots == 3
+    small = r.create("small", 2, slots=8, elements=128)
+    large = r.create("large", 2, slots=8, elements=512)
+    assert small.kernel_slots == large.kernel_slots == 0
+    assert small.port == 47000 and large.port == 47002  # the kernel cannot take larger packets
+
+
+def test_delete_frees_kernel_slots_and_first_fit_reuses_the_gap():
+    r = registry()
+    r.create("a", 2, slots=4)
+    r.create("b", 2, slots=8)
+    r.create("c", 2, slots=4)
+    assert r.kernel_used() == 16 and r.largest_free_run() == 0
+    freed = r.delete("b")
+    assert freed.kernel_slots == 8 and r.kernel_used() == 8 and r.largest_free_run() == 8
+    d = r.create("d", 2, slots=6)
+    assert (d.kernel_base, d.kernel_slots, d.id) == (4, 6, 2)  # the lowest free id comes back too
+    e = r.create("e", 2, slots=6)
+    assert e.kernel_slots == 2 and e.kernel_base == 10  # the largest run left, first fit
+
+
+@pytest.mark.parametrize("kwargs, kind, text", [
+    (dict(name="9lives", world=2), "bad_request", "start with a letter"),
+    (dict(name="a", world=0), "bad_request", "world must be 1..64"),
+    (dict(name="a", world=65), "bad_request", "world must be 1..64"),
+    (dict(name="a", world=2, slots=0), "bad_request", "slots"),
+    (dict(name="a", world=2, elements=513), "bad_request", "elements"),
+    (dict(name="a", world=2, strategy="fastest"), "bad_strategy", "unknown strategy"),
+    (dict(name="a", world=2, strategy="quorum:3"), "bad_strategy", "quorum k=3"),
+])
+def test_create_refusals(kwargs, kind, text):
+    r = registry()
+    with pytest.raises(RegistryError, match=text) as info:
+        r.create(**kwargs)
+    assert info.value.kind == kind and not r.jobs
+
+
+def test_duplicate_name_and_unknown_job():
+    r = registry()
+    r.create("a", 2)
+    with pytest.raises(RegistryError) as info:
+        r.create("a", 2)
+    assert info.value.kind == "exists"
+    with pytest.raises(RegistryError) as info:
+        r.get("nope")
+    assert info.value.kind == "unknown_job"
+    with pytest.raises(RegistryError):
+        r.delete(9)
+
+
+def test_join_checks_job_token_rank_in_that_order():
+    r = registry()
+    r.create("a", 2)
+    assert r.join("nope", 0, "token0", ("10.0.0.1", 1)).code == NackCode.UNKNOWN_JOB
+    bad = r.join("a", 0, "wrong", ("10.0.0.1", 1))
+    assert bad.code == NackCode.BAD_TOKEN and "token" in bad.message and "refused" in bad.message
+    assert r.join("a", 5, "wrong", ("10.0.0.1", 1)).code == NackCode.BAD_TOKEN  # token before rank
+    assert r.join("a", 2, "token0", ("10.0.0.1", 1)).code == NackCode.NOT_MEMBER
+    assert not r.get("a").members
+
+
+def test_join_registers_and_rejoin_moves_the_address():
+    r = registry()
+    r.create("a", 2)
+    first = r.join("a", 0, "token0", ("10.0.0.1", 4000), now=1.0)
+    assert first.code == NackCode.NONE and first.changed
+    again = r.join(1, 0, "token0", ("10.0.0.1", 4000), now=2.0)
+    assert again.code == NackCode.NONE and not again.changed      # a retried JOIN changes nothing
+    assert r.get("a").members[0].joined_at == 1.0
+    moved = r.join("a", 0, "token0", ("10.0.0.1", 4001), now=3.0)  # restarted worker, new port
+    assert moved.changed and r.get("a").members[0].address == ("10.0.0.1", 4001)
+    clash = r.join("a", 1, "token0", ("10.0.0.1", 4001))           # one address, two ranks
+    assert clash.code == NackCode.NOT_MEMBER and "rank 0" in clash.message
+
+
+def test_answer_join_round_trip():
+    r = registry(gso=False)
+    job = r.create("a", 2, slots=8)
+    answer, outcome = answer_join(r, encode_join("a", 1, job.token), ("10.0.0.2", 5000))
+    hdr, body = decode_join_ack(answer)
+    assert (hdr.type, hdr.code, hdr.job, hdr.rank) == (MsgType.JOIN_ACK, 0, job.id, 1)
+    assert body["world"] == 2 and body["slots"] == 8 and body["gso"] is False and body["port"] == 47000
+    assert outcome.changed
+    answer, _ = answer_join(r, encode_join(job.id, 0, "bad"), ("10.0.0.3", 5000))
+    hdr, body = decode_join_ack(answer)
+    assert hdr.code == NackCode.BAD_TOKEN and "refused" in body["error"]
+    assert answer_join(r, b"\xa6\x6d\x01\x05" + bytes(36) + b"not json", ("10.0.0.3", 1)) == (None, None)
+
+
+def test_strategy_versions():
+    r = registry()
+    r.create("a", 4)
+    job, table = r.set_strategy("a", "quorum:3:20ms", 10)
+    assert job.strategy_version == 1 and str(job.strategy) == "quorum:3:20ms"
+    assert [(e.version, e.from_round) for e in table.table_entries()] == [(0, 0), (1, 10)]
+    with pytest.raises(RegistryError) as info:
+        r.set_strategy("a", "sync", 10)  # must start after the last version's first round
+    assert info.value.kind == "bad_round"
+    with pytest.raises(RegistryError) as info:
+        r.set_strategy("a", "quorum:5", 20)  # k beyond world
+    assert info.value.kind == "bad_strategy"
+    with pytest.raises(RegistryError) as info:
+        r.set_strategy("a", "nonsense", 20)
+    assert info.value.kind == "bad_strategy"
+    assert job.strategy_version == 1  # refusals changed nothing
+    for i, rnd in enumerate((20, 30, 40, 50)):
+        r.set_strategy("a", "sync" if i % 2 else "ssp:1", rnd)
+    assert [v for v, _, _ in job.strategies] == [2, 3, 4, 5]  # the ring keeps the last 4
+
+
+def test_state_round_trip():
+    r = registry()
+    r.create("a", 2, slots=8, strategy="ssp:1")
+    r.create("b", 3, slots=8, elements=512)
+    r.join("a", 1, "token0", ("10.0.0.1", 4000), now=7.0)
+    r.set_strategy("a", "sync", 12)
+    saved = json.loads(json.dumps(r.to_json()))
+    back = registry()
+    back.load_json(saved)
+    assert back.to_json() == r.to_json()
+    assert back.get("a").members[1].address == ("10.0.0.1", 4000)
+    assert back.get("b").kernel_base == 8 or back.get("b").kernel_slots == 0
+    with pytest.raises(RegistryError):
+        back.load_json({"version": 99, "jobs": []})
