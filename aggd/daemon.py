@@ -91,6 +91,14 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         try:
+            return self._run(wake_r)
+        finally:
+            signal.set_wakeup_fd(-1)
+            wake_r.close()
+            wake_w.close()
+
+    def _run(self, wake_r: socket.socket) -> int:
+        try:
             self.notifier.status("starting: loading the XDP program")
             self.service.start()
             cfg = self.service.config
@@ -110,9 +118,6 @@ class Daemon:
             log.info("stopping")
             self.control.close()
             self.service.stop()
-            signal.set_wakeup_fd(-1)
-            wake_r.close()
-            wake_w.close()
         return 0
 
     def _loop(self, wake_r: socket.socket) -> None:
