@@ -1,37 +1,73 @@
 """Reference model of the aggregator: the per-packet behaviour of docs/protocol.md as pure logic.
 
-No I/O. ``AggregatorModel.process(udp_payload, sender)`` returns a ``Verdict`` (what the XDP program
-would do with the packet: drop / transmit / pass to user space, and the exact bytes it would send)
-and updates per-job counters the way the kernel's counter maps must. The XDP program is compared
-against this model packet by packet, the P4 backend's tests are driven by it, and the user-space
-server (``aggd.userspace``) runs it with the numba kernels as its arithmetic.
+No I/O, no clock. ``AggregatorModel.process(udp_payload, sender, now_ns)`` returns a ``Verdict``
+(what the XDP program does with the packet: drop / transmit / pass to user space, and the exact bytes
+it sends) and updates per-job counters the way the kernel's counter maps must. The XDP program is
+compared against this model packet by packet (tests/bpf/test_model_equivalence.py), the P4 backend's
+tests are driven by it, and the user-space server (``aggd.userspace``) runs it with the numba kernels
+as its arithmetic. The slot rules below follow the numbering of docs/protocol.md, "Strategies".
 
-Points docs/protocol.md leaves open, fixed here (the data planes must follow them):
+Points docs/protocol.md leaves open, fixed here (every data plane must follow them):
 
-* Order: too_short, bad_magic, bad_version, bad_type, bad_count, unknown_job (NACK), bad_rank
-  (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_chunk, then the hand-off to user space of a
-  payload that is not exactly ``elements`` int32 (``pass``, Counter.TO_USERSPACE), then the slot
-  rules. Malformed or foreign packets are therefore refused by the kernel itself, never passed up.
+Header checks and counters
+* Order: too_short, bad_magic, bad_version, JOIN (passed up uncounted, kernel mode only), bad_type,
+  bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_chunk,
+  then the hand-off to user space of a payload that is not exactly ``elements`` int32 (``pass``,
+  Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are refused by the kernel.
 * Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
-  RX_PACKETS, RX_BYTES (aggd message bytes, i.e. the UDP payload) and RETRANSMITS (packets with
-  Flag.RETRANSMIT) count every packet whose job is known, including those dropped later.
-  ELEMENTS counts ``count`` (data elements) per contribution added; OVERFLOWS counts contributions
-  whose addition overflowed somewhere; REREADS counts results re-sent (case 2).
+  RX_PACKETS, RX_BYTES (the UDP payload) and RETRANSMITS (Flag.RETRANSMIT) count every packet whose
+  job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) / OVERFLOWS count
+  every contribution added, carried ones included; CARRIED counts carried contributions; RELEASED
+  counts every bank that becomes released (complete, quorum deadline, async force-release);
+  TIMEOUTS the deadline releases; REREADS every result sent back to one sender as a re-send (flag
+  REREAD: re-reads, retransmissions of counted contributions, answers to late contributions);
+  PARTIALS the async running sums (unicast, no REREAD flag). A counter the protocol definition does
+  not have yet is kept by name in the model only (``JobState.pending``, shown by ``stats()``).
+* A NACK is a bare header: magic, version, type, job, rank, round, chunk, code and flags (only the
+  ``served_flags`` of this aggregator); every other field 0 (``strategy`` and ``param`` included).
+  Only unknown_job, bad_rank and not_member are NACKed; everything else is a silent drop.
+
+Results
+* A result carries the *bank's* key as ``round``/``chunk`` (the packet's own key except for the answer
+  to a late contribution), the packet's ``count``, rank 0xFFFF, the bank's ``version``, ``kind`` (as
+  ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
+  ``n_contrib``, and flags ``bank.flags`` (OVERFLOW, CARRIED) | REREAD for re-sends | served_flags.
+  ``code``, ``step`` and ``reserved`` are 0. All ``elements`` values are sent (padding included).
 * The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
-* An int32 overflow stores the wrapped value (what C does) and sets Flag.OVERFLOW on the bank, so
-  the result carries the flag; the client refuses such a result ("never returned wrapped" without
-  the flag).
-* A re-sent result (case 2) goes by unicast to the sender, like a NACK (SwitchML does the same):
-  the other members already have it. A NACK is a bare header: magic, version, type, job, rank,
-  round, chunk, code and flags (only the ``served_flags`` of this aggregator); everything else 0.
-* Only unknown_job, bad_rank and not_member are NACKed; bad_chunk and stale are silent drops
-  (NackCode.BAD_CHUNK / STALE are reserved).
-* A re-read never opens a bank: same key released -> re-send; same key open, or a newer key ->
-  ``not_ready``; an older key matching no bank -> ``stale``.
-* Keys ``(round, chunk)`` compare as unsigned tuples, no wrap-around. A slot starts with bank 0
-  active and both banks EMPTY (a zeroed map value); a new key always flips the active bank first,
-  so the first round of a slot lands in bank 1.
-* The result header echoes the packet's job/round/chunk/count; rank 0xFFFF, code 0, step 0.
+  An int32 overflow stores the wrapped value (what C does) and sets Flag.OVERFLOW on the bank.
+
+Strategy table
+* ``set_strategy`` takes 1..STRATEGY_VERSIONS rows in any order. A round is governed by the row with
+  the largest ``(from_round, version)`` among those with ``from_round <= round``; when there is none
+  (a round older than every row kept), by the row with the smallest ``from_round`` (ties: largest
+  version) -- what ``aggd.strategy.StrategyTable.governing`` does.
+
+Slot rules (numbers as in docs/protocol.md)
+* Keys ``(round, chunk)`` compare as unsigned tuples (the kernel's ``round << 32 | chunk``), no wrap.
+  Time is u64 ns: rule 0 tests ``(now - t_first) mod 2**64 >= timeout_us * 1000``. A bank's
+  ``t_first`` is the time it opened. Rule 0 runs for every packet that reaches the slot rules,
+  re-reads included, before anything else; the expired banks send nothing themselves.
+* Counted test ("X has contributed to B"): wbsp banks ``step < B.steps[X]``, other banks ``X`` in
+  ``B.bitmap | B.late``. Rule 1 drops it as ``duplicate``; rule 2 answers it with a re-send.
+  ``steps[X]`` holds ``step + 1`` without wrapping (up to 65536).
+* Rule 3 order: admission of the entry governing K.round (busy), then the bank: the first empty one,
+  else the released one with the smallest key, else (async only) the open one with the smallest key,
+  force-released (counted in RELEASED, nothing sent: its members got running sums). The bank records
+  version, kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
+  ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow).
+* Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT.
+  Otherwise its target is the open bank of the same chunk with the smallest round above K.round;
+  else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among the slot's
+  non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's newest key (or R
+  + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``. A carry adds the
+  values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the target unchanged; no
+  release test: the bitmap did not change), then, if the origin bank B (K released) still holds K --
+  the new round may have taken it -- sets X in B.late and, for a wbsp B, ``B.steps[X] = step + 1``
+  so the retransmission of that step is answered, not carried again. The answer is chosen *after*
+  the carry: the released bank of that chunk with the largest round, sent to X as a re-send; with no
+  such bank the packet is absorbed (XDP_DROP, nothing counted but the contribution).
+* Re-read: K released -> re-send (whoever asks); K open, or newer than the newest key, or the slot
+  empty -> ``not_ready``; otherwise ``stale``.
 """
 from __future__ import annotations
 
@@ -46,16 +82,31 @@ from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAY
                                   Flag, Header, MsgType, NackCode, StrategyKind)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
-from .strategy import SYNC, Strategy, StrategyTable
+from .strategy import SYNC, Strategy, StrategyTable, TableEntry, to_entry  # noqa: F401 (re-exported)
 
 Addr = tuple[str, int]
+Key = tuple[int, int]   #: (round, chunk)
 
 #: Drop-counter bucket for packets dropped before their job is known (row MAX_JOBS of a C array).
 NO_JOB = MAX_JOBS
 RESULT_RANK = 0xFFFF
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
+U32_MAX = (1 << 32) - 1
 MAX_SHIFT = 31
+#: Banks a slot holds (docs/protocol.md, "Slot state").
+BANKS = 4
+
+#: The strategies the model (and so the user-space path) runs, with what sets each apart.
+RULES: dict[StrategyKind, str] = {
+    StrategyKind.SYNC: "release when every member contributed; a new round only when none is open",
+    StrategyKind.QUORUM: "release at k members or at the deadline; late contributions are carried",
+    StrategyKind.SSP: "release when every member contributed; rounds open up to s ahead of the oldest",
+    StrategyKind.ASYNC: "every contribution is answered with the running sum; rounds always open",
+    StrategyKind.WBSP: "members push several steps into a round; release when every member did",
+}
+#: Counters the strategies add. Until the protocol definition has one, the model keeps it by name.
+STRATEGY_COUNTERS = ("carried", "timeouts", "partials")
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,8 +146,6 @@ NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate)
 # --------------------------------------------------------------------------------------------
 # Configuration.
 
-
-
 @dataclass
 class JobConfig:
     job: int
@@ -108,6 +157,7 @@ class JobConfig:
     group: Addr | None = None
     #: The job's packet size; None = the aggregator's. The kernel has one size, so it must match.
     elements: int | None = None
+    #: Installed as version 0 from round 0; ``set_strategy`` replaces the table later.
     strategy: Strategy = SYNC
 
     def __post_init__(self) -> None:
@@ -130,8 +180,31 @@ def _addr(a: Addr) -> Addr:
     return (str(a[0]), int(a[1]))
 
 
+def check_table(entries: list[TableEntry]) -> list[TableEntry]:
+    """The rows a data plane can store: 1..STRATEGY_VERSIONS of them, every field in its C type."""
+    entries = list(entries)
+    if not 1 <= len(entries) <= STRATEGY_VERSIONS:
+        raise ValueError(f"a strategy table has 1..{STRATEGY_VERSIONS} entries, not {len(entries)}")
+    for e in entries:
+        if e.kind not in StrategyKind.__members__.values():
+            raise ValueError(f"unknown strategy kind {e.kind} in {e}")
+        if not (0 <= e.version <= 0xFFFF and 0 <= e.from_round <= U32_MAX and 0 <= e.param <= 0xFF
+                and 0 <= e.timeout_us <= U32_MAX):
+            raise ValueError(f"strategy entry {e} does not fit the data planes' fields")
+    return entries
+
+
+def governing(entries: list[TableEntry], round_: int) -> TableEntry:
+    """The row that governs ``round_`` (see the module docstring for the tie and fallback rules)."""
+    reached = [e for e in entries if e.from_round <= round_]
+    if reached:
+        return max(reached, key=lambda e: (e.from_round, e.version))
+    first = min(e.from_round for e in entries)
+    return max((e for e in entries if e.from_round == first), key=lambda e: e.version)
+
+
 # --------------------------------------------------------------------------------------------
-# Slot state (docs/protocol.md, "Aggregation semantics").
+# Slot state (docs/protocol.md, "Slot state").
 
 class BankState(enum.IntEnum):
     EMPTY = 0
@@ -143,38 +216,102 @@ class BankState(enum.IntEnum):
 class Bank:
     values: np.ndarray                 #: int32[elements], a view into the job's slot array
     state: BankState = BankState.EMPTY
-    key: tuple[int, int] = (0, 0)      #: (round, chunk); meaningless while EMPTY
-    bitmap: int = 0                    #: ranks counted
-    n_contrib: int = 0
+    key: Key = (0, 0)                  #: (round, chunk); meaningless while EMPTY
+    bitmap: int = 0                    #: members whose own contribution was added
+    late: int = 0                      #: members whose late contribution to this round was carried
+    n_contrib: int = 0                 #: everything added (carried and wbsp steps included), u16
     exponent: int = ZERO_EXPONENT
-    flags: int = 0                     #: Flag bits the result carries (OVERFLOW, later CARRIED)
-    version: int = 0                   #: strategy version that governs the bank's round
+    flags: int = 0                     #: Flag bits the result carries (OVERFLOW, CARRIED)
+    version: int = 0                   #: the governing table row, recorded when the bank opened
+    kind: StrategyKind = StrategyKind.SYNC
+    param: int = 0
+    timeout_us: int = 0
+    t_first: int = 0                   #: ns, when the bank opened
+    steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: wbsp: next step expected
 
-    def open(self, key: tuple[int, int], version: int) -> None:
-        self.state, self.key, self.version = BankState.OPEN, key, version
-        self.bitmap = self.n_contrib = self.flags = 0
+    def open(self, key: Key, entry: TableEntry, now: int) -> None:
+        self.state, self.key, self.t_first = BankState.OPEN, key, now
+        self.version, self.kind = entry.version, StrategyKind(entry.kind)
+        self.param, self.timeout_us = entry.param, entry.timeout_us
+        self.bitmap = self.late = self.n_contrib = self.flags = 0
         self.exponent = ZERO_EXPONENT
+        self.steps = [0] * MAX_MEMBERS
+
+    def counted(self, rank: int, step: int) -> bool:
+        """Has this member's contribution (wbsp: this step) already been taken by this round?"""
+        if self.kind == StrategyKind.WBSP:
+            return step < self.steps[rank]
+        return bool((self.bitmap | self.late) >> rank & 1)
+
+    def complete(self, world: int) -> bool:
+        """The release test of rule 1."""
+        if self.kind == StrategyKind.QUORUM:
+            return self.bitmap.bit_count() >= self.param
+        return self.bitmap == (1 << world) - 1
+
+    def expired(self, now: int) -> bool:
+        """Rule 0: an open quorum bank past its deadline."""
+        return (self.state == BankState.OPEN and self.kind == StrategyKind.QUORUM
+                and (now - self.t_first) % (1 << 64) >= self.timeout_us * 1000)
 
 
 @dataclass
 class Slot:
-    """A slot's banks. Sync uses two (active + shadow); SSP will want ``staleness + 2``."""
     banks: list[Bank]
-    active: int = 0
 
-    def find(self, key: tuple[int, int], state: BankState) -> Bank | None:
-        for bank in self.banks:
-            if bank.state == state and bank.key == key:
-                return bank
-        return None
+    def bank_of(self, key: Key) -> Bank | None:
+        return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
+
+    def newest(self) -> Key | None:
+        """The largest key of the non-empty banks; None while the slot is empty."""
+        return max((b.key for b in self.banks if b.state != BankState.EMPTY), default=None)
+
+    def open_banks(self) -> list[Bank]:
+        return [b for b in self.banks if b.state == BankState.OPEN]
+
+    def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
+        return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
+                and (state is None or b.state == state)]
+
+    def free_bank(self) -> Bank | None:
+        """Rule 3's choice: an empty bank, else the released bank with the smallest key."""
+        empty = [b for b in self.banks if b.state == BankState.EMPTY]
+        if empty:
+            return empty[0]
+        released = [b for b in self.banks if b.state == BankState.RELEASED]
+        return min(released, key=lambda b: b.key, default=None)
+
+
+def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
+    """Rule 3's admission: may a round governed by ``entry`` open now?"""
+    kind = StrategyKind(entry.kind)
+    if kind == StrategyKind.ASYNC:
+        return True
+    if kind == StrategyKind.SSP:
+        return all(b.key[0] + entry.param >= round_ for b in slot.open_banks())
+    return not slot.open_banks()
 
 
 @dataclass
 class JobState:
     cfg: JobConfig
     slots: list[Slot]
-    strategies: StrategyTable
+    table: list[TableEntry]
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
+    #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
+    pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
+                                                             if n.upper() not in Counter.__members__})
+
+    def count(self, name: str, n: int = 1) -> None:
+        member = Counter.__members__.get(name.upper())
+        if member is None:
+            self.pending[name] += n
+        else:
+            self.counters[member] += n
+
+    def counter(self, name: str) -> int:
+        member = Counter.__members__.get(name.upper())
+        return self.pending[name] if member is None else int(self.counters[member])
 
 
 # --------------------------------------------------------------------------------------------
@@ -188,7 +325,7 @@ class Verdict:
     "tx" to the sender that also carries a drop ``reason``: the packet is counted as that drop.
     ``addrs`` resolves ``dest`` to UDP addresses (the group, every member in fan-out mode, or the
     sender); ``job`` is the counter bucket (a job id or NO_JOB). A contribution absorbed into a
-    slot without releasing it is ``Verdict("drop", None)``: XDP_DROP with no drop counted.
+    slot without an answer is ``Verdict("drop", None)``: XDP_DROP with no drop counted.
     """
     action: str
     reason: DropReason | None = None
@@ -200,6 +337,11 @@ class Verdict:
     @property
     def header(self) -> Header | None:
         return None if self.out is None else Header.unpack(self.out)
+
+
+#: Called with (job, bank, cause) whenever a bank becomes released; cause is "complete",
+#: "timeout" or "force". For tests and diagnostics: the bank is live, copy what you keep.
+ReleaseObserver = Callable[[int, Bank, str], None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,6 +362,7 @@ class AggregatorModel:
         self.arith = arithmetic
         self.jobs: dict[int, JobState] = {}
         self._drops: dict[int, np.ndarray] = {NO_JOB: _zero_drops()}
+        self.on_release: ReleaseObserver | None = None
 
     # -- registry ------------------------------------------------------------------------------
     def add_job(self, cfg: JobConfig) -> None:
@@ -229,12 +372,10 @@ class AggregatorModel:
             raise ValueError(f"job {cfg.job} wants {cfg.elements} elements a packet, "
                              f"the aggregator has {self.elements}")
         cfg = replace(cfg, members=dict(cfg.members))  # ours to mutate (set_member)
-        rule = RULES.get(cfg.strategy.kind)
-        if rule is None:
-            raise NotImplementedError(f"strategy {cfg.strategy.kind.name} is not implemented yet")
-        values = np.zeros((cfg.slots, rule.banks, self.elements), np.int32)
-        slots = [Slot([Bank(values[s, b]) for b in range(rule.banks)]) for s in range(cfg.slots)]
-        self.jobs[cfg.job] = JobState(cfg, slots, StrategyTable(cfg.strategy))
+        table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
+        values = np.zeros((cfg.slots, BANKS, self.elements), np.int32)
+        slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
+        self.jobs[cfg.job] = JobState(cfg, slots, table)
         self._drops[cfg.job] = _zero_drops()
 
     def remove_job(self, job: int) -> None:
@@ -250,10 +391,22 @@ class AggregatorModel:
         else:
             cfg.members[rank] = _addr(addr)
 
+    def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
+        """Replace the job's strategy table with exactly these rows (what the data planes store;
+        ``StrategyTable.table_entries()`` makes them). Open banks keep the row they opened with."""
+        self.jobs[job].table = check_table(entries)
+
+    def strategy_table(self, job: int) -> list[TableEntry]:
+        return list(self.jobs[job].table)
+
     # -- counters ------------------------------------------------------------------------------
     def counters(self, job: int) -> np.ndarray:
         """uint64[len(Counter)] for ``job`` (a copy)."""
         return self.jobs[job].counters.copy()
+
+    def counter(self, job: int, name: str) -> int:
+        """One counter by name, including those only the model has so far (STRATEGY_COUNTERS)."""
+        return self.jobs[job].counter(name)
 
     def drops(self, job: int = NO_JOB) -> np.ndarray:
         """uint64[len(DropReason)] for ``job`` or the NO_JOB bucket (a copy)."""
@@ -263,13 +416,14 @@ class AggregatorModel:
         """Every counter by name: {"jobs": {job: {"counters": {...}, "drops": {...}}}, "no_job": {...}}."""
         def named(arr: np.ndarray, enum_: type[enum.IntEnum]) -> dict[str, int]:
             return {m.name.lower(): int(arr[m]) for m in enum_}
-        return {"jobs": {j: {"counters": named(s.counters, Counter),
+        return {"jobs": {j: {"counters": named(s.counters, Counter) | s.pending,
                              "drops": named(self._drops[j], DropReason)} for j, s in self.jobs.items()},
                 "no_job": named(self._drops[NO_JOB], DropReason)}
 
     # -- the data path ---------------------------------------------------------------------------
-    def process(self, data: bytes | bytearray | memoryview, src: Addr) -> Verdict:
-        """One UDP payload (aggd header + int32 payload) from ``src``; see the module docstring."""
+    def process(self, data: bytes | bytearray | memoryview, src: Addr, now_ns: int = 0) -> Verdict:
+        """One UDP payload (aggd header + int32 payload) from ``src`` at time ``now_ns`` (u64 ns,
+        the data plane's clock); see the module docstring."""
         size = len(data)
         if size < HEADER_SIZE:
             return self._drop(NO_JOB, DropReason.TOO_SHORT)
@@ -278,6 +432,8 @@ class AggregatorModel:
             return self._drop(NO_JOB, DropReason.BAD_MAGIC)
         if hdr.version != VERSION:
             return self._drop(NO_JOB, DropReason.BAD_VERSION)
+        if hdr.type == MsgType.JOIN and not self.userspace:
+            return Verdict("pass")      # membership is the daemon's business
         if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD):
             return self._drop(NO_JOB, DropReason.BAD_TYPE)
         held = (size - HEADER_SIZE) // 4
@@ -287,11 +443,11 @@ class AggregatorModel:
         job = self.jobs.get(hdr.job)
         if job is None:
             return self._nack(NO_JOB, DropReason.UNKNOWN_JOB, NackCode.UNKNOWN_JOB, hdr, src)
-        cfg, ctr = job.cfg, job.counters
-        ctr[Counter.RX_PACKETS] += 1
-        ctr[Counter.RX_BYTES] += size
+        cfg = job.cfg
+        job.count("rx_packets")
+        job.count("rx_bytes", size)
         if hdr.flags & Flag.RETRANSMIT:
-            ctr[Counter.RETRANSMITS] += 1
+            job.count("retransmits")
         if hdr.rank >= cfg.world:
             return self._nack(cfg.job, DropReason.BAD_RANK, NackCode.NOT_MEMBER, hdr, src)
         if cfg.members.get(hdr.rank) != (src[0], src[1]):
@@ -299,15 +455,123 @@ class AggregatorModel:
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
         if not self.userspace and size - HEADER_SIZE != self.elements * 4:
-            ctr[Counter.TO_USERSPACE] += 1
+            job.count("to_userspace")
             return Verdict("pass", job=cfg.job)
 
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
-        version, strategy = job.strategies.governing(hdr.round)
-        slot = job.slots[hdr.chunk % cfg.slots]
-        return RULES[strategy.kind].handle(self, job, slot, version, hdr, values, src)
+        return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
-    # -- helpers shared by the strategy rules ------------------------------------------------------
+    def _slot_rules(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray, src: Addr,
+                    now: int) -> Verdict:
+        """docs/protocol.md, "Per contribution K = (round, chunk) from member X"."""
+        for bank in slot.banks:                                                  # rule 0
+            if bank.expired(now):
+                job.count("timeouts")
+                self._release(job, bank, "timeout")
+        key = (hdr.round, hdr.chunk)
+        bank, newest = slot.bank_of(key), slot.newest()
+        if hdr.type == MsgType.REREAD:
+            if bank is not None and bank.state == BankState.RELEASED:
+                return self._resend(job, bank, hdr, src)
+            if bank is not None or newest is None or key > newest:
+                return self._drop(job.cfg.job, DropReason.NOT_READY)
+            return self._drop(job.cfg.job, DropReason.STALE)
+
+        if bank is not None and bank.state == BankState.OPEN:                  # rule 1
+            if bank.counted(hdr.rank, hdr.step):
+                return self._drop(job.cfg.job, DropReason.DUPLICATE)
+            return self._contribute(job, bank, hdr, values, src, fresh=False)
+        if bank is not None:                                                     # rule 2
+            if bank.counted(hdr.rank, hdr.step):
+                return self._resend(job, bank, hdr, src)
+            return self._late(job, slot, bank, hdr, values, src, now)
+        if newest is None or key > newest:                                       # rule 3
+            bank = self._open(job, slot, key, now)
+            if bank is None:
+                return self._drop(job.cfg.job, DropReason.BUSY)
+            return self._contribute(job, bank, hdr, values, src, fresh=True)
+        return self._late(job, slot, None, hdr, values, src, now)                # rule 4
+
+    def _open(self, job: JobState, slot: Slot, key: Key, now: int) -> Bank | None:
+        """Rule 3: open a bank for a new round if its strategy admits it; None means busy."""
+        entry = governing(job.table, key[0])
+        if not admits(entry, slot, key[0]):
+            return None
+        bank = slot.free_bank()
+        if bank is None:
+            if entry.kind != StrategyKind.ASYNC:
+                return None
+            bank = min(slot.open_banks(), key=lambda b: b.key)
+            self._release(job, bank, "force")
+        bank.open(key, entry, now)
+        return bank
+
+    def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
+                    fresh: bool) -> Verdict:
+        """Rule 1 after the duplicate test: the member's own contribution to an open round."""
+        self._add(job, bank, hdr, values, fresh)
+        bank.bitmap |= 1 << hdr.rank
+        if bank.kind == StrategyKind.WBSP:
+            bank.steps[hdr.rank] = hdr.step + 1
+        if bank.complete(job.cfg.world):
+            self._release(job, bank, "complete")
+            return self._to_group(job, self._result(bank, hdr))
+        if bank.kind == StrategyKind.ASYNC:
+            job.count("partials")
+            return self._to_sender(job, self._result(bank, hdr), src)
+        return Verdict("drop", job=job.cfg.job)     # absorbed: counted as a contribution
+
+    def _late(self, job: JobState, slot: Slot, origin: Bank | None, hdr: Header, values: np.ndarray,
+              src: Addr, now: int) -> Verdict:
+        """Rule 4: carry a late contribution into the next round of its chunk, answer with the
+        newest released result of that chunk. ``origin`` is K's released bank, if any."""
+        if origin is None and hdr.flags & Flag.RETRANSMIT:
+            return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
+        key = (hdr.round, hdr.chunk)
+        later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]
+        target = min(later, key=lambda b: b.key, default=None)
+        fresh = target is None
+        if fresh:
+            newest_round = max((b.key[0] for b in slot.of_chunk(hdr.chunk)), default=hdr.round)
+            new_key = (newest_round + 1, hdr.chunk)
+            if new_key[0] > U32_MAX or new_key <= slot.newest():
+                return self._drop(job.cfg.job, DropReason.BUSY)
+            target = self._open(job, slot, new_key, now)
+            if target is None:
+                return self._drop(job.cfg.job, DropReason.BUSY)
+        self._add(job, target, hdr, values, fresh)
+        target.flags |= Flag.CARRIED
+        job.count("carried")
+        if origin is not None and origin.state == BankState.RELEASED and origin.key == key:
+            origin.late |= 1 << hdr.rank
+            if origin.kind == StrategyKind.WBSP:
+                origin.steps[hdr.rank] = hdr.step + 1
+        answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+        if answer is None:
+            return Verdict("drop", job=job.cfg.job)
+        return self._resend(job, answer, hdr, src)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _add(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, fresh: bool) -> None:
+        """Add one contribution's values into a bank (the first one of a fresh bank is copied)."""
+        if fresh:
+            self.arith.load(bank.values, values)
+            bank.exponent = hdr.exponent
+        else:
+            bank.exponent, overflow = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
+            if overflow:
+                bank.flags |= Flag.OVERFLOW
+                job.count("overflows")
+        bank.n_contrib = (bank.n_contrib + 1) & 0xFFFF
+        job.count("contributions")
+        job.count("elements", hdr.count)
+
+    def _release(self, job: JobState, bank: Bank, cause: str) -> None:
+        bank.state = BankState.RELEASED
+        job.count("released")
+        if self.on_release is not None:
+            self.on_release(job.cfg.job, bank, cause)
+
     def _drop(self, bucket: int, reason: DropReason) -> Verdict:
         self._drops[bucket][reason] += 1
         return Verdict("drop", reason, job=bucket)
@@ -318,11 +582,12 @@ class AggregatorModel:
                      flags=self.served_flags, code=code).pack()
         return Verdict("tx", reason, out, "sender", (_addr(src),), bucket)
 
-    def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
-        out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=hdr.round,
-                     chunk=hdr.chunk, count=hdr.count, strategy_version=bank.version,
+    def _result(self, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
+        out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
+                     chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
                      exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
-                     contributors=bank.bitmap, n_contrib=bank.n_contrib)
+                     contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
+                     param=bank.param)
         return out.pack() + bank.values.astype(PAYLOAD_DTYPE, copy=False).tobytes()
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
@@ -330,75 +595,13 @@ class AggregatorModel:
         addrs = (cfg.group,) if cfg.group is not None else tuple(cfg.members[r] for r in sorted(cfg.members))
         return Verdict("tx", None, out, "group", addrs, cfg.job)
 
-    def _resend(self, job: JobState, bank: Bank, hdr: Header, src: Addr) -> Verdict:
-        job.counters[Counter.REREADS] += 1
-        out = self._result(job, bank, hdr, Flag.REREAD)
+    def _to_sender(self, job: JobState, out: bytes, src: Addr) -> Verdict:
         return Verdict("tx", None, out, "sender", (_addr(src),), job.cfg.job)
 
-    def _add(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray) -> None:
-        """Count one contribution into an open bank (the caller has checked it is not a duplicate)."""
-        ctr = job.counters
-        if bank.n_contrib == 0:
-            self.arith.load(bank.values, values)
-            bank.exponent = hdr.exponent
-        else:
-            bank.exponent, overflow = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
-            if overflow:
-                bank.flags |= Flag.OVERFLOW
-                ctr[Counter.OVERFLOWS] += 1
-        bank.bitmap |= 1 << hdr.rank
-        bank.n_contrib += 1
-        ctr[Counter.CONTRIBUTIONS] += 1
-        ctr[Counter.ELEMENTS] += hdr.count
+    def _resend(self, job: JobState, bank: Bank, hdr: Header, src: Addr) -> Verdict:
+        job.count("rereads")
+        return self._to_sender(job, self._result(bank, hdr, Flag.REREAD), src)
 
 
 def _zero_drops() -> np.ndarray:
     return np.zeros(len(DropReason), np.uint64)
-
-
-# --------------------------------------------------------------------------------------------
-# Strategy rules: the slot rules of one strategy, run after the header checks.
-
-class SyncRule:
-    """``sync`` (BSP): docs/protocol.md cases 1-4, release when every member has contributed."""
-    banks = 2
-
-    def handle(self, m: AggregatorModel, job: JobState, slot: Slot, version: int, hdr: Header,
-               values: np.ndarray, src: Addr) -> Verdict:
-        key = (hdr.round, hdr.chunk)
-        active = slot.banks[slot.active]
-        is_open = active.state == BankState.OPEN
-        if is_open and active.key == key:                                   # case 1
-            if hdr.type == MsgType.REREAD:
-                return m._drop(job.cfg.job, DropReason.NOT_READY)
-            if active.bitmap >> hdr.rank & 1:
-                return m._drop(job.cfg.job, DropReason.DUPLICATE)
-            m._add(job, active, hdr, values)
-            if self.ready(job, active):
-                active.state = BankState.RELEASED
-                job.counters[Counter.RELEASED] += 1
-                return m._to_group(job, m._result(job, active, hdr))
-            return Verdict("drop", job=job.cfg.job)    # absorbed: counted as a contribution
-        released = slot.find(key, BankState.RELEASED)
-        if released is not None:                                            # case 2
-            return m._resend(job, released, hdr, src)
-        if active.state == BankState.EMPTY or key > active.key:            # case 3
-            if hdr.type == MsgType.REREAD:
-                return m._drop(job.cfg.job, DropReason.NOT_READY)
-            if is_open:
-                return m._drop(job.cfg.job, DropReason.BUSY)
-            # The bank we reuse holds the result before last, which every member has.
-            slot.active ^= 1
-            bank = slot.banks[slot.active]
-            bank.open(key, version)
-            return self.handle(m, job, slot, version, hdr, values, src)
-        return m._drop(job.cfg.job, DropReason.STALE)                       # case 4
-
-    @staticmethod
-    def ready(job: JobState, bank: Bank) -> bool:
-        return bin(bank.bitmap).count("1") == job.cfg.world
-
-
-#: Strategy kind -> rule. quorum/ssp/async/wbsp plug in here (each decides its bank count,
-#: dedup key, release test and what a contribution to a released key does, e.g. carry it).
-RULES: dict[StrategyKind, SyncRule] = {StrategyKind.SYNC: SyncRule()}

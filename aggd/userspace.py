@@ -2,7 +2,8 @@
 
 The decisions are ``aggd.model.AggregatorModel``'s (in ``userspace`` mode, so short payloads are
 served rather than passed on and every message carries Flag.USERSPACE); the arithmetic is the numba
-kernels'. This module only moves bytes: receive, ``model.process``, send the verdict's message.
+kernels'. This module only moves bytes: receive, ``model.process``, send the verdict's message. The
+model's clock is CLOCK_MONOTONIC (``time.monotonic_ns``), the kernel's ``bpf_ktime_get_ns``.
 
 The daemon adds three things: more than one socket (the aggd port behind the XDP program, and a
 port for jobs whose packets are larger than the kernel's), jobs with their own packet size (one
@@ -16,6 +17,7 @@ import logging
 import select
 import socket
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -24,8 +26,8 @@ from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from . import kernels
-from .model import NO_JOB, RULES, Addr, AggregatorModel, JobConfig, Verdict
-from .strategy import StrategyTable, TableEntry, from_entry
+from .model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
+from .strategy import TableEntry
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +127,10 @@ class UserspaceAggregator:
             self._route[job].set_member(job, rank, addr)
 
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
-        """Install a job's strategy table (oldest entry first). Refuses a strategy the user-space
-        rules cannot run yet, leaving the job as it was."""
-        strategies = [(e.version, e.from_round, from_entry(e)) for e in entries]
-        missing = sorted({s.kind.name.lower() for _, _, s in strategies if s.kind not in RULES})
-        if missing:
-            raise NotImplementedError(f"the user-space path cannot run {', '.join(missing)} yet")
+        """Install a job's strategy table: exactly these rows (``StrategyTable.table_entries()``), as
+        the kernel stores them. ValueError, and the job left as it was, for rows no data plane holds."""
         with self._lock:
-            state = self._route[job].jobs[job]
-            table = StrategyTable(strategies[0][2])
-            table.entries = strategies
-            state.strategies = table
+            self._route[job].set_strategy(job, entries)
 
     def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
         """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
@@ -210,7 +205,7 @@ class UserspaceAggregator:
                     continue
                 job = int.from_bytes(self._buf[4:6], "big") if size >= 6 else NO_JOB
                 with self._lock:
-                    verdict = self._route.get(job, self.model).process(data, src)
+                    verdict = self._route.get(job, self.model).process(data, src, time.monotonic_ns())
             except Exception:  # one bad packet (or a bug it triggers) must not stop the path
                 self.errors += 1
                 log.exception("user-space path: handling a %d-byte packet from %s failed", size, src)

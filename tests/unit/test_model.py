@@ -113,18 +113,21 @@ SCENARIOS: dict[str, list] = {
         (contrib(1, [1], round=0, chunk=2), drop(DropReason.BUSY)),   # same slot (2 % 2)
         (contrib(1, [1], round=0, chunk=1), ABSORBED),               # other slot
     ],
-    "the shadow bank serves the previous result; older keys are stale": [
+    "released rounds stay for re-reads while the slot's four banks hold them; older keys are stale": [
         *[(contrib(r, [r + 1], round=0), RELEASE) if r == 2 else (contrib(r, [r + 1], round=0), ABSORBED)
           for r in range(3)],
         (contrib(0, [10], round=1), ABSORBED),
-        (reread(1, round=0), resent([6], round=0)),                   # shadow bank
+        (reread(1, round=0), resent([6], round=0)),                   # an older bank
         (contrib(1, [10], round=1), ABSORBED),
         (contrib(2, [10], round=1), released([30], round=1)),
-        (reread(0, round=0), resent([6], round=0)),                   # still the shadow
-        (contrib(0, [1], round=2), ABSORBED),                         # reuses round 0's bank
+        *[(contrib(r, [1], round=rnd), RELEASE if r == 2 else ABSORBED) for rnd in (2, 3) for r in range(3)],
+        (reread(0, round=0), resent([6], round=0)),                   # 4 banks: rounds 0..3
+        (contrib(0, [1], round=4), ABSORBED),                         # reuses round 0's bank
         (reread(0, round=0), drop(DropReason.STALE)),
-        (contrib(0, [1], round=0), drop(DropReason.STALE)),
+        (contrib(0, [1], round=0, flags=Flag.RETRANSMIT), drop(DropReason.STALE)),
+        (contrib(1, [1], round=0, flags=Flag.RETRANSMIT), drop(DropReason.STALE)),
         (reread(0, round=1), resent([30], round=1)),
+        (contrib(0, [1], round=1, flags=Flag.RETRANSMIT), resent([30], round=1)),
     ],
     "exponents align to the smallest; the finer is shifted right": [
         (contrib(0, [64, -64, 7], exponent=4), ABSORBED),             # 4.0, -4.0, 0.4375
@@ -333,9 +336,12 @@ def test_registry_validation():
     with pytest.raises(ValueError):
         AggregatorModel(E).add_job(JobConfig(job=1, world=1, slots=1, max_chunks=1, members={},
                                              elements=E * 2))
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ValueError):                        # a quorum needs a timeout
         AggregatorModel(E).add_job(JobConfig(job=1, world=1, slots=1, max_chunks=1, members={},
                                              strategy=Strategy(StrategyKind.QUORUM, k=1)))
+    with pytest.raises(ValueError):                        # k beyond the world
+        AggregatorModel(E).add_job(JobConfig(job=1, world=1, slots=1, max_chunks=1, members={},
+                                             strategy=Strategy(StrategyKind.QUORUM, k=2, timeout_us=5)))
 
 
 def test_member_registered_late():
@@ -457,10 +463,12 @@ def test_property_sum_within_the_alignment_bound_and_exact_for_equal_exponents(r
 @settings(max_examples=50, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, 3)), max_size=60))
 def test_property_slots_never_mix_keys(events):
-    """Random (rank, round, chunk) traffic: whatever is released is one key's data from every member."""
+    """Random (rank, round, chunk) traffic: whatever is released is one key's data from every member.
+    Every packet is marked a retransmission, so a key the slot no longer holds is stale rather than
+    carried into a later round (what rule 4 does with a late first transmission)."""
     m = model(cfg(slots=2, max_chunks=4))
     for rank, rnd, chunk in events:
-        v = m.process(*contrib(rank, [1000 * rnd + chunk], round=rnd, chunk=chunk))
+        v = m.process(*contrib(rank, [1000 * rnd + chunk], round=rnd, chunk=chunk, flags=Flag.RETRANSMIT))
         if v.action == "tx":
             hdr, payload = decode(v.out)
             assert (hdr.round, hdr.chunk) == (rnd, chunk)

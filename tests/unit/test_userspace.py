@@ -84,6 +84,34 @@ def test_model_with_kernels_gives_identical_verdicts():
     assert a.counters(3)[Counter.RELEASED] >= 10 and a.counters(3)[Counter.OVERFLOWS] > 0
 
 
+@pytest.mark.parametrize("text", ["sync", "quorum:3:10ms", "ssp:2", "async", "wbsp"])
+def test_model_with_kernels_gives_identical_verdicts_for_every_strategy(text):
+    """The user-space path is the model with the numba arithmetic: same bytes, same counters."""
+    from aggd.strategy import parse, to_entry
+    from tests.unit.test_model_strategies import JOB, Traffic, job_config
+
+    rng = random.Random(text)
+    released = overflows = 0
+    for _ in range(40):          # short runs: members of a long one can stall behind a stale key
+        models = []
+        for arith in (NUMPY_ARITHMETIC, kernels.KERNEL_ARITHMETIC):
+            m = AggregatorModel(32, arithmetic=arith)
+            m.add_job(job_config(4, 2, 8))
+            m.set_strategy(JOB, [to_entry(parse(text), 0, 0)])
+            models.append(m)
+        a, b = models
+        traffic = Traffic(world=4, slots=2, chunks=4, max_chunks=8, window=3, elements=32)
+        for _ in range(75):
+            sent = traffic.next(rng.getrandbits(32))
+            va = a.process(sent.data, sent.src, sent.now_ns)
+            assert va == b.process(sent.data, sent.src, sent.now_ns)
+            traffic.observe(sent, va)
+        assert a.stats() == b.stats()
+        released += a.counter(JOB, "released")
+        overflows += a.counter(JOB, "overflows")
+    assert released >= 40 and overflows > 0
+
+
 # ---------------------------------------------------------------------------------------------
 # The server over UDP on 127.0.0.1.
 
@@ -223,3 +251,39 @@ def test_serve_once_without_thread(workers):
         assert Header.unpack(workers[0].recvfrom(65536)[0]).code == NackCode.UNKNOWN_JOB
     finally:
         srv.close()
+
+
+def test_strategies_over_udp(server, workers):
+    """set_strategy reaches the model; async answers each contribution at once, the clock runs."""
+    from aggd.strategy import StrategyTable, parse
+
+    members = {r: s.getsockname() for r, s in enumerate(workers)}
+    server.add_job(JobConfig(job=5, world=3, slots=2, max_chunks=8, members=members, group=None))
+    table = StrategyTable(parse("sync"))
+    table.install(1, 2, parse("async"))
+    server.set_strategy(5, table.table_entries())
+    for r, s in enumerate(workers):
+        s.sendto(contribution(5, r, [r + 1], round=1), server.address)
+    for s in workers:
+        hdr, payload = decode(s.recvfrom(65536)[0])
+        assert (hdr.round, hdr.strategy_version, hdr.strategy, payload[0]) == (1, 0, 0, 6)
+    workers[0].sendto(contribution(5, 0, [10], round=2), server.address)
+    hdr, payload = decode(workers[0].recvfrom(65536)[0])
+    assert (hdr.round, hdr.strategy_version, hdr.n_contrib, payload[0]) == (2, 1, 1, 10)
+    assert hdr.flags == Flag.USERSPACE                      # a running sum, not a re-send
+    workers[1].sendto(contribution(5, 1, [20], round=2), server.address)
+    assert decode(workers[1].recvfrom(65536)[0])[1][0] == 30
+    with pytest.raises(ValueError):
+        server.set_strategy(5, [])
+    # quorum with a 1 ms deadline: released by the next packet to the slot once it passed
+    table.install(2, 3, parse("quorum:3:1ms"))
+    server.set_strategy(5, table.table_entries())
+    workers[0].sendto(contribution(5, 0, [1], round=3, chunk=1), server.address)  # round 2 holds slot 0
+    import time
+    time.sleep(0.005)
+    workers[0].sendto(Header(type=MsgType.REREAD, job=5, rank=0, round=3, chunk=1, count=1).pack()
+                      + bytes(4 * E), server.address)
+    hdr, payload = decode(workers[0].recvfrom(65536)[0])
+    assert (hdr.round, hdr.n_contrib, hdr.strategy, hdr.param) == (3, 1, 1, 3)
+    assert hdr.flags == Flag.USERSPACE | Flag.REREAD
+    assert server.stats()["jobs"][5]["counters"]["timeouts"] == 1
