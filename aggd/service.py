@@ -251,7 +251,9 @@ class Service:
 
         entries = table.table_entries()
         kinds = {proto.StrategyKind(e.kind) for e in entries}
-        if not hasattr(self.dp, "set_strategy") and (len(entries) > 1 or kinds != {proto.StrategyKind.SYNC}):
+        # A job with no kernel slot is aggregated in user space only: the kernel's table is moot.
+        if job.kernel_slots and not hasattr(self.dp, "set_strategy") and \
+                (len(entries) > 1 or kinds != {proto.StrategyKind.SYNC}):
             raise ControlError("unsupported", f"job {job.name}: the kernel data plane cannot switch strategies "
                                               f"yet (XdpDataPlane has no set_strategy)")
         missing = sorted(k.name.lower() for k in kinds if k not in RULES)

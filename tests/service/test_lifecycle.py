@@ -1,0 +1,73 @@
+"""The daemon's life: READY/WATCHDOG/RELOADING/STOPPING on its NOTIFY_SOCKET, SIGHUP reload, SIGTERM
+detaching XDP while the maps stay pinned, and a restart that finds the jobs again."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from aggd.lab import xdp_prog_id
+
+pytestmark = pytest.mark.root
+
+
+def test_notify_reload_and_clean_stop(make_lab, make_daemon):
+    lab = make_lab(1)
+    d = make_daemon(lab, start=False)
+    d.start(env={"WATCHDOG_USEC": "1000000"})  # a ping every 0.5 s
+    ready = d.notify.wait_for("READY=1", 5)
+    assert any(m.startswith("STATUS=") for m in d.notify.messages[ready].split("\n")[1:])
+    d.notify.wait_for("WATCHDOG=1", 5, after=ready)
+    assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) is not None
+
+    created = d.call("jobs.create", name="before", world=1)
+    assert created["slots"] == 16
+    # SIGHUP: a reloadable key applies to jobs created afterwards; a bad file is refused whole
+    d.configure(jobs={"default_slots": 32}, log={"level": "debug"})
+    mark = len(d.notify.messages)
+    d.send(signal.SIGHUP)
+    d.notify.wait_for("RELOADING=1", 10, after=mark)
+    d.notify.wait_for("READY=1", 10, after=mark)
+    assert d.call("jobs.create", name="after", world=1)["slots"] == 32
+    d.configure(dataplane={"mode": "fast"})
+    mark = len(d.notify.messages)
+    d.send(signal.SIGHUP)
+    d.notify.wait_for("READY=1", 10, after=mark)
+    assert 'dataplane.mode: must be "native" or "generic", not "fast"' in d.log()
+    assert d.call("status")["dataplane"]["mode"] == "native"  # still running, old config
+    d.configure(dataplane={"mode": "native"})
+
+    # SIGTERM: STOPPING=1, XDP detached, maps and state kept
+    mark = len(d.notify.messages)
+    assert d.stop(signal.SIGTERM) == 0
+    d.notify.wait_for("STOPPING=1", 1, after=mark)
+    assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) is None
+    assert sorted(os.listdir(d.pin_dir)) >= ["jobs", "members", "slots", "stats"]
+    saved = json.loads((d.state_dir / "state.json").read_text())
+    assert [j["name"] for j in saved["jobs"]] == ["before", "after"]
+    assert not Path(d.socket).exists()
+
+    d.start()  # re-attaches to the pinned maps and restores both jobs
+    assert [j["name"] for j in d.call("jobs.list")] == ["before", "after"]
+    assert "kernel slots kept" in d.log()
+    assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) is not None
+
+
+def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
+    lab = make_lab(1)
+    d = make_daemon(lab, dataplane={"unpin_on_stop": True})
+    d.call("jobs.create", name="a", world=1)
+    d.stop()
+    assert not Path(d.pin_dir).exists()
+    d.start()  # jobs come back from the state file, their kernel slots empty
+    assert [j["name"] for j in d.call("jobs.list")] == ["a"]
+    assert "kernel slots installed empty" in d.log()
+    d.stop()
+    # a bad interface is a clear error and a non-zero exit before READY
+    d.configure(dataplane={"interface": "nosuch0"})
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert "no interface nosuch0" in d.log()
