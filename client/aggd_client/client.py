@@ -56,7 +56,9 @@ SOL_UDP = getattr(socket, "SOL_UDP", 17)
 GSO_MAX_SEGMENTS = 64
 UDP_MAX_PAYLOAD = 65507
 #: errnos that mean "this kernel/path cannot do UDP GSO".
-_GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP}
+#: EMSGSIZE: GSO segments must fit the MTU; a job with larger packets (served by the daemon in user
+#: space) needs plain sends, which IP fragments.
+_GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EMSGSIZE}
 #: errnos that lose the packet but leave the socket usable: loss recovery takes care of them.
 _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EPERM, errno.ECONNREFUSED, errno.EHOSTUNREACH,
               errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
