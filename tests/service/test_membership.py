@@ -1,0 +1,72 @@
+"""Membership over the network: a wrong token is refused with a clear error; a member claiming
+another member's rank is dropped by the XDP program and counted; the job is unharmed."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from aggd.labrun import LabJob, run_workers
+
+pytestmark = pytest.mark.root
+
+WORKER = textwrap.dedent("""
+    import json, socket, sys
+    import numpy as np
+    from aggd_client import BadTokenError, join
+    from aggd_client.protocol import Header, MsgType, NackCode, decode
+    server, job, rank, token, ip, claim = (sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4],
+                                           sys.argv[5], int(sys.argv[6]))
+    try:
+        join((server, 47000), job, rank, token, bind=(ip, 40000), timeout=5).close()
+    except BadTokenError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}))
+        sys.exit(0)
+    # joined as `rank` from ip:40000; now send a contribution from that address claiming `claim`
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((ip, 40000))
+    s.settimeout(3)
+    hdr = Header(type=MsgType.CONTRIB, job=int(sys.argv[7]), rank=claim, round=0, chunk=0, count=256)
+    s.sendto(hdr.pack() + np.ones(256, "<i4").tobytes(), (server, 47000))
+    try:
+        answer, _ = decode(s.recv(65536))
+        print(json.dumps({"error": None, "type": int(answer.type), "code": int(answer.code)}))
+    except socket.timeout:
+        print(json.dumps({"error": None, "type": None}))
+""")
+
+
+def attempt(lab, worker, job, rank, token, claim):
+    out = lab.check_output(lab.worker_ns(worker), [
+        sys.executable, "-c", WORKER, lab.agg_ip, job["name"], str(rank), token, lab.worker_ip(worker),
+        str(claim), str(job["id"])], timeout=60)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_wrong_token_refused_and_forged_rank_dropped(make_lab, make_daemon):
+    lab = make_lab(2)
+    d = make_daemon(lab)
+    job = d.call("jobs.create", name="guarded", world=2, slots=8)
+
+    refused = attempt(lab, 0, job, 0, "0" * 32, claim=0)
+    assert refused["error"] == "BadTokenError"
+    assert "token was refused" in refused["message"] and "guarded" in refused["message"]
+    assert d.call("jobs.show", job="guarded")["joined"] == 0  # nothing registered
+    assert "join refused (BAD_TOKEN)" in d.log()
+
+    forged = attempt(lab, 1, job, 1, job["token"], claim=0)  # member 1 claims to be rank 0
+    assert (forged["type"], forged["code"]) == (4, 2)  # NACK, NOT_MEMBER
+    drops = d.call("jobs.show", job="guarded")["paths"]["kernel"]["drops"]
+    assert drops["not_member"] == 1
+    assert d.call("jobs.show", job="guarded")["paths"]["kernel"]["counters"]["contributions"] == 0
+
+    # the job is unharmed: its members (joining with the token) get exact sums
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1], name="guarded", token=job["token"]),
+                       timeout=120, extra=["--sizes", "1,4096", "--rounds", "2"])
+    for r in runs:
+        assert r.returncode == 0 and all(rec["within_bound"] for rec in r.records), r.stderr[-2000:]
+    workers = d.call("workers", job="guarded")["workers"]
+    assert [w["address"] for w in workers] == [[lab.worker_ip(0), 40000], [lab.worker_ip(1), 40000]]
+    assert [w["last_round"] for w in workers] == [3, 3]  # 2 sizes x 2 rounds: allreduces 0..3
