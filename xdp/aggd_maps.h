@@ -17,6 +17,9 @@
 
 enum bank_state { BANK_EMPTY = 0, BANK_OPEN = 1, BANK_RELEASED = 2 };
 
+/* Banks a slot keeps: ssp:2 needs three open rounds plus one released round kept for re-reads. */
+#define NBANKS 4
+
 /* One entry of a job's strategy ring: governs rounds >= from_round until a newer entry does. */
 struct strategy_entry {
 	__u32 from_round;
@@ -39,7 +42,7 @@ struct job_cfg {
 	__be32 group_ip;     /* results go to this multicast group ... */
 	__be16 result_port;  /* ... on this UDP port */
 	__u8 group_mac[6];
-	__u64 all_members;   /* bitmap with the world's bits set: release test for sync */
+	__u64 all_members;   /* bitmap with the world's bits set */
 	struct strategy_entry strategy[AGGD_STRATEGY_VERSIONS];
 };
 
@@ -50,23 +53,41 @@ struct member {
 	__u8 _pad;
 };
 
+/* One round of one chunk (docs/protocol.md, "Strategies"). */
 struct bank {
 	__u64 key;           /* (round << 32) | chunk */
-	__u64 bitmap;        /* ranks summed */
+	__u64 bitmap;        /* members whose own contribution was added */
+	__u64 late;          /* members whose late contribution to this round was carried on */
+	__u64 t_first;       /* ns of the first contribution (quorum deadline) */
+	__u32 timeout_us;
 	__u16 n_contrib;
 	__s16 exponent;
+	__u16 version;       /* strategy entry governing this round, copied when it opened */
 	__u8 state;          /* enum bank_state */
-	__u8 flags;          /* AGGD_FLAG_OVERFLOW when a sum wrapped */
-	__u16 version;       /* strategy version that governs the round */
+	__u8 flags;          /* AGGD_FLAG_OVERFLOW, AGGD_FLAG_CARRIED */
+	__u8 kind;
+	__u8 param;
+	__u8 _pad[2];
+	__u8 steps[AGGD_MAX_MEMBERS]; /* wbsp: next step expected from each member */
 	__s32 values[ELEMS];
 };
 
-/* Two banks a slot: the active one accumulates, the other keeps the previous result for re-reads
- * (SwitchML's shadow copy). */
+/* Working memory of one packet's decision, used only under the slot's lock. Keeping the scan's
+ * results here instead of in registers lets the verifier merge the paths through the scan (values
+ * read back from map memory are not tracked precisely), which keeps it far below its limits. */
+struct scratch {
+	__s32 ik, ifree, irel_old, itarget, irel_chunk;
+	__u32 used, nopen, min_open_round, have_chunk, timeouts;
+	__u64 newest, rel_old_key, target_key, rel_chunk_key, chunk_newest;
+	__s32 add, out, reason;
+	__u32 add_fresh, add_carried, late, out_group, partial, released, overflowed, written;
+};
+
 struct slot {
 	struct bpf_spin_lock lock;
-	__u32 cur;
-	struct bank bank[2];
+	__u32 _pad;
+	struct scratch sc;
+	struct bank bank[NBANKS];
 };
 
 struct job_stats {
@@ -86,5 +107,7 @@ AGGD_MAP("array", struct job_cfg, jobs, AGGD_MAX_JOBS);
 AGGD_MAP("array", struct member, members, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
 AGGD_MAP("array", struct slot, slots, TOTAL_SLOTS);
 AGGD_MAP("percpu_array", struct job_stats, stats, AGGD_MAX_JOBS + 1);
+/* Time source: 0 means bpf_ktime_get_ns(); tests freeze time by writing a value. */
+AGGD_MAP("array", __u64, clock, 1);
 
 #endif /* AGGD_MAPS_H */

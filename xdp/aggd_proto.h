@@ -77,7 +77,10 @@ enum aggd_counter {
 	AGGD_COUNTER_OVERFLOWS = 6,
 	AGGD_COUNTER_TO_USERSPACE = 7,
 	AGGD_COUNTER_RETRANSMITS = 8,
-	AGGD_COUNTER__COUNT = 9,
+	AGGD_COUNTER_CARRIED = 9,
+	AGGD_COUNTER_TIMEOUTS = 10,
+	AGGD_COUNTER_PARTIALS = 11,
+	AGGD_COUNTER__COUNT = 12,
 };
 
 /* Header fields are big-endian; the int32 payload that follows is little-endian. */

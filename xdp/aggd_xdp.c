@@ -36,7 +36,6 @@ static __always_inline void count(__u32 bucket, __u32 which, __u64 n)
 
 #define NACK_LEN (sizeof(struct ethhdr) + sizeof(struct iphdr) + sizeof(struct udphdr) + sizeof(struct aggd_hdr))
 
-enum slot_outcome { OUT_ABSORBED, OUT_RELEASE, OUT_RESEND, OUT_DROP };
 
 /* Refuse a packet: answer the sender with a header-only NACK (never larger than what it sent). */
 static __always_inline int nack(struct xdp_md *ctx, __u8 code)
@@ -81,6 +80,43 @@ static __always_inline struct strategy_entry *strategy_for(struct job_cfg *cfg, 
 			best = e;
 	}
 	return best;
+}
+
+static __always_inline __u64 clock_now(void)
+{
+	__u32 zero = 0;
+	__u64 *frozen = clock.lookup(&zero);
+	return frozen && *frozen ? *frozen : bpf_ktime_get_ns();
+}
+
+/* May a new round open? (docs/protocol.md, Strategies, rule 3) */
+static __always_inline int admits(struct strategy_entry *e, __u32 round, int nopen, __u32 min_open_round)
+{
+	__u8 kind = e ? e->kind : AGGD_STRATEGY_KIND_SYNC;
+	if (kind == AGGD_STRATEGY_KIND_SSP)
+		return nopen == 0 || (__u64)min_open_round + e->param >= round;
+	if (kind == AGGD_STRATEGY_KIND_ASYNC)
+		return nopen < NBANKS - 1; /* keep one released bank for re-reads */
+	return nopen == 0;
+}
+
+static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now)
+{
+	b->key = key;
+	b->state = BANK_OPEN;
+	b->bitmap = 0;
+	b->late = 0;
+	b->n_contrib = 0;
+	b->flags = 0;
+	b->t_first = now;
+	b->version = e ? e->version : 0;
+	b->kind = e ? e->kind : AGGD_STRATEGY_KIND_SYNC;
+	b->param = e ? e->param : 0;
+	b->timeout_us = e ? e->timeout_us : 0;
+	__u64 *steps = (__u64 *)b->steps;
+#pragma unroll
+	for (int i = 0; i < AGGD_MAX_MEMBERS / 8; i++)
+		steps[i] = 0;
 }
 
 int aggd_xdp(struct xdp_md *ctx)
@@ -156,165 +192,256 @@ int aggd_xdp(struct xdp_md *ctx)
 		return count_drop(job, AGGD_DROP_REASON_TOO_SHORT);
 
 	__u32 round = ntohl(h->round);
-	struct strategy_entry *st = strategy_for(cfg, round);
-	__u16 version = st ? st->version : 0;
 	__u64 key = ((__u64)round << 32) | chunk;
 	__u64 bit = 1ULL << rank;
 	__u64 all = cfg->all_members;
 	__s16 exp_in = (__s16)ntohs(h->exponent);
+	__u32 step = ntohs(h->step);
+	int retransmit = h->flags & AGGD_FLAG_RETRANSMIT;
+	struct strategy_entry *st_new = strategy_for(cfg, round);
+	__u64 now = clock_now();
 
-	int outcome = OUT_DROP, reason = AGGD_DROP_REASON_STALE;
-	__u64 out_bitmap = 0;
+	/* The decision is taken under the lock and carried out by at most one adding loop and one
+	 * copying loop: `add` is the bank the payload goes into, `out` the bank sent back. */
+	__s32 ovf = 0;
+	__u64 out_key = 0, out_bitmap = 0;
 	__u16 out_n = 0, out_version = 0;
 	__s16 out_exp = 0;
-	__u8 out_flags = 0;
-	__s32 ovf = 0;
-	int overflowed = 0;
+	__u8 out_flags = 0, out_kind = 0, out_param = 0;
 
 	bpf_spin_lock(&s->lock);
-	__u32 cur = s->cur & 1;
-	struct bank *b = &s->bank[cur];
-	struct bank *o = &s->bank[cur ^ 1];
-	struct bank *res = 0;
+	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
+	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = -1;
+	sc->used = sc->nopen = sc->have_chunk = sc->timeouts = 0;
+	sc->min_open_round = 0xffffffff;
+	sc->newest = sc->rel_chunk_key = sc->chunk_newest = 0;
+	sc->rel_old_key = sc->target_key = ~0ULL;
+	sc->add = sc->out = sc->reason = -1;
+	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
+	sc->partial = sc->released = sc->overflowed = sc->written = 0;
+#pragma unroll
+	for (int i = 0; i < NBANKS; i++) {
+		struct bank *b = &s->bank[i];
+		if (b->state == BANK_OPEN && b->kind == AGGD_STRATEGY_KIND_QUORUM &&
+		    now - b->t_first >= (__u64)b->timeout_us * 1000) {
+			b->state = BANK_RELEASED; /* deadline passed: released without the stragglers */
+			sc->timeouts++;
+		}
+		if (b->state == BANK_EMPTY) {
+			if (sc->ifree < 0)
+				sc->ifree = i;
+			continue;
+		}
+		__u64 k = b->key;
+		sc->used++;
+		if (k == key)
+			sc->ik = i;
+		if (sc->used == 1 || k > sc->newest)
+			sc->newest = k;
+		if ((__u32)k == chunk && (!sc->have_chunk || k > sc->chunk_newest)) {
+			sc->chunk_newest = k;
+			sc->have_chunk = 1;
+		}
+		if (b->state == BANK_OPEN) {
+			sc->nopen++;
+			if ((__u32)(k >> 32) < sc->min_open_round)
+				sc->min_open_round = k >> 32;
+			if ((__u32)k == chunk && k > key && k < sc->target_key) {
+				sc->target_key = k;
+				sc->itarget = i;
+			}
+		} else {
+			if (k < sc->rel_old_key) {
+				sc->rel_old_key = k;
+				sc->irel_old = i;
+			}
+			if ((__u32)k == chunk && (sc->irel_chunk < 0 || k > sc->rel_chunk_key)) {
+				sc->rel_chunk_key = k;
+				sc->irel_chunk = i;
+			}
+		}
+	}
+	int pick = sc->ifree >= 0 ? sc->ifree : sc->irel_old; /* bank a new round may take */
+	int ik = sc->ik;
 
-	if (b->state == BANK_RELEASED && b->key == key) {
-		res = b;
-	} else if (o->state == BANK_RELEASED && o->key == key) {
-		res = o;
-	} else if (type == AGGD_MSG_TYPE_REREAD) {
-		reason = (key >= b->key || b->state == BANK_EMPTY) ? AGGD_DROP_REASON_NOT_READY
-								    : AGGD_DROP_REASON_STALE;
-	} else {
-		int fresh = 0;
-		if (b->state == BANK_OPEN && b->key == key) {
-			if (b->bitmap & bit)
-				reason = AGGD_DROP_REASON_DUPLICATE;
+	if (type == AGGD_MSG_TYPE_REREAD) {
+		if (ik >= 0 && s->bank[ik & (NBANKS - 1)].state == BANK_RELEASED)
+			sc->out = ik;
+		else if (ik >= 0 || sc->used == 0 || key > sc->newest)
+			sc->reason = AGGD_DROP_REASON_NOT_READY;
+		else
+			sc->reason = AGGD_DROP_REASON_STALE;
+	} else if (ik >= 0) {
+		struct bank *b = &s->bank[ik & (NBANKS - 1)];
+		int counted = b->kind == AGGD_STRATEGY_KIND_WBSP ? step < b->steps[rank & (AGGD_MAX_MEMBERS - 1)]
+								  : !!(b->bitmap & bit);
+		if (b->state == BANK_OPEN) {
+			if (counted)
+				sc->reason = AGGD_DROP_REASON_DUPLICATE;
 			else
-				outcome = OUT_ABSORBED;
-		} else if (b->state == BANK_EMPTY || key > b->key) {
-			if (b->state == BANK_OPEN) {
-				reason = AGGD_DROP_REASON_BUSY;
+				sc->add = ik;
+		} else if (counted || (b->late & bit)) {
+			sc->out = ik; /* the sender lost the result */
+		} else {
+			sc->late = 1; /* released without this member */
+		}
+	} else if (sc->used == 0 || key > sc->newest) {
+		if (pick >= 0 && admits(st_new, round, sc->nopen, sc->min_open_round)) {
+			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now);
+			sc->add = pick;
+			sc->add_fresh = 1;
+		} else {
+			sc->reason = AGGD_DROP_REASON_BUSY;
+		}
+	} else {
+		sc->late = 1; /* older than every bank */
+	}
+
+	if (sc->late) {
+		if (ik < 0 && retransmit) {
+			sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one already carried */
+		} else if (sc->itarget >= 0) {
+			sc->add = sc->itarget;
+		} else {
+			__u32 r2 = (sc->have_chunk ? (__u32)(sc->chunk_newest >> 32) : round) + 1;
+			__u64 k2 = ((__u64)r2 << 32) | chunk;
+			struct strategy_entry *e2 = strategy_for(cfg, r2);
+			if (k2 > sc->newest && pick >= 0 && admits(e2, r2, sc->nopen, sc->min_open_round)) {
+				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now);
+				sc->add = pick;
+				sc->add_fresh = 1;
 			} else {
-				if (b->state == BANK_RELEASED) {
-					cur ^= 1;
-					s->cur = cur;
-					b = o;
-				}
-				b->key = key;
-				b->bitmap = 0;
-				b->n_contrib = 0;
-				b->flags = 0;
-				b->state = BANK_OPEN;
-				b->version = version;
-				fresh = 1;
-				outcome = OUT_ABSORBED;
+				sc->reason = AGGD_DROP_REASON_BUSY;
 			}
 		}
-		if (outcome == OUT_ABSORBED) {
+		if (sc->add >= 0) {
+			sc->add_carried = 1;
+			if (ik >= 0)
+				s->bank[ik & (NBANKS - 1)].late |= bit;
+			sc->out = sc->irel_chunk; /* the newest released result of this chunk answers */
+		}
+	}
+
+	int add = sc->add;
+	if (add >= 0) {
+		struct bank *b = &s->bank[add & (NBANKS - 1)];
+		if (!sc->add_carried) {
 			__u64 bm = b->bitmap | bit;
-			int release = (bm & all) == all;
-			__s32 *v = b->values;
-			if (fresh) {
-				b->exponent = exp_in;
-				for (int i = 0; i < ELEMS; i++)
-					v[i] = payload[i];
-			} else {
-				int se = b->exponent, sa = 0, sb = 0;
-				if (exp_in < se) {
-					sa = clamp_shift(se - exp_in);
-					b->exponent = exp_in;
-				} else {
-					sb = clamp_shift(exp_in - se);
-				}
-				if (sa == 0 && sb == 0) {
-					if (release) {
-						for (int i = 0; i < ELEMS; i++) {
-							__s32 x = v[i], y = payload[i];
-							__s32 z = (__s32)((__u32)x + (__u32)y);
-							ovf |= (x ^ z) & (y ^ z);
-							v[i] = z;
-							payload[i] = z;
-						}
-					} else {
-						for (int i = 0; i < ELEMS; i++) {
-							__s32 x = v[i], y = payload[i];
-							__s32 z = (__s32)((__u32)x + (__u32)y);
-							ovf |= (x ^ z) & (y ^ z);
-							v[i] = z;
-						}
-					}
-				} else {
-					for (int i = 0; i < ELEMS; i++) {
-						__s32 x = v[i] >> sa, y = payload[i] >> sb;
-						__s32 z = (__s32)((__u32)x + (__u32)y);
-						ovf |= (x ^ z) & (y ^ z);
-						v[i] = z;
-					}
-					if (release) /* rare: exponents differ on the releasing packet */
-						res = b;
-				}
-			}
-			if (ovf < 0)
-				b->flags |= AGGD_FLAG_OVERFLOW;
-			overflowed = ovf < 0;
+			int release;
+			if (b->kind == AGGD_STRATEGY_KIND_QUORUM)
+				release = __builtin_popcountll(bm) >= b->param;
+			else
+				release = (bm & all) == all;
 			b->bitmap = bm;
-			b->n_contrib++;
+			if (b->kind == AGGD_STRATEGY_KIND_WBSP)
+				b->steps[rank & (AGGD_MAX_MEMBERS - 1)] = step + 1;
 			if (release) {
-				b->state = BANK_RELEASED;
-				outcome = OUT_RELEASE; /* fresh (world of one): the payload is the sum */
+				sc->released = 1;
+				sc->out = add;
+				sc->out_group = 1;
+			} else if (b->kind == AGGD_STRATEGY_KIND_ASYNC) {
+				sc->out = add; /* no barrier: the sender gets the running sum at once */
+				sc->partial = 1;
 			}
-			out_bitmap = b->bitmap;
-			out_n = b->n_contrib;
-			out_exp = b->exponent;
-			out_flags = b->flags;
-			out_version = b->version;
+		} else {
+			b->flags |= AGGD_FLAG_CARRIED;
 		}
+		/* One loop for every case, branch-free inside: the first contribution (keep = 0) copies,
+		 * later ones align the finer operand (sa, sb) and add; when this bank is what goes back,
+		 * the new values are written into the packet as they are made (wmask). */
+		__s32 keep = -1, wmask = sc->out == add ? -1 : 0;
+		int sa = 0, sb = 0, se = b->exponent;
+		if (sc->add_fresh) {
+			keep = 0;
+			b->exponent = exp_in;
+		} else if (exp_in < se) {
+			sa = clamp_shift(se - exp_in);
+			b->exponent = exp_in;
+		} else {
+			sb = clamp_shift(exp_in - se);
+		}
+		__s32 *v = b->values;
+		_Pragma("clang loop unroll(disable)")
+		for (int i = 0; i < ELEMS; i++) {
+			__s32 x = (v[i] >> sa) & keep, y = payload[i] >> sb;
+			__s32 z = (__s32)((__u32)x + (__u32)y);
+			ovf |= (x ^ z) & (y ^ z);
+			v[i] = z;
+			payload[i] = (z & wmask) | (y & ~wmask);
+		}
+		sc->written = !!wmask;
+		if (ovf < 0) {
+			b->flags |= AGGD_FLAG_OVERFLOW;
+			sc->overflowed = 1;
+		}
+		b->n_contrib++;
+		if (sc->released)
+			b->state = BANK_RELEASED;
 	}
-	if (res) {
-		/* Write a stored result into the packet: a re-send, or a release whose sum was not
-		 * produced in the packet by the adding loop. */
-		__s32 *v = res->values;
-		for (int i = 0; i < ELEMS; i++)
-			payload[i] = v[i];
-		if (outcome != OUT_RELEASE)
-			outcome = OUT_RESEND;
-		out_bitmap = res->bitmap;
-		out_n = res->n_contrib;
-		out_exp = res->exponent;
-		out_flags = res->flags;
-		out_version = res->version;
+	int out = sc->out;
+	if (out >= 0) {
+		struct bank *r = &s->bank[out & (NBANKS - 1)];
+		if (!sc->written) {
+			__s32 *v = r->values;
+			_Pragma("clang loop unroll(disable)")
+			for (int i = 0; i < ELEMS; i++)
+				payload[i] = v[i];
+		}
+		out_key = r->key;
+		out_bitmap = r->bitmap;
+		out_n = r->n_contrib;
+		out_exp = r->exponent;
+		out_flags = r->flags;
+		out_version = r->version;
+		out_kind = r->kind;
+		out_param = r->param;
 	}
+	int timeouts = sc->timeouts, reason = sc->reason, add_carried = sc->add_carried;
+	int overflowed = sc->overflowed, released = sc->released, partial = sc->partial;
+	int out_group = sc->out_group;
 	bpf_spin_unlock(&s->lock);
 
-	/* if/else, not switch: clang may turn a switch into a jump table BPF cannot run. */
-	if (outcome == OUT_DROP)
+	if (timeouts) {
+		count(job, AGGD_COUNTER_TIMEOUTS, timeouts);
+		count(job, AGGD_COUNTER_RELEASED, timeouts);
+	}
+	if (reason >= 0)
 		return count_drop(job, reason);
-	if (outcome == OUT_ABSORBED || outcome == OUT_RELEASE) {
+	if (add >= 0) {
 		count(job, AGGD_COUNTER_CONTRIBUTIONS, 1);
 		count(job, AGGD_COUNTER_ELEMENTS, n);
+		if (add_carried)
+			count(job, AGGD_COUNTER_CARRIED, 1);
 		if (overflowed)
 			count(job, AGGD_COUNTER_OVERFLOWS, 1);
+		if (released)
+			count(job, AGGD_COUNTER_RELEASED, 1);
+		if (partial)
+			count(job, AGGD_COUNTER_PARTIALS, 1);
 	}
-	if (outcome == OUT_ABSORBED)
-		return XDP_DROP;
-	if (outcome == OUT_RELEASE) {
-		count(job, AGGD_COUNTER_RELEASED, 1);
-	} else {
+	if (out < 0)
+		return XDP_DROP; /* absorbed into the slot */
+	if (!out_group && !partial) {
 		count(job, AGGD_COUNTER_REREADS, 1);
 		out_flags |= AGGD_FLAG_REREAD;
 	}
 	h->type = AGGD_MSG_TYPE_RESULT;
 	h->rank = htons(0xffff);
+	h->round = htonl((__u32)(out_key >> 32));
+	h->chunk = htonl((__u32)out_key);
 	h->exponent = htons((__u16)out_exp);
 	h->flags = out_flags;
 	h->code = 0;
 	h->strategy_version = htons(out_version);
+	h->strategy = out_kind;
+	h->param = out_param;
+	h->reserved = 0;
 	h->contributors = __builtin_bswap64(out_bitmap);
 	h->n_contrib = htons(out_n);
 	h->step = 0;
-	if (outcome == OUT_RESEND)
-		address_to_sender(eth, ip, udp); /* only the worker that lost it needs it again */
-	else
+	if (out_group)
 		address_to_group(eth, ip, udp, cfg);
+	else
+		address_to_sender(eth, ip, udp); /* re-sends, late answers and async running sums */
 	return XDP_TX;
 }

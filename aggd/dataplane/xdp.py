@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import ipaddress
 import json
 import logging
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from aggd_client import protocol as proto
 
+from ..strategy import SYNC, TableEntry, to_entry
 from . import DataPlane, JobStats
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 XDP_DIR = Path(__file__).resolve().parents[2] / "xdp"
 PROGRAM = XDP_DIR / "aggd_xdp.c"
 FUNCTION = "aggd_xdp"
-MAP_NAMES = ("jobs", "members", "slots", "stats")
+MAP_NAMES = ("jobs", "members", "slots", "stats", "clock")
 
 # XDP attach flags (include/uapi/linux/if_link.h)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
@@ -143,8 +145,10 @@ class XdpDataPlane(DataPlane):
         return layout_file(self.pin_dir)
 
     def _layout(self) -> dict:
+        # the map layouts themselves: any change to the headers that define them changes this
+        digest = hashlib.sha256(b"".join((XDP_DIR / f).read_bytes() for f in ("aggd_maps.h", "aggd_proto.h")))
         return {"elements": self.elements, "total_slots": self.total_slots, "port": self.port,
-                "protocol_version": proto.VERSION}
+                "protocol_version": proto.VERSION, "map_layout": digest.hexdigest()[:16]}
 
     def _check_pinned_layout(self) -> None:
         self.pin_dir.mkdir(parents=True, exist_ok=True)
@@ -184,6 +188,7 @@ class XdpDataPlane(DataPlane):
         self.members = self.bpf[b"members"]
         self.slots = self.bpf[b"slots"]
         self.stats = self.bpf[b"stats"]
+        self.clock = self.bpf[b"clock"]
 
     @property
     def prog_fd(self) -> int:
@@ -260,13 +265,45 @@ class XdpDataPlane(DataPlane):
         j.result_port = _be16_of(int(group_port))
         ctypes.memmove(ctypes.addressof(j) + type(j).group_mac.offset, multicast_mac(group_ip), 6)
         j.all_members = (1 << world) - 1
-        entry = j.strategy[0]
-        entry.from_round, entry.version, entry.kind, entry.valid = 0, 0, int(proto.StrategyKind.SYNC), 1
+        self._write_ring(j, [to_entry(getattr(cfg, "strategy", None) or SYNC, 0, 0)])
         j.active = 1
         self.jobs[ctypes.c_uint32(job)] = j
         self._reset_stats(job)
         log.info("installed job %d: world %d, %d slots (%d in kernel at %d)", job, world, cfg.slots,
                  kernel_slots, base)
+
+    @staticmethod
+    def _write_ring(j, entries) -> None:
+        """Entry of version v lives at index v % ring size, so installing a version rewrites only
+        its own entry and the data plane never sees the others move."""
+        keep = {e.version % proto.STRATEGY_VERSIONS: e for e in entries}
+        for i in range(proto.STRATEGY_VERSIONS):
+            dst = j.strategy[i]
+            e = keep.get(i)
+            if e is None:
+                dst.valid = 0
+                continue
+            dst.from_round, dst.version, dst.kind = e.from_round, e.version, e.kind
+            dst.param, dst.timeout_us, dst.valid = e.param, e.timeout_us, 1
+
+    def set_strategy(self, job: int, entries) -> None:
+        """Install a job's strategy table (``aggd.strategy.TableEntry`` rows, newest last)."""
+        key = ctypes.c_uint32(job)
+        j = self.jobs[key]
+        if not j.active:
+            raise XdpError(f"job {job} is not installed")
+        self._write_ring(j, entries[-proto.STRATEGY_VERSIONS:])
+        self.jobs[key] = j
+
+    def strategy_entries(self, job: int) -> list:
+        j = self.jobs[ctypes.c_uint32(job)]
+        rows = [TableEntry(int(e.version), int(e.from_round), int(e.kind), int(e.param), int(e.timeout_us))
+                for e in j.strategy if e.valid]
+        return sorted(rows, key=lambda e: e.version)
+
+    def set_clock(self, ns: int) -> None:
+        """Freeze the data plane's clock at ``ns`` (tests); 0 returns to real time."""
+        self.clock[ctypes.c_uint32(0)] = ctypes.c_uint64(ns)
 
     def remove_job(self, job: int) -> None:
         self.jobs[ctypes.c_uint32(job)] = self.jobs.Leaf()

@@ -63,6 +63,9 @@ const bit<8> AGGD_COUNTER_REREADS = 5;
 const bit<8> AGGD_COUNTER_OVERFLOWS = 6;
 const bit<8> AGGD_COUNTER_TO_USERSPACE = 7;
 const bit<8> AGGD_COUNTER_RETRANSMITS = 8;
+const bit<8> AGGD_COUNTER_CARRIED = 9;
+const bit<8> AGGD_COUNTER_TIMEOUTS = 10;
+const bit<8> AGGD_COUNTER_PARTIALS = 11;
 
 header aggd_h {
     bit<16> magic;  // 0xA66D; anything else is dropped

@@ -89,11 +89,11 @@ def test_slot_rules_busy_stale_not_ready(dp):
     assert drops(dp)["not_ready"] == 1
     run(dp, contrib(1, round_=5))
     run(dp, contrib(2, round_=5))
-    for r in range(3):
-        run(dp, contrib(r, round_=6))
-    for r in range(3):
-        run(dp, contrib(r, round_=7))
-    assert run(dp, contrib(0, round_=5)).verdict_name == "drop"          # two rounds back: gone
+    for round_ in range(6, 10):
+        for r in range(3):
+            run(dp, contrib(r, round_=round_))
+    # four rounds later round 5's bank has been reused: a retransmission of it is stale
+    assert run(dp, contrib(0, round_=5, flags=Flag.RETRANSMIT)).verdict_name == "drop"
     assert drops(dp)["stale"] == 1
 
 

@@ -95,6 +95,9 @@ class Counter(enum.IntEnum):
     OVERFLOWS = 6
     TO_USERSPACE = 7     #: packets passed up to the daemon (kernel cannot hold them)
     RETRANSMITS = 8
+    CARRIED = 9          #: late contributions carried into a later round
+    TIMEOUTS = 10        #: quorum rounds released by their deadline
+    PARTIALS = 11        #: async running sums answered before the round was complete
 
 
 @dataclass(frozen=True)
