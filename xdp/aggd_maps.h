@@ -93,6 +93,7 @@ struct slot {
 struct job_stats {
 	__u64 counter[AGGD_COUNTER__COUNT];
 	__u64 drop[AGGD_DROP_REASON__COUNT];
+	__u64 max_round;     /* highest round a member sent, plus one (0: none): hot swaps start after it */
 };
 
 /* With -DAGGD_PIN_DIR="/sys/fs/bpf/aggd" the maps are pinned there and reused by the next load, so

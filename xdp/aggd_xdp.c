@@ -27,11 +27,12 @@ static __always_inline int count_drop(__u32 bucket, __u32 reason)
 	return XDP_DROP;
 }
 
-static __always_inline void count(__u32 bucket, __u32 which, __u64 n)
+/* Once the job is known its counters are looked up once and bumped in place. */
+static __always_inline int drop_in(struct job_stats *st, __u32 reason)
 {
-	struct job_stats *st = stats_of(bucket);
-	if (st && which < AGGD_COUNTER__COUNT)
-		st->counter[which] += n;
+	if (reason < AGGD_DROP_REASON__COUNT)
+		st->drop[reason]++;
+	return XDP_DROP;
 }
 
 #define NACK_LEN (sizeof(struct ethhdr) + sizeof(struct iphdr) + sizeof(struct udphdr) + sizeof(struct aggd_hdr))
@@ -159,39 +160,44 @@ int aggd_xdp(struct xdp_md *ctx)
 		count_drop(NO_JOB, AGGD_DROP_REASON_UNKNOWN_JOB);
 		return nack(ctx, AGGD_NACK_CODE_UNKNOWN_JOB);
 	}
-	count(job, AGGD_COUNTER_RX_PACKETS, 1);
-	count(job, AGGD_COUNTER_RX_BYTES, udp_len - sizeof(*udp));
+	struct job_stats *jst = stats_of(job);
+	if (!jst)
+		return XDP_ABORTED;
+	jst->counter[AGGD_COUNTER_RX_PACKETS] += 1;
+	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
 	if (h->flags & AGGD_FLAG_RETRANSMIT)
-		count(job, AGGD_COUNTER_RETRANSMITS, 1);
+		jst->counter[AGGD_COUNTER_RETRANSMITS] += 1;
 	__u32 rank = ntohs(h->rank);
 	if (rank >= cfg->world || rank >= AGGD_MAX_MEMBERS) {
-		count_drop(job, AGGD_DROP_REASON_BAD_RANK);
+		drop_in(jst, AGGD_DROP_REASON_BAD_RANK);
 		return nack(ctx, AGGD_NACK_CODE_NOT_MEMBER);
 	}
 	__u32 midx = job * AGGD_MAX_MEMBERS + rank;
 	struct member *m = members.lookup(&midx);
 	if (!m || !m->valid || m->ip != ip->saddr || m->port != udp->source) {
-		count_drop(job, AGGD_DROP_REASON_NOT_MEMBER);
+		drop_in(jst, AGGD_DROP_REASON_NOT_MEMBER);
 		return nack(ctx, AGGD_NACK_CODE_NOT_MEMBER);
 	}
 	__u32 chunk = ntohl(h->chunk);
 	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
-		return count_drop(job, AGGD_DROP_REASON_BAD_CHUNK);
+		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 	__u32 slot_idx = chunk % cfg->n_slots;
 	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
 		/* The kernel cannot hold it: the daemon's user-space path serves it. */
-		count(job, AGGD_COUNTER_TO_USERSPACE, 1);
+		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 		return XDP_PASS;
 	}
 	__u32 gidx = cfg->slot_base + slot_idx;
 	struct slot *s = slots.lookup(&gidx);
 	if (!s)
-		return count_drop(job, AGGD_DROP_REASON_BAD_CHUNK);
+		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 	__s32 *payload = (void *)(h + 1);
 	if ((void *)(payload + ELEMS) > data_end)
-		return count_drop(job, AGGD_DROP_REASON_TOO_SHORT);
+		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
 
 	__u32 round = ntohl(h->round);
+	if ((__u64)round + 1 > jst->max_round)
+		jst->max_round = (__u64)round + 1;
 	__u64 key = ((__u64)round << 32) | chunk;
 	__u64 bit = 1ULL << rank;
 	__u64 all = cfg->all_members;
@@ -402,27 +408,27 @@ int aggd_xdp(struct xdp_md *ctx)
 	bpf_spin_unlock(&s->lock);
 
 	if (timeouts) {
-		count(job, AGGD_COUNTER_TIMEOUTS, timeouts);
-		count(job, AGGD_COUNTER_RELEASED, timeouts);
+		jst->counter[AGGD_COUNTER_TIMEOUTS] += timeouts;
+		jst->counter[AGGD_COUNTER_RELEASED] += timeouts;
 	}
 	if (reason >= 0)
-		return count_drop(job, reason);
+		return drop_in(jst, reason);
 	if (add >= 0) {
-		count(job, AGGD_COUNTER_CONTRIBUTIONS, 1);
-		count(job, AGGD_COUNTER_ELEMENTS, n);
+		jst->counter[AGGD_COUNTER_CONTRIBUTIONS] += 1;
+		jst->counter[AGGD_COUNTER_ELEMENTS] += n;
 		if (add_carried)
-			count(job, AGGD_COUNTER_CARRIED, 1);
+			jst->counter[AGGD_COUNTER_CARRIED] += 1;
 		if (overflowed)
-			count(job, AGGD_COUNTER_OVERFLOWS, 1);
+			jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 		if (released)
-			count(job, AGGD_COUNTER_RELEASED, 1);
+			jst->counter[AGGD_COUNTER_RELEASED] += 1;
 		if (partial)
-			count(job, AGGD_COUNTER_PARTIALS, 1);
+			jst->counter[AGGD_COUNTER_PARTIALS] += 1;
 	}
 	if (out < 0)
 		return XDP_DROP; /* absorbed into the slot */
 	if (!out_group && !partial) {
-		count(job, AGGD_COUNTER_REREADS, 1);
+		jst->counter[AGGD_COUNTER_REREADS] += 1;
 		out_flags |= AGGD_FLAG_REREAD;
 	}
 	h->type = AGGD_MSG_TYPE_RESULT;

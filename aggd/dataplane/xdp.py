@@ -301,6 +301,11 @@ class XdpDataPlane(DataPlane):
                 for e in j.strategy if e.valid]
         return sorted(rows, key=lambda e: e.version)
 
+    def max_round(self, job: int) -> int | None:
+        """The highest round any member of ``job`` has sent to the kernel, or None."""
+        top = max(int(cpu.max_round) for cpu in self.stats[ctypes.c_uint32(job)])
+        return top - 1 if top else None
+
     def set_clock(self, ns: int) -> None:
         """Freeze the data plane's clock at ``ns`` (tests); 0 returns to real time."""
         self.clock[ctypes.c_uint32(0)] = ctypes.c_uint64(ns)

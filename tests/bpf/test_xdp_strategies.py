@@ -109,6 +109,7 @@ def test_wbsp_counts_the_fast_members_extra_steps(dp4):
 
 def test_hot_swap_takes_effect_from_the_stated_round(dp4):
     use(dp4, "quorum:2:50ms", version=1, from_round=2)
+    assert dp4.max_round(1) is None
     for round_ in range(4):
         for r in range(4):
             verdict, out = send(dp4, r, round_=round_)
@@ -117,3 +118,4 @@ def test_hot_swap_takes_effect_from_the_stated_round(dp4):
         expected = (0, StrategyKind.SYNC, 4) if round_ < 2 else (1, StrategyKind.QUORUM, 2)
         assert (out.hdr.strategy_version, out.hdr.strategy, out.hdr.n_contrib) == expected
         assert out.hdr.round == round_
+    assert dp4.max_round(1) == 3  # where the daemon starts the next swap from
