@@ -45,7 +45,7 @@ def test_notify_reload_and_clean_stop(make_lab, make_daemon):
     assert d.stop(signal.SIGTERM) == 0
     d.notify.wait_for("STOPPING=1", 1, after=mark)
     assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) is None
-    assert sorted(os.listdir(d.pin_dir)) >= ["jobs", "members", "slots", "stats"]
+    assert set(os.listdir(d.pin_dir)) >= {"jobs", "members", "slots", "stats"}
     saved = json.loads((d.state_dir / "state.json").read_text())
     assert [j["name"] for j in saved["jobs"]] == ["before", "after"]
     assert not Path(d.socket).exists()
