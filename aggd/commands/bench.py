@@ -93,3 +93,33 @@ def bench_allreduce(workers, sizes, iters, warmup, mode, elements, slots, as_jso
                     click.echo(f"aggd-xdp  workers={n:<2} bytes={row['bytes']:<10} "
                                f"{sec * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                                f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})")
+
+
+@bench.command("xdp")
+@click.option("--elements", "elements_list", default="64,256,512", show_default=True,
+              help="packet sizes (int32 values a packet) to compile and time")
+@click.option("--strategies", default="sync,quorum:48:50ms,ssp:2,async,wbsp", show_default=True)
+@click.option("--packets", default=4096, show_default=True, help="timed packets per configuration")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+def bench_xdp(elements_list, strategies, packets, as_json):
+    """Time the production XDP program through BPF_PROG_TEST_RUN, next to numpy's int32 add."""
+    from aggd.dataplane.xdp import XdpDataPlane
+    from aggd.xdpbench import bench_strategy, numpy_add
+
+    rows = []
+    for elements in _int_list(elements_list):
+        dp = XdpDataPlane(None, elements=elements, total_slots=4)
+        try:
+            rows += [bench_strategy(dp, s, elements, packets) for s in strategies.split(",")]
+        finally:
+            dp.close()
+    rows.append(numpy_add())
+    limit = rows[-1]["elements_per_s_per_core"]
+    for row in rows:
+        row["fraction_of_numpy"] = row["elements_per_s_per_core"] / limit
+        if as_json:
+            click.echo(json.dumps(row))
+        else:
+            click.echo(f"{row['strategy']:<16} {row['elements_per_packet']:>9} elems/pkt "
+                       f"{row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} elems/s/core "
+                       f"({row['fraction_of_numpy']:.0%} of numpy)")

@@ -1,0 +1,21 @@
+"""`aggctl bench xdp --json`: one row per strategy and size, every timed packet really added."""
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from aggd.cli import main as aggctl
+
+pytestmark = pytest.mark.root
+
+
+def test_bench_xdp_json_rows():
+    res = CliRunner().invoke(aggctl, ["bench", "xdp", "--elements", "64", "--strategies", "sync,ssp:2,async",
+                                      "--packets", "256", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == ["sync", "ssp:2", "async", "numpy-add"]
+    for r in rows[:-1]:
+        assert r["elements_per_packet"] == 64 and r["added"] == 256 and r["released"] == 4
+        assert r["ns_per_packet"] > 0 and r["elements_per_s_per_core"] > 0
+    assert rows[-1]["elements_per_s_per_core"] > 1e8
