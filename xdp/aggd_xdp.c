@@ -329,8 +329,10 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 
 	int add = sc->add;
+	__u64 lag_ns = 0;
 	if (add >= 0) {
 		struct bank *b = &s->bank[add & (NBANKS - 1)];
+		lag_ns = now - b->t_first;
 		if (!sc->add_carried) {
 			__u64 bm = b->bitmap | bit;
 			int release;
@@ -417,7 +419,20 @@ int aggd_xdp(struct xdp_md *ctx)
 	int timeouts = sc->timeouts, reason = sc->reason, add_carried = sc->add_carried;
 	int overflowed = sc->overflowed, released = sc->released, partial = sc->partial;
 	int out_group = sc->out_group;
+	int was_late = sc->late;
 	bpf_spin_unlock(&s->lock);
+
+	if (add >= 0) {
+		struct member_stats *ms = member_stats.lookup(&midx);
+		if (ms) {
+			ms->contributions++;
+			ms->lag_ns_sum += add_carried ? 0 : lag_ns; /* a carried one is counted as late instead */
+			ms->late += was_late;
+			if ((__u64)round + 1 > ms->last_round)
+				ms->last_round = (__u64)round + 1;
+			ms->last_ns = now;
+		}
+	}
 
 	if (timeouts) {
 		jst->counter[AGGD_COUNTER_TIMEOUTS] += timeouts;

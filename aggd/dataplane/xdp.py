@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 XDP_DIR = Path(__file__).resolve().parents[2] / "xdp"
 PROGRAM = XDP_DIR / "aggd_xdp.c"
 FUNCTION = "aggd_xdp"
-MAP_NAMES = ("jobs", "members", "slots", "stats", "clock")
+MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats")
 
 # XDP attach flags (include/uapi/linux/if_link.h)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
@@ -189,6 +189,7 @@ class XdpDataPlane(DataPlane):
         self.slots = self.bpf[b"slots"]
         self.stats = self.bpf[b"stats"]
         self.clock = self.bpf[b"clock"]
+        self._member_stats_map = self.bpf[b"member_stats"]
 
     @property
     def prog_fd(self) -> int:
@@ -269,6 +270,9 @@ class XdpDataPlane(DataPlane):
         j.active = 1
         self.jobs[ctypes.c_uint32(job)] = j
         self._reset_stats(job)
+        zero = self._member_stats_map.Leaf(*([self._member_stats_map.sLeaf()] * self._member_stats_map.total_cpu))
+        for rank in range(proto.MAX_MEMBERS):
+            self._member_stats_map[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = zero
         log.info("installed job %d: world %d, %d slots (%d in kernel at %d)", job, world, cfg.slots,
                  kernel_slots, base)
 
@@ -300,6 +304,19 @@ class XdpDataPlane(DataPlane):
         rows = [TableEntry(int(e.version), int(e.from_round), int(e.kind), int(e.param), int(e.timeout_us))
                 for e in j.strategy if e.valid]
         return sorted(rows, key=lambda e: e.version)
+
+    def member_stats(self, job: int, world: int) -> list[dict]:
+        """Per rank: contributions, summed lag (ns), late contributions, last round and time."""
+        rows = []
+        for rank in range(world):
+            per_cpu = self._member_stats_map[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)]
+            top = max(int(c.last_round) for c in per_cpu)
+            rows.append({"rank": rank, "contributions": sum(int(c.contributions) for c in per_cpu),
+                         "lag_ns_sum": sum(int(c.lag_ns_sum) for c in per_cpu),
+                         "late": sum(int(c.late) for c in per_cpu),
+                         "last_round": top - 1 if top else None,
+                         "last_ns": max(int(c.last_ns) for c in per_cpu)})
+        return rows
 
     def max_round(self, job: int) -> int | None:
         """The highest round any member of ``job`` has sent to the kernel, or None."""

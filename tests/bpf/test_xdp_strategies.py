@@ -119,3 +119,15 @@ def test_hot_swap_takes_effect_from_the_stated_round(dp4):
         assert (out.hdr.strategy_version, out.hdr.strategy, out.hdr.n_contrib) == expected
         assert out.hdr.round == round_
     assert dp4.max_round(1) == 3  # where the daemon starts the next swap from
+
+
+def test_member_stats_measure_each_members_lag(dp4):
+    for r in range(3):
+        dp4.set_clock(T0 + r * 1_000_000)           # ranks 0, 1, 2 arrive 0, 1 and 2 ms after the first
+        send(dp4, r)
+    dp4.set_clock(T0 + 7_000_000)
+    send(dp4, 3)                                     # the straggler, 7 ms after the first
+    rows = dp4.member_stats(1, 4)
+    assert [row["lag_ns_sum"] for row in rows] == [0, 1_000_000, 2_000_000, 7_000_000]
+    assert [row["last_round"] for row in rows] == [0, 0, 0, 0]
+    assert all(row["contributions"] == 1 and row["late"] == 0 for row in rows)
