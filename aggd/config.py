@@ -190,11 +190,52 @@ class LogConfig:
     level: str = _setting("info", _one_of(*LOG_LEVELS), "log level")
 
 
+def _number_above(lo: float) -> Callable[[Any], float]:
+    def check(v):
+        if not v > lo:
+            raise ValueError(f"must be above {lo:g}, not {v}")
+        return float(v)
+    return check
+
+
+def _fraction(v: float) -> float:
+    if not 0 < v < 1:
+        raise ValueError(f"must be a fraction between 0 and 1, not {v}")
+    return float(v)
+
+
+def _switch_template(v: str) -> str:
+    from .policy import PolicyError, PolicyRules
+    try:
+        PolicyRules(switch_to=v)
+    except PolicyError as exc:
+        raise ValueError(str(exc).removeprefix(f"switch_to {v!r}: ")) from None
+    return v
+
+
+_NUMBER = (int, float)
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
-    # The dynamic-hybrid policy (straggler detection, automatic switches) comes in a later issue;
-    # its settings will live here and reload on SIGHUP.
-    auto_switch: bool = _setting(False, None, "let the daemon switch strategies by itself (later)")
+    # The dynamic-hybrid policy (aggd/policy.py, docs/stragglers.md). Every key reloads on SIGHUP.
+    auto_switch: bool = _setting(False, None, "let the daemon switch strategies by itself")
+    interval_ms: int = _setting(200, _int_range(10, 60_000), "how often the per-member counters are read")
+    slow_factor: float = _setting(1.5, _number_above(1.0), "a member is slow when its steps take this "
+                                  "many times the median member's", _NUMBER)
+    slow_rounds: int = _setting(8, _int_range(0, 1 << 20), "rounds a member must stay slow before a switch")
+    switch_to: str = _setting("quorum:n-s", _switch_template, "the strategy while members straggle "
+                              "(n: world size, s: stragglers)")
+    even_rounds: int = _setting(30, _int_range(0, 1 << 20), "rounds with every member even before "
+                                "going back to the job's own strategy")
+    max_stragglers: float = _setting(0.25, _fraction, "most members (fraction of the world, at least "
+                                     "one) left behind; more slow ones is a slow job", _NUMBER)
+    min_rounds_between: int = _setting(20, _int_range(0, 1 << 20), "fewest rounds between two switches")
+    min_seconds_between: float = _setting(2.0, _number_above(-1e-12), "fewest seconds between two switches",
+                                          _NUMBER)
+    settle_rounds: int = _setting(4, _int_range(0, 1 << 20), "rounds after a switch that are not judged")
+    jobs: str = _setting("*", None, "glob of the job names the policy manages (their own strategy "
+                         "must be sync)")
 
 
 @dataclass(frozen=True)
@@ -233,7 +274,8 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.n
 
 #: Settings a SIGHUP applies to the running daemon; any other change needs a restart.
 RELOADABLE = {
-    "log.level", "policy.auto_switch", "control.group", "jobs.default_slots", "jobs.max_chunks",
+    "log.level", "control.group", "jobs.default_slots", "jobs.max_chunks",
+    *(f"policy.{f.name}" for f in dataclasses.fields(PolicyConfig)),
     "dataplane.kernel_memory",  # for jobs created afterwards, up to the size loaded at start
 }
 
@@ -275,8 +317,9 @@ def _parse_section(name: str, factory, raw: dict, problems: list[str]):
         types = f.metadata["types"] or (type(f.default),)
         # bool is an int in Python; a TOML `true` where a number belongs is still a mistake.
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            want = " or ".join({"str": "a string", "int": "an integer", "bool": "true or false"}[t.__name__]
-                               for t in types)
+            want = "a number" if float in types else \
+                " or ".join({"str": "a string", "int": "an integer", "bool": "true or false"}[t.__name__]
+                            for t in types)
             problems.append(f"{path}: must be {want}, not {value!r}")
             continue
         check = f.metadata["check"]

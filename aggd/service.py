@@ -114,6 +114,7 @@ class Service:
         self.started_at = time.time()
         self.dp = None          # XdpDataPlane
         self.us = None          # UserspaceAggregator
+        self.policy = None      # aggd.policy.PolicyRunner: straggler detector and policy, a thread
         self.address: str | None = None
         # The kernel's slot array is sized once, at load, from the budget and the slot size of the
         # program being loaded; a reload may lower the budget for new jobs but not grow the array.
@@ -174,12 +175,17 @@ class Service:
                                           handlers={int(proto.MsgType.JOIN): self._on_join})
         self._restore()
         self.us.start()
+        from .policy import PolicyRunner
+        self.policy = PolicyRunner(self).start()
         log.info("serving on %s:%d (%s XDP on %s%s), user-space port %d, kernel budget %d slots",
                  self.address, dpc.port, dpc.mode, dpc.interface, f" in {netns}" if netns else "",
                  dpc.userspace_port, self.registry.limits.kernel_budget)
 
     def stop(self) -> None:
         """Detach XDP and stop serving; the pinned maps stay unless configured otherwise."""
+        if self.policy is not None:
+            self.policy.stop()
+            self.policy = None
         if self.us is not None:
             self.us.close()
             self.us = None
@@ -345,8 +351,12 @@ class Service:
                        "largest_free_run": self.registry.largest_free_run()},
             "userspace": {"alive": bool(self.us and self.us.is_alive()), "errors": self.us.errors,
                           "send_errors": self.us.send_errors},
-            "jobs": [self._summary(j) for j in self.registry.list()],
+            "jobs": [{**self._summary(j), **self._policy_view(j)} for j in self.registry.list()],
         }
+
+    def _policy_view(self, job: Job, rank: int | None = None) -> dict:
+        """The straggler detector's and the policy's view of a job (or of one of its ranks)."""
+        return self.policy.view(job, rank) if self.policy is not None else {}
 
     @staticmethod
     def _summary(job: Job) -> dict:
@@ -397,8 +407,8 @@ class Service:
             m = j.members.get(rank)
             rows.append({"rank": rank, "address": list(m.address) if m else None,
                          "joined_at": m.joined_at if m else None, "last_round": per_rank.get(rank),
-                         "lag": None})
-        return {"job": j.name, "id": j.id, "round": top, "workers": rows}
+                         "lag": None, **self._policy_view(j, rank)})
+        return {"job": j.name, "id": j.id, "round": top, "workers": rows, **self._policy_view(j)}
 
     def cmd_strategy_show(self, job):
         j = self._job(job)

@@ -1,0 +1,410 @@
+"""Dynamic hybrid synchronization: when to switch a job's strategy because of stragglers.
+
+A policy is plain data (the ``[policy]`` section of the daemon's config, :class:`PolicyRules`); the
+logic (:class:`JobPolicy`) takes the straggler detector's observations (``aggd.straggler``) one by
+one and answers with a :class:`Decision` (switch to this strategy, for this reason) or None. It does
+no I/O, so it is tested against reference sequences of observations. :class:`PolicyRunner` is the
+one I/O edge: a thread of the daemon that reads the data plane's per-member counters, runs the
+detector and the policy of every job, and applies decisions through the service's hot swap.
+
+The rules (defaults in brackets, all in the config):
+
+* a member is *slow* while the detector flags it: its steps take at least ``slow_factor`` [1.5]
+  times the median member's;
+* a job running its own strategy (``sync``) whose slow members have all been slow for
+  ``slow_rounds`` [8] rounds, and that are at most ``max_stragglers`` [a quarter of the world, at
+  least one], switches to ``switch_to`` [``quorum:n-s``: releases without the ``s`` stragglers,
+  whose late gradients are carried into the next round; ``n`` is the world size]. More slow members
+  than that is a slow job, not a straggler: nothing changes;
+* a job the policy switched goes back to its own strategy once every member has been even for
+  ``even_rounds`` [30] rounds, and follows a change in the number of stragglers (``quorum:n-s``
+  names another quorum) once that holds for ``slow_rounds``;
+* no two switches of a job less than ``min_rounds_between`` [20] rounds or ``min_seconds_between``
+  [2] seconds apart, and ``settle_rounds`` [4] rounds after a switch takes effect are not judged
+  (members adapt to the new strategy);
+* the policy manages jobs whose own strategy is ``sync`` and whose name matches ``jobs`` [``*``];
+  a strategy set by hand (``aggctl strategy set``) becomes the job's own and resets the policy.
+
+Every decision carries its reason (``rank 3 (3.1x) slower than 1.5x the median for 12 rounds``);
+the runner logs it and keeps the last ones for ``aggctl workers`` and ``aggctl status``.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from aggd_client.protocol import StrategyKind
+
+from . import strategy as strat
+from .straggler import Detector, DetectorConfig, Observation, slowdown_text
+
+log = logging.getLogger("aggd.policy")
+
+_TEMPLATE = re.compile(r"\bn\s*-\s*s\b|\bn\s*-\s*(\d+)\b|\bn\b")
+
+
+class PolicyError(ValueError):
+    pass
+
+
+def fill(template: str, world: int, stragglers: int) -> str:
+    """``quorum:n-s`` -> ``quorum:3`` for a world of 4 with one straggler; ``n`` is the world size,
+    ``s`` the number of stragglers. Any strategy text without them passes unchanged."""
+    def sub(m: re.Match) -> str:
+        if m.group(0).replace(" ", "") == "n-s":
+            return str(world - stragglers)
+        if m.group(1) is not None:
+            return str(world - int(m.group(1)))
+        return str(world)
+    text = _TEMPLATE.sub(sub, template.strip().lower())
+    return str(strat.parse(text).validate(world))
+
+
+@dataclass(frozen=True)
+class PolicyRules:
+    """The declarative policy (see the module docstring); ``from_mapping`` checks a config's dict."""
+    slow_factor: float = 1.5
+    slow_rounds: int = 8
+    switch_to: str = "quorum:n-s"
+    even_rounds: int = 30
+    max_stragglers: float = 0.25
+    min_rounds_between: int = 20
+    min_seconds_between: float = 2.0
+    settle_rounds: int = 4
+    jobs: str = "*"
+
+    def __post_init__(self):
+        problems = []
+        if not self.slow_factor > 1.0:
+            problems.append(f"slow_factor must be above 1, not {self.slow_factor}")
+        for name in ("slow_rounds", "even_rounds", "min_rounds_between", "settle_rounds"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative, not {getattr(self, name)}")
+        if not 0 < self.max_stragglers < 1:
+            problems.append(f"max_stragglers is a fraction of the world in (0, 1), not {self.max_stragglers}")
+        if self.min_seconds_between < 0:
+            problems.append("min_seconds_between must not be negative")
+        try:
+            for world in (2, 4, 64):
+                fill(self.switch_to, world, 1)
+        except strat.StrategyError as exc:
+            problems.append(f"switch_to {self.switch_to!r}: {exc}")
+        if problems:
+            raise PolicyError("; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> "PolicyRules":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PolicyError(f"unknown policy keys {unknown} (known: {', '.join(sorted(known))})")
+        return cls(**{k: v for k, v in data.items()})
+
+    def detector(self) -> DetectorConfig:
+        return DetectorConfig(slow_factor=self.slow_factor)
+
+    def allowed_stragglers(self, world: int) -> int:
+        return max(1, int(world * self.max_stragglers))
+
+    def manages(self, name: str, own_strategy: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.jobs) and strat.parse(own_strategy).kind == StrategyKind.SYNC
+
+
+@dataclass(frozen=True)
+class Decision:
+    strategy: str                 #: what to switch to (text form)
+    reason: str
+    round: int                    #: the round observed when deciding
+    stragglers: tuple[int, ...]
+    back: bool                    #: True: back to the job's own strategy
+
+    def to_json(self) -> dict:
+        return {"strategy": self.strategy, "reason": self.reason, "round": self.round,
+                "stragglers": list(self.stragglers), "back": self.back}
+
+
+@dataclass
+class JobPolicy:
+    """The policy's state for one job. ``step(obs, current, now)`` -> Decision or None; once the
+    decision is applied, ``applied(decision, from_round, now)`` (or ``failed``)."""
+    rules: PolicyRules
+    own: str = "sync"                       #: the job's own strategy (set by its owner)
+    switched: str | None = None             #: what the policy switched to, while it is in force
+    stragglers: tuple[int, ...] = ()        #: ranks the switch was made for
+    slow_since: dict[int, int] = field(default_factory=dict)   #: rank -> first round seen slow
+    even_since: int | None = None           #: first round of the current all-even stretch
+    last_switch_round: int | None = None    #: from_round of the last switch
+    last_switch_t: float | None = None
+    note: str = ""                          #: why nothing happens, when something could
+
+    @property
+    def in_force(self) -> str:
+        return self.switched or self.own
+
+    def _reset_tracking(self) -> None:
+        self.slow_since.clear()
+        self.even_since = None
+
+    def sync_with(self, current: str) -> None:
+        """The strategy the data planes run now; a change nobody here made is the owner's."""
+        if current != self.in_force:
+            self.own, self.switched, self.stragglers = current, None, ()
+            self._reset_tracking()
+            self.note = f"strategy set to {current} by hand: it is the job's own now"
+
+    def _may_switch(self, obs: Observation, now: float) -> str | None:
+        """None if a switch is allowed now, else why not."""
+        r = self.rules
+        if self.last_switch_round is not None:
+            if obs.round < self.last_switch_round + r.settle_rounds:
+                return "settling after the last switch"
+            if obs.round < self.last_switch_round + r.min_rounds_between:
+                return f"at most one switch per {r.min_rounds_between} rounds"
+        if self.last_switch_t is not None and now - self.last_switch_t < r.min_seconds_between:
+            return f"at most one switch per {r.min_seconds_between:g} s"
+        return None
+
+    def step(self, obs: Observation, current: str, now: float) -> Decision | None:
+        r = self.rules
+        self.sync_with(current)
+        if self.last_switch_round is not None and obs.round < self.last_switch_round + r.settle_rounds:
+            self._reset_tracking()  # the new strategy is not in force long enough to be judged
+            return None
+        slow = set(obs.stragglers)
+        for rank in list(self.slow_since):
+            if rank not in slow:
+                del self.slow_since[rank]
+        for rank in slow:
+            self.slow_since.setdefault(rank, obs.round - obs.rounds)
+        if slow:
+            self.even_since = None
+        elif self.even_since is None:
+            self.even_since = obs.round - obs.rounds
+        confirmed = tuple(sorted(k for k, v in self.slow_since.items() if obs.round - v >= r.slow_rounds))
+        world = obs.world
+        allowed = r.allowed_stragglers(world)
+
+        target, back, why = None, False, ""
+        if self.switched is None:
+            if not confirmed or world < 2:
+                self.note = ""
+                return None
+            if len(slow) > allowed:
+                self.note = (f"{len(slow)} of {world} members slow: more than max_stragglers "
+                             f"({allowed}), the job is slow rather than straggling; staying on {self.own}")
+                return None
+            target = fill(r.switch_to, world, len(confirmed))
+            rounds = min(obs.round - self.slow_since[k] for k in confirmed)
+            why = (f"{slowdown_text(obs, confirmed)} slower than {r.slow_factor:g}x the median for "
+                   f"{rounds} rounds")
+        else:
+            if not slow and obs.round - self.even_since >= r.even_rounds:
+                target, back = self.own, True
+                why = (f"every member within {r.slow_factor:g}x of the median for "
+                       f"{obs.round - self.even_since} rounds")
+            elif confirmed and len(slow) <= allowed and set(confirmed) != set(self.stragglers):
+                target = fill(r.switch_to, world, len(confirmed))
+                if target == self.switched:
+                    return None
+                rounds = min(obs.round - self.slow_since[k] for k in confirmed)
+                why = f"stragglers now {slowdown_text(obs, confirmed)} for {rounds} rounds"
+            else:
+                self.note = ""
+                return None
+        blocked = self._may_switch(obs, now)
+        if blocked:
+            self.note = f"would switch to {target} ({why}) but {blocked}"
+            return None
+        if target == self.in_force:
+            return None
+        self.note = ""
+        return Decision(target, why, obs.round, () if back else confirmed, back)
+
+    def applied(self, decision: Decision, from_round: int, now: float) -> None:
+        self.switched = None if decision.back else decision.strategy
+        self.stragglers = decision.stragglers
+        self.last_switch_round, self.last_switch_t = from_round, now
+        self._reset_tracking()
+
+    def failed(self, decision: Decision, error: str, now: float) -> None:
+        self.note = f"could not switch to {decision.strategy}: {error}"
+        self.last_switch_t = now  # do not retry at every tick
+
+    def to_json(self) -> dict:
+        return {"own": self.own, "in_force": self.in_force, "switched": self.switched is not None,
+                "stragglers": list(self.stragglers), "note": self.note or None}
+
+
+# -- the I/O edge: a thread of the daemon ------------------------------------------------------------
+
+#: Decisions kept per job for ``aggctl workers`` / ``aggctl status``.
+KEEP_DECISIONS = 20
+#: Next to the registry's state.json: the jobs the policy has switched and their own strategies.
+STATE_FILE = "policy.json"
+
+
+class PolicyRunner:
+    """Reads every job's per-member counters each ``policy.interval_ms``, runs the detector and, with
+    ``policy.auto_switch``, the policy; applies decisions through ``service.cmd_strategy_set`` (the
+    hot swap: the new version starts after the highest round the data planes have seen).
+
+    Holds the service's lock while it reads and switches, so it never races aggctl or a JOIN."""
+
+    def __init__(self, service):
+        self.service = service
+        self.detectors: dict[int, Detector] = {}
+        self.policies: dict[int, JobPolicy] = {}
+        self.decisions: dict[int, deque] = {}
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # what the policy switched, so a restarted daemon still knows a job's own strategy
+        self._path = Path(service.state_path).with_name(STATE_FILE)
+        try:
+            self._saved = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            self._saved = {}
+
+    def _save(self) -> None:
+        data = {str(j): {"own": p.own, "switched": p.switched, "stragglers": list(p.stragglers)}
+                for j, p in self.policies.items() if p.switched}
+        tmp = self._path.with_name(self._path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(data) + "\n")
+            tmp.replace(self._path)
+        except OSError as exc:
+            log.error("cannot write %s: %s", self._path, exc)
+
+    # configuration (re-read every tick: a SIGHUP applies at once)
+    def _cfg(self):
+        return self.service.config.policy
+
+    def rules(self) -> PolicyRules:
+        return rules_from_config(self._cfg())
+
+    def start(self) -> "PolicyRunner":
+        self._thread = threading.Thread(target=self._run, name="aggd-policy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.02, self._cfg().interval_ms / 1000)):
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # never let the watcher kill the daemon; say it once per kind
+                self.errors += 1
+                log.exception("policy tick failed")
+
+    def _rows(self, job) -> list[dict] | None:
+        svc = self.service
+        rows = None
+        if job.kernel_slots and hasattr(svc.dp, "member_stats"):
+            rows = svc.dp.member_stats(job.id, job.world)
+        us = getattr(svc.us, "member_stats", None)
+        if us is not None and job.userspace_slots:
+            extra = us(job.id, job.world)
+            rows = extra if rows is None else [_merge(a, b) for a, b in zip(rows, extra)]
+        return rows
+
+    def tick(self, now: float) -> list[tuple[str, Decision]]:
+        """One pass over the jobs; returns the decisions applied (for tests)."""
+        svc = self.service
+        made = []
+        with svc.lock:
+            rules = self.rules()
+            jobs = {j.id: j for j in svc.registry.list()}
+            for gone in set(self.detectors) - set(jobs):
+                self.detectors.pop(gone, None)
+                self.policies.pop(gone, None)
+                self.decisions.pop(gone, None)
+            for job in jobs.values():
+                det = self.detectors.get(job.id)
+                if det is None or det.world != job.world or det.config != rules.detector():
+                    det = self.detectors[job.id] = Detector(job.world, rules.detector())
+                rows = self._rows(job)
+                if rows is None:
+                    continue
+                obs = det.update_rows(now, rows)
+                pol = self.policies.get(job.id)
+                current = str(job.strategy)
+                if pol is None:
+                    pol = self.policies[job.id] = JobPolicy(rules, own=current)
+                    saved = self._saved.get(str(job.id))
+                    if saved and saved.get("switched") == current:  # a restart while switched
+                        pol.own, pol.switched = saved["own"], current
+                        pol.stragglers = tuple(saved.get("stragglers", ()))
+                pol.rules = rules
+                if obs is None:
+                    continue
+                pol.sync_with(current)
+                if not self._cfg().auto_switch or not rules.manages(job.name, pol.own):
+                    continue
+                decision = pol.step(obs, current, now)
+                if decision is None:
+                    continue
+                try:
+                    shown = svc.cmd_strategy_set(job.id, decision.strategy)
+                except Exception as exc:  # ControlError: the data planes refused; nothing changed
+                    pol.failed(decision, str(exc), now)
+                    log.error("job %s: policy could not switch to %s: %s", job.name, decision.strategy, exc)
+                    continue
+                from_round = shown["versions"][-1]["from_round"]
+                pol.applied(decision, from_round, now)
+                self._save()
+                entry = {**decision.to_json(), "from": current, "from_round": from_round,
+                         "version": shown["version"], "time": time.time()}
+                self.decisions.setdefault(job.id, deque(maxlen=KEEP_DECISIONS)).append(entry)
+                log.warning("job %s: policy switched %s -> %s from round %d (round %d seen): %s",
+                            job.name, current, decision.strategy, from_round, decision.round, decision.reason)
+                made.append((job.name, decision))
+        return made
+
+    # views for aggctl
+    def view(self, job, rank: int | None = None) -> dict:
+        det = self.detectors.get(job.id)
+        if rank is not None:
+            if det is None or rank >= det.world or det.last is None:
+                return {"lag": None, "lag_ms": None, "slowdown": None, "wait_s": None, "late": None,
+                        "straggler": None}
+            w = det.workers[rank].to_json()
+            return {"lag": None if w["lag_ms"] is None else round(w["lag_ms"], 1), "lag_ms": w["lag_ms"],
+                    "slowdown": w["slowdown"], "wait_s": w["wait_s"], "late": w["late"],
+                    "straggler": w["straggler"]}
+        pol = self.policies.get(job.id)
+        decisions = list(self.decisions.get(job.id, ()))
+        return {"policy": {
+            "auto_switch": bool(self._cfg().auto_switch),
+            "managed": bool(pol is not None and self.rules().manages(job.name, pol.own)),
+            **(pol.to_json() if pol else {}),
+            "stragglers_now": [] if det is None or det.last is None else list(det.last.stragglers),
+            "period_ms": None if det is None or det.last is None else round(det.last.period_ms, 3),
+            "last_decision": decisions[-1] if decisions else None,
+            "decisions": decisions}}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Counters of one member from the kernel and the user-space path."""
+    rounds = [r for r in (a.get("last_round"), b.get("last_round")) if r is not None]
+    return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
+            "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
+            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"])}
+
+
+def rules_from_config(pc) -> PolicyRules:
+    """PolicyRules from the config's ``[policy]`` section (``aggd.config.PolicyConfig``)."""
+    names = {f.name for f in fields(PolicyRules)}
+    return PolicyRules(**{k: getattr(pc, k) for k in names if hasattr(pc, k)})
