@@ -10,12 +10,13 @@ job's id, world, group, packet size and slots:
 >>> with join(("10.0.0.1", 47000), "resnet", rank=0, token=TOKEN) as c:  # doctest: +SKIP
 ...     summed = c.allreduce(grads)
 """
-from .client import AggClient
+from .client import AggClient, AllreduceHandle, StrategyInfo, WouldBlock
 from .errors import (AggdError, AggregationOverflowError, BadTokenError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
 from .membership import JobInfo, join
 
 __version__ = "0.1.0"
 
-__all__ = ["AggClient", "AggdError", "AggregationOverflowError", "BadTokenError", "JobInfo",
-           "NoAnswerError", "NotMemberError", "ProtocolError", "UnknownJobError", "join", "__version__"]
+__all__ = ["AggClient", "AggdError", "AggregationOverflowError", "AllreduceHandle", "BadTokenError",
+           "JobInfo", "NoAnswerError", "NotMemberError", "ProtocolError", "StrategyInfo",
+           "UnknownJobError", "WouldBlock", "join", "__version__"]

@@ -1,7 +1,8 @@
 """Optional numba kernels for the client's two hot loops; the numpy code is the reference.
 
 ``fill`` quantises a run of chunks straight into the packet ring and writes their header fields;
-``scatter`` checks a batch of received messages and dequantises the new results into the output.
+``scatter`` checks a batch of received messages and dequantises one round's new results into its
+output (the client calls it once per round in flight); ``ack`` marks answered chunks of a send.
 Both do in one pass what the numpy path does in a dozen, which matters when batches are small.
 They give bit-identical results (tests/unit/test_client_fast.py): the same exact power-of-two
 scaling, round-half-even and float64 dequantisation followed by one cast.
@@ -38,13 +39,13 @@ _O = {name: HEADER_DTYPE.fields[name][1] for name in HEADER_DTYPE.names}
 _MAGIC, _VERSION, _TYPE, _JOB, _ROUND = _O["magic"], _O["version"], _O["type"], _O["job"], _O["round"]
 _CHUNK, _COUNT, _EXP, _FLAGS, _NCONTRIB = (_O["chunk"], _O["count"], _O["exponent"], _O["flags"],
                                            _O["n_contrib"])
+_STRATEGY, _PARAM, _SVERSION = _O["strategy"], _O["param"], _O["strategy_version"]
 assert [HEADER_DTYPE.fields[n][0].itemsize for n in
         ("magic", "version", "type", "job", "round", "chunk", "count", "exponent", "flags",
-         "n_contrib")] == [2, 1, 1, 2, 4, 4, 2, 2, 1, 2]
+         "n_contrib", "strategy", "param", "strategy_version")] == [2, 1, 1, 2, 4, 4, 2, 2, 1, 2, 1, 1, 2]
 _RESULT = int(MsgType.RESULT)
 _NACK = int(MsgType.NACK)
 _OVERFLOW = int(Flag.OVERFLOW)
-_INFLIGHT, _DONE = 1, 2
 
 #: scatter() status codes
 OK, ANOMALY = 0, 1
@@ -100,13 +101,18 @@ def _be32(b, i, o):  # pragma: no cover - jitted
     return (_be16(b, i, o) << 16) | _be16(b, i, o + 2)
 
 
-def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, state, out, mean,
-             done):  # pragma: no cover - jitted
-    """Returns (status, results applied, of which were in flight). Writes nothing unless every
-    message is either ignorable or a well-formed new result (status OK)."""
+def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, have, ncontrib, out,
+             mean, acks, meta):  # pragma: no cover - jitted
+    """The results of round ``round32`` in a received batch. Every one (chunk below ``n_chunks``)
+    is listed in ``acks``; one for a chunk without a result yet (``have`` 0) is dequantised into
+    ``out`` (divided by its ``n_contrib`` for a mean), and ``have``, ``ncontrib`` and ``meta``
+    (strategy, param, strategy_version of the last one) are set. Returns (status, new results,
+    acks, results of the job in the batch whatever their round). Writes nothing unless every
+    message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too."""
     for apply in range(2):
         nd = 0
-        ninf = 0
+        na = 0
+        nj = 0
         for i in range(m):
             if sizes[i] < HEADER_SIZE:
                 continue
@@ -115,25 +121,33 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, sta
                 continue
             typ = st_u8[i, _TYPE]
             if typ == _NACK:
-                return ANOMALY, 0, 0
-            if typ != _RESULT or _be32(st_u8, i, _ROUND) != round32:
+                return ANOMALY, 0, 0, 0
+            if typ != _RESULT:
+                continue
+            nj += 1
+            if _be32(st_u8, i, _ROUND) != round32:
                 continue
             c = _be32(st_u8, i, _CHUNK)
-            if c >= n_chunks or state[c] == _DONE:
+            if c >= n_chunks:
+                continue
+            if apply:
+                acks[na] = c
+            na += 1
+            if have[c]:
                 continue
             cnt = _be16(st_u8, i, _COUNT)
-            ncontrib = _be16(st_u8, i, _NCONTRIB)
+            ncon = _be16(st_u8, i, _NCONTRIB)
             if not apply:
                 expect = last_count if c == n_chunks - 1 else E
                 if (st_u8[i, _FLAGS] & _OVERFLOW) or cnt != expect or sizes[i] < HEADER_SIZE + 4 * cnt \
-                        or (mean and ncontrib == 0):
-                    return ANOMALY, 0, 0
+                        or (mean and ncon == 0):
+                    return ANOMALY, 0, 0, 0
                 continue
             e = _be16(st_u8, i, _EXP)
             if e >= 32768:
                 e -= 65536
             base = c * E
-            div = np.float64(ncontrib) if mean else 1.0
+            div = np.float64(ncon) if mean else 1.0
             if -1000 <= e <= 1000:  # q * 2**-e rounds once, exactly as ldexp does
                 scale = math.ldexp(1.0, -e)
                 if mean:
@@ -145,17 +159,29 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, sta
             else:
                 for j in range(cnt):
                     out[base + j] = math.ldexp(np.float64(st_i32[i, _P + j]), -e) / div
-            if state[c] == _INFLIGHT:
-                ninf += 1
-            state[c] = _DONE
-            done[nd] = c
+            have[c] = 1
+            ncontrib[c] = ncon
+            meta[0] = st_u8[i, _STRATEGY]
+            meta[1] = st_u8[i, _PARAM]
+            meta[2] = _be16(st_u8, i, _SVERSION)
             nd += 1
         if apply:
-            return OK, nd, ninf
-    return OK, 0, 0
+            return OK, nd, na, nj
+    return OK, 0, 0, 0
 
 
-fill = scatter = None  # the compiled kernels, once warm_up succeeded
+def _ack(state, chunks, n):  # pragma: no cover - jitted
+    """Chunks ``chunks[:n]`` answered: those in flight (1) become done (2); returns how many."""
+    k = 0
+    for i in range(n):
+        c = chunks[i]
+        if state[c] == 1:
+            state[c] = 2
+            k += 1
+    return k
+
+
+fill = scatter = ack = None  # the compiled kernels, once warm_up succeeded
 
 _warm = threading.Lock()
 _warmed: bool | None = None
@@ -179,22 +205,26 @@ def warm_up() -> bool:
 
 
 def _compile() -> None:
-    global fill, scatter, _be16, _be32
+    global fill, scatter, ack, _be16, _be32
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
-    fill, scatter = jit(_fill), jit(_scatter)
+    fill, scatter, ack = jit(_fill), jit(_scatter), jit(_ack)
 
     from .protocol import packet_dtype
     ring = np.zeros(2, packet_dtype(4))
     u8 = ring.view(np.uint8).reshape(2, -1)
     i32 = u8.view(np.int32)
     fq, jq = math.frexp(float(2**31 - 1))
-    state = np.zeros(2, np.uint8)
-    done = np.zeros(2, np.int64)
+    have = np.zeros(2, np.uint8)
+    ncontrib = np.zeros(2, np.uint16)
+    acks = np.zeros(2, np.int64)
+    meta = np.zeros(3, np.int64)
     sizes = np.zeros(2, np.int64)
+    ack(have, acks, 2)
     for dt in (np.float32, np.float64):
         fill(np.ones(5, dt), 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
         for mean in (False, True):
-            scatter(u8, i32, sizes, 2, 1, 0, 2, 4, 1, state, np.zeros(5, dt), mean, done)
+            scatter(u8, i32, sizes, 2, 1, 0, 2, 4, 1, have, ncontrib, np.zeros(5, dt), mean, acks,
+                    meta)

@@ -1,8 +1,23 @@
-"""The worker side of aggd: ``AggClient.allreduce`` sends a float tensor through the aggregator.
+"""The worker side of aggd: ``AggClient`` sends float tensors through the aggregator.
 
-One call is one *round* of the job: the tensor is cut into chunks of ``elements`` values, each chunk
-is quantised to int32 with its own exponent (``quant``) and sent as one contribution packet; the
-aggregator sums the ``world`` contributions of a chunk and multicasts (or unicasts) the result.
+``allreduce_async(x)`` starts one *round* of the job and returns an ``AllreduceHandle``;
+``allreduce(x)`` is ``allreduce_async(x).wait()``. The tensor is cut into chunks of ``elements``
+values, each chunk is quantised to int32 with its own exponent (``quant``) and sent as one
+contribution packet; the aggregator sums the contributions of a chunk and multicasts (or unicasts)
+the result.
+
+Strategies (docs/protocol.md, "What clients do"). Every result names the strategy that governed its
+round (``strategy``, ``param``, ``strategy_version``); the newest one seen is the strategy in force
+(``sync`` before the first result, unless the constructor's ``strategy`` says otherwise). A new
+round is sent only when it admits one: ``sync``, ``quorum`` and ``wbsp`` one round outstanding
+(sent, result not complete), ``ssp:s`` ``s + 1``, ``async`` 3. Otherwise ``allreduce_async`` makes
+progress on the earlier rounds until it may (``block=False``: raises ``WouldBlock``;
+``must_wait()`` says beforehand). Under ``wbsp`` a call made while a round is outstanding (same
+shape, dtype and op) is sent as that round's next ``step`` instead, at most ``WBSP_MAX_STEPS`` per
+round, and its handle resolves with that round's result. A result for a later round than the one a
+chunk asked for completes the chunk when it was governed by ``quorum`` or ``async`` (a straggler
+gets the newest result) and the next round starts after it. Quantisation leaves headroom for the
+contributions a result may hold beyond one per member (``quant.terms_for``).
 
 Transport, as docs/protocol.md asks:
 
@@ -10,19 +25,28 @@ Transport, as docs/protocol.md asks:
   member address. NACKs and unicast results come back to it. With ``group``, a second socket bound
   to the group's port and joined to the group (on the interface that routes to the server, with
   ``IP_MULTICAST_ALL`` off) receives the multicast results. Both are polled.
-* Window: at most ``min(window, slots)`` chunks in flight, and chunk ``c + slots`` leaves only after
-  chunk ``c``'s result arrived (chunk ``c`` uses the aggregator's slot ``c % slots``). Packets are
-  built by column into a ring of ``packet_dtype(elements)`` records indexed by ``c % slots``: the
-  ring is the only copy of the quantised tensor, so the client needs about ``slots`` packets of
-  memory beyond the output array, whatever the tensor size.
+* A round keeps its result state (chunks answered, their ``n_contrib``, the output array); each of
+  its steps is a *send* with its own ring of ``packet_dtype(elements)`` records indexed by
+  ``chunk % slots`` (the only copy of the quantised tensor: about ``slots`` packets per send in
+  flight, whatever the tensor size) and per-chunk send state. One receive loop hands every batch of
+  results to the rounds in flight by ``(round, chunk)``.
+* Order: at most ``min(window, slots)`` chunks in flight over all rounds still waiting for their
+  result; within a send chunk ``c + slots`` leaves only after chunk ``c``'s answer; and a send's
+  chunk ``c`` leaves only after every earlier send has sent its chunks of ``c``'s slot (for an
+  earlier step of the same round: its chunk ``c``), so the aggregator sees each slot's keys
+  ``(round, chunk)`` grow.
 * Batches leave with UDP GSO (one ``sendmsg`` carries up to 64 packets) unless ``gso=False``; a
   kernel that refuses GSO makes the client fall back to one ``sendto`` per packet, once for good.
-* Results are received straight into a preallocated record array, checked by column, dequantised
-  into the output by block. A chunk without a result after ``retransmit_timeout`` (doubled at each
-  retry of that chunk, at most ``max(1 s, retransmit_timeout)``) is sent again flagged RETRANSMIT.
-  No new result for ``give_up_after`` seconds raises ``NoAnswerError``.
+* Results are received straight into a preallocated record array, checked by column (or by the
+  numba kernel of ``_fast``), dequantised into the output by block. A chunk without an answer after
+  ``retransmit_timeout`` (doubled at each retry of that chunk, at most ``max(1 s,
+  retransmit_timeout)``; at most ``max_retransmit_interval`` under ``quorum``, whose data plane uses
+  the members' retransmissions as the clock of its deadline) is sent again flagged RETRANSMIT.
+  No new result for ``give_up_after`` seconds spent inside the client's calls while a round waits
+  raises ``NoAnswerError``.
 
-An ``AggClient`` is not thread-safe: one per worker (per thread).
+Progress happens only inside calls (``allreduce_async``, ``wait``, ``done``, ``must_wait``): there is
+no thread. An ``AggClient`` is not thread-safe: one per worker (per thread).
 """
 from __future__ import annotations
 
@@ -33,6 +57,7 @@ import selectors
 import socket
 import struct
 import time
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -41,9 +66,10 @@ from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemb
                      ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
 from .protocol.definition import (MAGIC, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, VERSION, Flag,
-                                  MsgType, NackCode)
+                                  MsgType, NackCode, StrategyKind)
 
-__all__ = ["AggClient"]
+__all__ = ["AggClient", "AllreduceHandle", "StrategyInfo", "WouldBlock", "ASYNC_OUTSTANDING",
+           "WBSP_MAX_STEPS"]
 
 log = logging.getLogger("aggd_client")
 
@@ -67,11 +93,67 @@ STAGE = 256
 ADMIT_MAX = 64
 SOCKET_BUFFER = 8 << 20
 RTO_CAP = 1.0
+#: Rounds a worker may have outstanding under ``async``.
+ASYNC_OUTSTANDING = 3
+#: Steps a worker sends into one ``wbsp`` round (the quantisation headroom, ``quant.HEADROOM``).
+WBSP_MAX_STEPS = quant.HEADROOM[StrategyKind.WBSP]
+#: Rings kept for reuse by the next sends.
+RING_POOL = 4
 
 _PENDING, _INFLIGHT, _DONE = 0, 1, 2
 # plain ints: numpy compares against enum members far more slowly
-_CONTRIB, _RESULT, _NACK = int(MsgType.CONTRIB), int(MsgType.RESULT), int(MsgType.NACK)
-_RETRANSMIT, _OVERFLOW = int(Flag.RETRANSMIT), int(Flag.OVERFLOW)
+_RESULT, _NACK, _CONTRIB = int(MsgType.RESULT), int(MsgType.NACK), int(MsgType.CONTRIB)
+_RETRANSMIT, _OVERFLOW, _REREAD = int(Flag.RETRANSMIT), int(Flag.OVERFLOW), int(Flag.REREAD)
+_QUORUM, _ASYNC = int(StrategyKind.QUORUM), int(StrategyKind.ASYNC)
+
+
+class WouldBlock(AggdError):
+    """``allreduce_async(..., block=False)`` was called while the strategy in force admits no
+    further round (``AggClient.must_wait()`` is true): wait on an earlier handle, or call again."""
+
+
+def _kind(value: int) -> StrategyKind:
+    try:
+        return StrategyKind(int(value))
+    except ValueError:  # a kind this client does not know: assume the strictest
+        return StrategyKind.SYNC
+
+
+class StrategyInfo(NamedTuple):
+    """A strategy as results carry it: ``kind``, ``param`` (quorum ``k``, ssp staleness ``s``) and
+    the ``version`` of the job's strategy table that governed the round."""
+    kind: StrategyKind = StrategyKind.SYNC
+    param: int = 0
+    version: int = 0
+
+    @property
+    def max_outstanding(self) -> int:
+        """Rounds a worker may have outstanding (sent, result not complete) under this strategy."""
+        if self.kind == StrategyKind.SSP:
+            return self.param + 1
+        if self.kind == StrategyKind.ASYNC:
+            return ASYNC_OUTSTANDING
+        return 1
+
+    @classmethod
+    def parse(cls, text: str) -> "StrategyInfo":
+        """``sync``, ``quorum:K`` (``quorum:K:TIMEOUT`` too: the timeout is the data plane's),
+        ``ssp:S``, ``async`` or ``wbsp`` -- the text form ``aggctl`` and ``JobInfo.strategy`` use."""
+        parts = str(text).strip().lower().split(":")
+        try:
+            kind = StrategyKind[parts[0].upper()]
+        except KeyError:
+            names = ", ".join(k.name.lower() for k in StrategyKind)
+            raise ValueError(f"unknown strategy {text!r}: use one of {names}") from None
+        if kind not in (StrategyKind.QUORUM, StrategyKind.SSP):
+            return cls(kind)
+        if len(parts) < 2 or not parts[1].isdigit():
+            raise ValueError(f"strategy {text!r}: {parts[0]} needs an integer parameter")
+        return cls(kind, int(parts[1]))
+
+    def __str__(self) -> str:
+        name = self.kind.name.lower()
+        return f"{name}:{self.param}" if self.kind in (StrategyKind.QUORUM, StrategyKind.SSP) else name
 
 
 def _local_ip_towards(server: tuple[str, int]) -> str:
@@ -96,6 +178,10 @@ def _grow_buffers(sock: socket.socket) -> None:
                 pass
 
 
+def _never() -> bool:
+    return False
+
+
 class AggClient:
     """A worker of one aggd job.
 
@@ -105,14 +191,21 @@ class AggClient:
     worker's address. ``bind``: the worker's member address (port 0 picks one; see ``address``).
     ``elements``: values per packet, as configured on the aggregator. ``slots``: the job's slot
     pool; ``window``: chunks in flight (at most ``slots``). ``retransmit_timeout`` and
-    ``give_up_after`` in seconds. ``gso``: send with UDP GSO; must be False when the aggregator
-    runs XDP in generic (skb) mode.
+    ``give_up_after`` in seconds; ``max_retransmit_interval``: the longest a chunk waits between
+    retransmissions under ``quorum`` (the data plane checks a quorum round's deadline when a packet
+    reaches its slot, so the members' retransmissions are its clock: keep this at or below the
+    job's quorum timeout). ``strategy``: the strategy the job starts with (``"ssp:2"``, a
+    ``StrategyInfo``; ``JobInfo.strategy`` from ``join``), assumed until the first result says;
+    None: ``sync``. ``gso``: send with UDP GSO; must be False when the aggregator runs XDP in
+    generic (skb) mode.
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
                  group: tuple[str, int] | None = None, bind: tuple[str, int] = ("0.0.0.0", 0),
                  elements: int = 256, slots: int = 1024, window: int | None = None,
-                 retransmit_timeout: float = 0.05, give_up_after: float = 5.0, gso: bool = True):
+                 retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
+                 max_retransmit_interval: float = 0.2,
+                 strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -125,8 +218,17 @@ class AggClient:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if window is not None and int(window) < 1:
             raise ValueError(f"window must be at least 1, got {window}")
-        if not retransmit_timeout > 0 or not give_up_after > 0:
-            raise ValueError("retransmit_timeout and give_up_after must be positive")
+        if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
+            raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
+                             "be positive")
+        if strategy is None:
+            info = StrategyInfo()
+        elif isinstance(strategy, StrategyInfo):
+            info = strategy
+        elif isinstance(strategy, str):
+            info = StrategyInfo.parse(strategy)
+        else:
+            info = StrategyInfo(StrategyKind(strategy))
         self._server = (socket.gethostbyname(server[0]), int(server[1]))
         self._job, self._rank, self._world = int(job), int(rank), int(world)
         self._elements = int(elements)
@@ -134,18 +236,30 @@ class AggClient:
         self._window = min(int(window) if window is not None else self._slots, self._slots)
         self._rto = float(retransmit_timeout)
         self._rto_cap = max(RTO_CAP, self._rto)
+        self._quorum_cap = min(float(max_retransmit_interval), self._rto_cap)
+        self._scan_every = max(min(self._rto, self._quorum_cap) / 4, 0.001)
         self._give_up = float(give_up_after)
         self._gso = bool(gso)
-        self._round = 0
         self._closed = False
         self._last_send_error: OSError | None = None
         self.stats = {"packets_sent": 0, "retransmits": 0, "results": 0, "ignored": 0,
-                      "send_errors": 0, "gso_fallbacks": 0}
+                      "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0}
+
+        # Rounds and their sends; the strategy in force and the round whose result said so.
+        self._next_round = 0
+        self._rounds: list[_Round] = []
+        self._sends: list[_Send] = []
+        self._strategy = info
+        self._strategy_round = -1
+        self._last_progress = time.monotonic()
+        self._away_since: float | None = None  # time outside calls does not count (give-up clock)
+        self._next_scan = 0.0
 
         self._dtype = packet_dtype(self._elements)
         self._rec = self._dtype.itemsize
         self._gso_segments = max(1, min(GSO_MAX_SEGMENTS, UDP_MAX_PAYLOAD // self._rec))
         self._gso_cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", self._rec))]
+        self._ring_pool: list[_Ring] = []
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._group_sock: socket.socket | None = None
@@ -167,15 +281,25 @@ class AggClient:
         self._group = None if group is None else (group[0], int(group[1]))
 
         self._fast = _fast.warm_up()  # numba kernels, compiled before anything is sent
-        self._ring(0)                 # ring of contribution packets, grown on demand
         self._stage = np.zeros(STAGE, self._dtype)  # receive staging
         raw = memoryview(self._stage.view(np.uint8))
         self._stage_views = [raw[i * self._rec:(i + 1) * self._rec] for i in range(STAGE)]
         self._stage_u8 = self._stage.view(np.uint8).reshape(STAGE, self._rec)
         self._stage_i32 = self._stage_u8.view(np.int32)
         self._words = self._stage_u8.view(np.uint32)
-        self._done_buf = np.zeros(STAGE, np.int64)
         self._sizes = np.zeros(STAGE, np.int64)
+        self._acks = np.zeros(STAGE, np.int64)
+        self._meta = np.zeros(3, np.int64)
+        # Messages are classified by the first 8 header bytes (magic, version, type; job) compared
+        # as native uint32 words of the staging buffer, whatever the host's byte order.
+        proto = np.zeros(1, HEADER_DTYPE)
+        proto["magic"], proto["version"], proto["job"] = MAGIC, VERSION, self._job
+        proto["type"] = _RESULT
+        self._w_result = proto.view(np.uint32)[0]
+        proto["type"] = _NACK
+        self._w_nack = proto.view(np.uint32)[0]
+        self._job_mask = np.frombuffer(b"\xff\xff\x00\x00", np.uint32)[0]  # job, not rank
+        self._w_job = proto.view(np.uint32)[1] & self._job_mask
 
     # -- set-up -------------------------------------------------------------------------------
     def _join(self, group: tuple[str, int]) -> socket.socket:
@@ -200,8 +324,19 @@ class AggClient:
     # -- public -------------------------------------------------------------------------------
     @property
     def round(self) -> int:
-        """The job's allreduce number this worker is at: 0 at first, +1 per ``allreduce`` call."""
-        return self._round
+        """The round the next new allreduce gets: 0 at first, +1 per round started (a ``wbsp``
+        step starts none), and past the newest ``quorum``/``async`` result seen (catching up)."""
+        return self._next_round
+
+    @property
+    def strategy(self) -> StrategyInfo:
+        """The strategy in force: the newest result's (or the constructor's, before any)."""
+        return self._strategy
+
+    @property
+    def outstanding(self) -> int:
+        """Rounds sent whose result is not complete yet."""
+        return sum(1 for r in self._rounds if not r.complete)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -221,6 +356,7 @@ class AggClient:
         if self._closed:
             return
         self._closed = True
+        self._fail_all(AggdError("the client was closed"))
         try:
             self._selector.close()
         finally:
@@ -236,49 +372,250 @@ class AggClient:
 
     def __repr__(self) -> str:
         return (f"AggClient(server={self._server}, job={self._job}, rank={self._rank}, "
-                f"world={self._world}, round={self._round})")
+                f"world={self._world}, round={self._next_round}, strategy={self._strategy})")
 
     def allreduce(self, array, op: str = "sum") -> np.ndarray:
-        """Sum (``op="sum"``) or average (``op="mean"``) ``array`` over the job's members.
+        """Sum (``op="sum"``) or average (``op="mean"``) ``array`` over the job's members:
+        ``allreduce_async(array, op).wait()``.
 
         Returns a new array of the same shape and dtype (float16, float32 or float64). Every member
         must call ``allreduce`` with the same shape, in the same order. A mean divides each chunk by
         the number of contributions its result holds. Each element is within
-        ``quant.error_bound(world, exponent)`` of the exact sum (divided by the count for a mean),
-        plus the rounding to the output dtype.
+        ``quant.error_bound(world, exponent, n_contrib)`` of the exact sum of those contributions
+        (divided by the count for a mean), plus the rounding to the output dtype.
         """
-        if self._closed:
-            raise AggdError("the client is closed")
+        return self.allreduce_async(array, op).wait()
+
+    def allreduce_async(self, array, op: str = "sum", *, block: bool = True) -> "AllreduceHandle":
+        """Start reducing ``array`` and return its handle (``wait()`` gives the result).
+
+        The array is read until the handle is done: do not change it before. When the strategy in
+        force admits no new round (``must_wait()``), this call makes progress on the earlier rounds
+        until it does; with ``block=False`` it raises ``WouldBlock`` instead. Under ``wbsp`` a call
+        made while a round of the same shape, dtype and ``op`` is outstanding is sent as that
+        round's next step and its handle resolves with that round's result.
+        """
+        self._check_open()
         if op not in ("sum", "mean"):
             raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
         a = np.asarray(array)
         if a.dtype not in quant.FLOAT_DTYPES:
             raise TypeError(f"aggd reduces float16, float32 and float64 arrays, got {a.dtype}")
-        out = np.empty(a.shape, a.dtype)
-        if a.size == 0:
-            self._round += 1
-            return out
+        mean = op == "mean"
+        if a.size == 0:  # nothing to send: the round is used up and answered at once
+            rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean)
+            self._next_round += 1
+            return AllreduceHandle(self, rnd, None)
         x = np.ascontiguousarray(a).reshape(-1)
         lo, hi = x.min(), x.max()  # NaN propagates; cheaper than isfinite(x).all()
         if not (np.isfinite(lo) and np.isfinite(hi)):
             raise ValueError("cannot allreduce an array holding NaN or infinity")
-        n_chunks = -(-x.size // self._elements)
-        if n_chunks > 0xFFFFFFFF:
-            raise ValueError(f"tensor too large: {n_chunks} chunks")
+        if -(-x.size // self._elements) > 0xFFFFFFFF:
+            raise ValueError(f"tensor too large: more than 2**32 chunks of {self._elements}")
+        spec = (a.shape, a.dtype, mean)
+
+        self._poll()
+        into = self._admission(spec)
+        if into is None:
+            if not block:
+                raise WouldBlock(f"strategy {self._strategy} admits no round beyond the "
+                                 f"{self.outstanding} outstanding (rank {self._rank}, next round "
+                                 f"{self._next_round})")
+            self._progress(lambda: self._admission(spec) is not None)
+            into = self._admission(spec)
+        if into is True:
+            if not any(not r.complete for r in self._rounds):
+                self._last_progress = time.monotonic()  # nothing was outstanding: the clock starts
+            rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean)
+            self._next_round += 1
+            self._rounds.append(rnd)
+        else:
+            rnd = into
+            self.stats["steps"] += 1
+        send = _Send(self, rnd, x, rnd.steps, self._strategy.kind)
+        rnd.steps += 1
+        rnd.sends.append(send)
+        self._sends.append(send)
+        self._poll()  # the first window leaves now
+        return AllreduceHandle(self, rnd, send)
+
+    def must_wait(self) -> bool:
+        """Whether an ``allreduce_async`` now would have to wait for an earlier round first (a
+        ``wbsp`` step of the outstanding round does not wait). Makes progress without blocking."""
+        self._check_open()
+        self._poll()
+        return self._admission(None) is None
+
+    # -- admission ----------------------------------------------------------------------------
+    def _admission(self, spec) -> "bool | _Round | None":
+        """True: a new round may start; a round: a wbsp call becomes its next step; None: wait."""
+        waiting = [r for r in self._rounds if not r.complete]
+        info = self._strategy
+        if len(waiting) < info.max_outstanding:
+            return True
+        if info.kind == StrategyKind.WBSP and len(waiting) == 1:
+            r = waiting[0]
+            if r.steps < WBSP_MAX_STEPS and (spec is None or spec == (r.shape, r.dtype, r.mean)):
+                return r
+        return None
+
+    # -- the progress loop --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AggdError("the client is closed")
+
+    def _poll(self) -> None:
+        self._progress(_never, 0.0)
+
+    def _progress(self, until: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Send, retransmit and receive until ``until()`` holds (True) or ``timeout`` seconds pass
+        (False; None: no limit; 0: one pass that does not wait). A fatal error (NACK, no answer)
+        fails every round in flight and is raised."""
+        self._check_open()
+        now = time.monotonic()
+        if self._away_since is not None:
+            self._last_progress += now - self._away_since
+            self._away_since = None
+        deadline = None if timeout is None else now + timeout
         try:
-            _Transfer(self, x, out.reshape(-1), n_chunks, op == "mean").run()
+            self._receive(0.0)
+            while True:
+                if until():
+                    return True
+                more = self._admit()
+                now = time.monotonic()
+                if now >= self._next_scan:
+                    self._retransmit(now)
+                    self._next_scan = now + self._scan_every
+                if until():
+                    return True
+                self._check_give_up(now)
+                if deadline is not None and now >= deadline:
+                    return False
+                wait = 0.0
+                if not more:
+                    wait = min(self._next_scan, self._last_progress + self._give_up) - now
+                    if deadline is not None:
+                        wait = min(wait, deadline - now)
+                self._receive(max(0.0, wait))
+        except (AggdError, OSError) as e:
+            self._fail_all(e)
+            raise
         finally:
-            self._round += 1  # the round is used up once anything was sent
-        return out
+            self._away_since = time.monotonic()
+
+    def _check_give_up(self, now: float) -> None:
+        waited = now - self._last_progress
+        if waited < self._give_up:
+            return
+        waiting = [r for r in self._rounds if not r.complete]
+        if not waiting:
+            return
+        answered = sum(r.n_have for r in waiting)
+        total = sum(r.n_chunks for r in waiting)
+        nums = ", ".join(str(r.number) for r in waiting)
+        detail = (f"rank {self._rank}, round{'s' if len(waiting) > 1 else ''} {nums}: {answered} "
+                  f"of {total} chunks answered, {self.stats['retransmits']} retransmissions, "
+                  f"strategy {self._strategy}")
+        if self._last_send_error is not None:
+            detail += f"; last send error: {self._last_send_error}"
+        raise NoAnswerError(self._server, self._job, waited, detail)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for rnd in self._rounds:
+            if not rnd.complete and rnd.error is None:
+                rnd.error = exc
+        for s in self._sends:
+            s.drop()
+        self._sends.clear()
+        for rnd in self._rounds:
+            rnd.sends.clear()
+        self._rounds.clear()
+
+    def _fail_round(self, rnd: "_Round", exc: AggdError) -> None:
+        log.warning("round %d failed: %s", rnd.number, exc)
+        rnd.error = exc
+        for s in rnd.sends:
+            s.drop()
+            self._sends.remove(s)
+        rnd.sends.clear()
+        if rnd in self._rounds:
+            self._rounds.remove(rnd)
 
     # -- sending ------------------------------------------------------------------------------
-    def _ring(self, size: int) -> np.ndarray:
-        if not hasattr(self, "_tx") or self._tx.size < size:
-            self._tx = np.zeros(size, self._dtype)
-            self._tx_u8 = self._tx.view(np.uint8).reshape(size, self._rec)
-            self._tx_i32 = self._tx_u8.view(np.int32)
-            self._tx_bytes = memoryview(self._tx.view(np.uint8))
-        return self._tx
+    def _admit(self) -> bool:
+        """Let every send admit what the window and the order rules allow; whether more could be
+        admitted right away."""
+        self._tidy()
+        budget = self._window - sum(s.inflight for s in self._sends if not s.rnd.complete)
+        more = False
+        for i, s in enumerate(self._sends):
+            if budget <= 0:
+                break
+            if s.next >= s.n:
+                continue
+            limit = self._limit(i, s)
+            if limit <= s.next:
+                continue
+            k, again = s.admit(limit, budget)
+            budget -= k
+            more = more or again
+        return more and budget > 0
+
+    def _limit(self, i: int, s: "_Send") -> int:
+        """First chunk of send ``i`` that must wait for an earlier send: one whose slot still has an
+        unsent chunk of an earlier round (keys grow per slot), or, for an earlier step of the same
+        round, a chunk that step has not sent yet."""
+        limit, S = s.n, self._slots
+        for p in self._sends[:i]:
+            left = p.n - p.next
+            if left <= 0:
+                continue
+            if p.rnd is s.rnd:
+                limit = min(limit, p.next)
+                continue
+            if left >= S:  # every slot still has a chunk of p to send
+                return s.next
+            d = (s.next - p.next) % S  # p's unsent chunks cover slots p.next % S .. + left - 1
+            if d < left:
+                return s.next
+            limit = min(limit, s.next + S - d)
+        return limit
+
+    def _tidy(self) -> None:
+        if any(s.finished for s in self._sends):
+            for s in [s for s in self._sends if s.finished]:
+                s.drop()
+                self._sends.remove(s)
+                s.rnd.sends.remove(s)
+        if any(r.complete and not r.sends for r in self._rounds):
+            self._rounds = [r for r in self._rounds if not (r.complete and not r.sends)]
+
+    def _retransmit(self, now: float) -> None:
+        cap = self._quorum_cap if self._strategy.kind == StrategyKind.QUORUM else self._rto_cap
+        for s in list(self._sends):
+            if s.rnd.complete and now - s.last_ack >= self._give_up:
+                # answers to contributions sent after the round's result came (a wbsp step, a
+                # straggler's carried chunk) that never arrived: stop asking
+                self.stats["abandoned"] += s.inflight + s.n - s.next
+                s.drop()
+                self._sends.remove(s)
+                s.rnd.sends.remove(s)
+            else:
+                s.retransmit_due(now, cap)
+
+    def _take_ring(self, size: int) -> "_Ring":
+        fits = [r for r in self._ring_pool if r.size >= size]
+        if fits:
+            ring = min(fits, key=lambda r: r.size)
+            self._ring_pool.remove(ring)
+            return ring
+        return _Ring(self._dtype, size)
+
+    def _give_ring(self, ring: "_Ring") -> None:
+        self._ring_pool.append(ring)
+        if len(self._ring_pool) > RING_POOL:
+            self._ring_pool.remove(min(self._ring_pool, key=lambda r: r.size))
 
     def _send(self, buf: memoryview, npk: int) -> None:
         """Send ``npk`` back-to-back packets held in ``buf``."""
@@ -313,6 +650,15 @@ class AggClient:
         self.stats["send_errors"] += 1
 
     # -- receiving ----------------------------------------------------------------------------
+    def _receive(self, timeout: float) -> None:
+        m = 0
+        if self._selector.select(timeout):
+            m = self._drain(self._sock, m)
+            if self._group_sock is not None:
+                m = self._drain(self._group_sock, m)
+        if m:
+            self._process(m)
+
     def _drain(self, sock: socket.socket, m: int) -> int:
         """Receive into the staging array from position ``m`` until empty or full; new ``m``."""
         views, sizes, rec = self._stage_views, self._sizes, self._rec
@@ -326,130 +672,359 @@ class AggClient:
             m += 1
         return m
 
+    def _process(self, m: int) -> None:
+        """Hand ``m`` received messages to the rounds in flight. The numba kernel takes one round
+        at a time; anything else in the batch (NACKs, malformed results, results of other rounds:
+        stragglers' answers, re-sends of finished rounds) goes through the numpy path, which
+        repeats harmlessly what the kernel did."""
+        new = acked = 0
+        handled = False
+        if self._fast and self._rounds and all(r.fast for r in self._rounds):
+            handled, matched, jobs = True, 0, 0
+            for rnd in list(self._rounds):
+                status, nd, na, jobs = _fast.scatter(
+                    self._stage_u8, self._stage_i32, self._sizes, m, self._job, rnd.r32,
+                    rnd.n_chunks, self._elements, rnd.last_count, rnd.have, rnd.n_contrib, rnd.out,
+                    rnd.mean, self._acks, self._meta)
+                if status != _fast.OK:
+                    handled = False
+                    break
+                matched += na
+                if na:
+                    acked += self._ack(rnd, self._acks[:na])
+                if nd:
+                    new += nd
+                    rnd.n_have += nd
+                    meta = self._meta
+                    self._learn(rnd, rnd.number, int(meta[0]), int(meta[1]), int(meta[2]))
+            handled = handled and matched == jobs
+        if not handled:
+            n2, a2 = self._process_numpy(m)
+            new += n2
+            acked += a2
+        self.stats["results"] += new
+        self.stats["ignored"] += m - new
+        if new or acked:
+            self._last_progress = time.monotonic()
 
-class _Transfer:
-    """State of one ``allreduce`` call."""
+    def _process_numpy(self, m: int) -> tuple[int, int]:
+        w = self._words[:m]
+        ours = (self._sizes[:m] >= HEADER_SIZE) & ((w[:, 1] & self._job_mask) == self._w_job)
+        nack = ours & (w[:, 0] == self._w_nack)
+        if nack.any():
+            self._nacks(self._stage["hdr"][:m][nack])
+        idx = np.flatnonzero(ours & (w[:, 0] == self._w_result))
+        if idx.size == 0:
+            return 0, 0
+        h = self._stage["hdr"][idx]
+        rounds = h["round"].astype(np.int64)
+        chunks = h["chunk"].astype(np.int64)
+        kind = h["strategy"]
+        later_ok = (kind == _QUORUM) | (kind == _ASYNC)  # may answer an earlier round's chunk
+        new = acked = 0
+        for rnd in list(self._rounds):
+            sel = (rounds == rnd.r32) | (later_ok & (rounds > rnd.r32))
+            sel &= chunks < rnd.n_chunks
+            if sel.any():
+                n, a = self._apply(rnd, idx[sel], h[sel], rounds[sel], chunks[sel])
+                new += n
+                acked += a
+        if later_ok.any():  # a straggler catches up: its next round follows the newest seen
+            self._next_round = max(self._next_round, int(rounds[later_ok].max()) + 1)
+        return new, acked
 
-    def __init__(self, c: AggClient, x: np.ndarray, out: np.ndarray, n_chunks: int, mean: bool):
-        self.c = c
-        self.x, self.out, self.n_chunks, self.mean = x, out, n_chunks, mean
-        E = c._elements
-        self.E = E
-        self.n_full = x.size // E
-        self.last_count = x.size - (n_chunks - 1) * E
-        self.out_full = out[:self.n_full * E].reshape(self.n_full, E)
-        self.round32 = c._round & 0xFFFFFFFF
-        self.state = np.zeros(n_chunks, np.uint8)
-        self.sent_at = np.zeros(n_chunks, np.float64)
-        self.retries = np.zeros(n_chunks, np.uint8)
-        self.next = 0        # next chunk to admit
-        self.lo = 0          # lowest chunk without a result
-        self.inflight = 0
-        self.done = 0
-        self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
-        self.fast_fill = c._fast
-        self.fast_scatter = c._fast and out.dtype != np.float16  # numba has no float16
-        self.fq, self.jq = quant._q_frexp(c._world)
-        self.R = min(c._slots, n_chunks)  # ring entries; chunk c lives at c % slots
-        h = c._ring(self.R)[:self.R]["hdr"]
-        h[...] = 0
-        h["magic"] = MAGIC
-        h["version"] = VERSION
-        h["type"] = _CONTRIB
-        h["job"] = c._job
-        h["rank"] = c._rank
-        h["round"] = self.round32
-        h["count"] = E  # the last chunk's entry is corrected when it is admitted
-        # Results are recognised by the first 12 header bytes (magic, version, type, job, round)
-        # compared as native uint32 words of the staging buffer, whatever the host's byte order.
-        proto = np.zeros(1, HEADER_DTYPE)
-        proto["magic"], proto["version"], proto["job"] = MAGIC, VERSION, c._job
-        proto["rank"], proto["round"] = 0xFFFF, self.round32
-        proto["type"] = _RESULT
-        self.w_result = proto.view(np.uint32)[:3].copy()
-        proto["type"] = _NACK
-        self.w_nack = proto.view(np.uint32)[0]
-        self.job_mask = np.frombuffer(b"\xff\xff\x00\x00", np.uint32)[0]  # job, not rank
+    def _apply(self, rnd: "_Round", idx, h, rounds, chunks) -> tuple[int, int]:
+        """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
+        or a later round's. Returns (new results, sends' chunks answered)."""
+        own = rounds == rnd.r32
+        # Every answer to this round's chunks stops their retransmission; a later round's only
+        # when it answers one of our packets (re-sent to us alone: the straggler's answer).
+        answers = own | ((h["flags"] & _REREAD) != 0)
+        acked = self._ack(rnd, chunks[answers]) if answers.any() else 0
+        new = rnd.have[chunks] == 0
+        if not new.any():
+            return 0, acked
+        idx, h, rounds, chunks, own = idx[new], h[new], rounds[new], chunks[new], own[new]
+        if idx.size > 1:  # one result per chunk: the round's own, else the newest; chunks sorted
+            order = np.lexsort((-np.where(own, 1 << 40, rounds), chunks))
+            chunks = chunks[order]
+            first = np.empty(chunks.size, bool)
+            first[0] = True
+            np.not_equal(chunks[1:], chunks[:-1], out=first[1:])
+            sel = order[first]
+            idx, h, rounds, chunks = idx[sel], h[sel], rounds[sel], chunks[first]
+        flags = h["flags"]
+        if (flags & _OVERFLOW).any():
+            j = int(np.argmax((flags & _OVERFLOW) != 0))
+            self._fail_round(rnd, AggregationOverflowError(self._server, self._job,
+                                                           int(rounds[j]), int(chunks[j])))
+            return 0, acked
+        cnt = h["count"].astype(np.int64)
+        expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
+        bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + 4 * cnt)
+        if bad.any():
+            j = int(np.argmax(bad))
+            self._fail_round(rnd, ProtocolError(
+                f"aggregator {self._server[0]}:{self._server[1]} sent a result for job {self._job}, "
+                f"round {rounds[j]}, chunk {chunks[j]} with count {cnt[j]} in {self._sizes[idx][j]} "
+                f"bytes; expected {expect[j]} values (is the job's packet size {self._elements} "
+                f"elements?)"))
+            return 0, acked
+        ncon = h["n_contrib"]
+        divisor = None
+        if rnd.mean:
+            if (ncon == 0).any():
+                self._fail_round(rnd, ProtocolError(
+                    f"aggregator {self._server[0]}:{self._server[1]} sent a result without "
+                    f"contributions (n_contrib 0) for job {self._job}, round {rnd.number}"))
+                return 0, acked
+            divisor = ncon.astype(np.float64)
+        vals = quant.dequantise(self._stage["payload"][idx], h["exponent"], divisor=divisor)
+        E = self._elements
+        with np.errstate(over="ignore", invalid="ignore"):  # float16 may overflow to inf
+            if chunks[-1] < rnd.n_full:
+                rnd.out_full[chunks] = vals
+            else:
+                rnd.out_full[chunks[:-1]] = vals[:-1]
+                rnd.out[rnd.n_full * E:] = vals[-1, :rnd.last_count]
+        rnd.have[chunks] = 1
+        rnd.n_contrib[chunks] = ncon
+        rnd.n_have += int(chunks.size)
+        j = int(np.argmax(rounds))
+        self._learn(rnd, int(rounds[j]), int(h["strategy"][j]), int(h["param"][j]),
+                    int(h["strategy_version"][j]))
+        return int(chunks.size), acked
 
-    # -- main loop ----------------------------------------------------------------------------
-    def run(self) -> None:
-        c = self.c
-        scan_every = max(c._rto / 4, 0.001)
+    def _ack(self, rnd: "_Round", chunks: np.ndarray) -> int:
         now = time.monotonic()
-        last_progress = now
-        next_scan = now + scan_every
-        while self.done < self.n_chunks:
-            more = self.admit()
-            now = time.monotonic()
-            if now >= next_scan:
-                self.retransmit_due(now)
-                next_scan = now + scan_every
-            if now - last_progress >= c._give_up:
-                self.give_up(now - last_progress)
-            timeout = 0.0 if more else max(0.0, min(next_scan, last_progress + c._give_up) - now)
-            m = 0
-            if c._selector.select(timeout):
-                m = c._drain(c._sock, m)
-                if c._group_sock is not None:
-                    m = c._drain(c._group_sock, m)
-            if m and self.process(m):
-                last_progress = time.monotonic()
+        n = 0
+        for s in rnd.sends:
+            n += s.ack(chunks, now)
+        return n
 
-    def give_up(self, waited: float) -> None:
-        c = self.c
-        detail = (f"rank {c._rank}, round {c._round}: {self.done} of {self.n_chunks} chunks "
-                  f"answered, {c.stats['retransmits']} retransmissions")
-        if c._last_send_error is not None:
-            detail += f"; last send error: {c._last_send_error}"
-        raise NoAnswerError(c._server, c._job, waited, detail)
+    def _learn(self, rnd: "_Round", number: int, kind: int, param: int, version: int) -> None:
+        """A result of round ``number`` (governed by kind/param/version) answered chunks of
+        ``rnd``; the newest result seen sets the strategy in force."""
+        info = StrategyInfo(_kind(kind), param, version)
+        if rnd.info is None or number >= rnd.answered:
+            rnd.answered = max(rnd.answered, number)
+            rnd.info = info
+        if number >= self._strategy_round:
+            if info != self._strategy:
+                log.debug("strategy in force: %s (table version %d, round %d)", info, version,
+                          number)
+            self._strategy, self._strategy_round = info, number
+        if rnd.complete:
+            now = time.monotonic()
+            for s in rnd.sends:  # their remaining answers are waited for give_up_after from now
+                s.last_ack = now
+
+    def _nacks(self, h: np.ndarray) -> None:
+        for rec in h:
+            code = int(rec["code"])
+            if code == NackCode.UNKNOWN_JOB:
+                raise UnknownJobError(self._server, self._job, self._rank, self._address)
+            if code == NackCode.NOT_MEMBER:
+                raise NotMemberError(self._server, self._job, self._rank, self._address)
+            r32, chunk = int(rec["round"]), int(rec["chunk"])
+            rnd = next((r for r in self._rounds if r.r32 == r32), None)
+            where = f"job {self._job}, round {r32}, chunk {chunk}"
+            srv = f"aggregator {self._server[0]}:{self._server[1]}"
+            if code == NackCode.BAD_CHUNK:
+                if rnd is not None:
+                    self._fail_round(rnd, ProtocolError(
+                        f"{srv} refused {where}: chunk beyond the job's max_chunks (this tensor "
+                        f"has {rnd.n_chunks} chunks of {self._elements} values)"))
+                continue
+            if code == NackCode.STALE:
+                lockstep = self._strategy.kind in (StrategyKind.SYNC, StrategyKind.SSP,
+                                                   StrategyKind.WBSP)
+                if rnd is not None and lockstep and chunk < rnd.n_chunks and not rnd.have[chunk]:
+                    self._fail_round(rnd, ProtocolError(
+                        f"{srv} refused {where} as stale: the job is past this round (do all "
+                        f"members call allreduce in lockstep?)"))
+                continue  # a late answer to an old retransmission, or a straggler's
+            raise ProtocolError(f"{srv} refused {where} with unknown NACK code {code}")
+
+
+class AllreduceHandle:
+    """The result of one ``allreduce_async`` call, to come.
+
+    ``wait(timeout=None)`` returns it (the same array for every handle of a round: the steps of a
+    ``wbsp`` round share it); ``done()`` says whether it is there, making progress without
+    blocking. Once done: ``round`` is the newest round whose result answered it (later than the
+    round asked for when a ``quorum``/``async`` straggler got a newer result), ``n_contrib`` the
+    contributions each chunk's result holds, ``strategy`` the strategy that governed that round.
+    ``step`` is the wbsp step this call was sent as (0 otherwise).
+    """
+
+    __slots__ = ("_client", "_round", "_send", "step")
+
+    def __init__(self, client: AggClient, rnd: "_Round", send: "_Send | None"):
+        self._client, self._round, self._send = client, rnd, send
+        self.step = 0 if send is None else send.step
+
+    @property
+    def round(self) -> int:
+        return self._round.answered
+
+    @property
+    def n_contrib(self) -> np.ndarray:
+        return self._round.n_contrib
+
+    @property
+    def strategy(self) -> StrategyInfo | None:
+        return self._round.info
+
+    def _ready(self) -> bool:
+        r = self._round
+        if r.error is not None:
+            return True
+        if not r.complete:
+            return False
+        s = self._send  # its tensor must have left too (a straggler's answers may come first)
+        return s is None or s.dropped or s.next >= s.n
+
+    def done(self) -> bool:
+        if not self._ready():
+            self._client._poll()
+        return self._ready()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The result; raises the round's error, or TimeoutError after ``timeout`` seconds."""
+        if not self._ready() and not self._client._progress(self._ready, timeout):
+            raise TimeoutError(f"round {self._round.number} of job {self._client._job} not "
+                               f"answered within {timeout} s")
+        if self._round.error is not None:
+            raise self._round.error
+        return self._round.result
+
+    def __repr__(self) -> str:
+        state = "failed" if self._round.error is not None else "done" if self._ready() else "pending"
+        return f"<AllreduceHandle round {self._round.number} step {self.step} {state}>"
+
+
+class _Round:
+    """One round's result: which chunks are answered, what each holds, the output array; ``sends``
+    are its steps still in progress."""
+
+    def __init__(self, number: int, shape, dtype, size: int, E: int, mean: bool):
+        self.number = number
+        self.r32 = number & 0xFFFFFFFF
+        self.shape, self.dtype, self.mean = shape, np.dtype(dtype), mean
+        self.result = np.empty(shape, dtype)
+        self.out = self.result.reshape(-1)
+        n = -(-size // E)
+        self.n_chunks = n
+        self.n_full = size // E
+        self.last_count = size - (n - 1) * E if n else 0
+        self.out_full = self.out[:self.n_full * E].reshape(self.n_full, E)
+        self.have = np.zeros(n, np.uint8)
+        self.n_contrib = np.zeros(n, np.uint16)
+        self.n_have = 0
+        self.answered = number
+        self.info: StrategyInfo | None = None
+        self.sends: list[_Send] = []
+        self.steps = 0
+        self.error: BaseException | None = None
+        self.fast = self.dtype != np.float16  # numba has no float16
+
+    @property
+    def complete(self) -> bool:
+        return self.n_have == self.n_chunks
+
+
+class _Ring:
+    """``size`` contribution packets, built in place and sent from."""
+
+    __slots__ = ("size", "pk", "u8", "i32", "buf")
+
+    def __init__(self, dtype: np.dtype, size: int):
+        self.size = size
+        self.pk = np.zeros(size, dtype)
+        self.u8 = self.pk.view(np.uint8).reshape(size, dtype.itemsize)
+        self.i32 = self.u8.view(np.int32)
+        self.buf = memoryview(self.pk.view(np.uint8))
+
+
+class _Send:
+    """One step of a round on its way: the input, a ring of packets, per-chunk send state."""
+
+    def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind):
+        self.c, self.rnd, self.x, self.step = c, rnd, x, step
+        self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
+        self.terms = quant.terms_for(c._world, kind)  # headroom for what the result may hold
+        self.fq, self.jq = quant._q_frexp(c._world, self.terms)
+        self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
+        self.ring: _Ring | None = c._take_ring(self.R)
+        h = self.ring.pk[:self.R]["hdr"]
+        h[...] = 0
+        h["magic"], h["version"], h["type"] = MAGIC, VERSION, _CONTRIB
+        h["job"], h["rank"], h["round"], h["step"] = c._job, c._rank, rnd.r32, step
+        h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
+        self.state = np.zeros(self.n, np.uint8)
+        self.sent_at = np.zeros(self.n, np.float64)
+        self.retries = np.zeros(self.n, np.uint8)
+        self.next = 0        # next chunk to admit
+        self.lo = 0          # lowest chunk without an answer
+        self.inflight = 0
+        self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
+        self.dropped = False
+        self.last_ack = time.monotonic()
+        self.fast_fill = c._fast
+
+    @property
+    def finished(self) -> bool:
+        return self.next >= self.n and self.inflight == 0
+
+    def drop(self) -> None:
+        if self.ring is not None:
+            self.c._give_ring(self.ring)
+        self.ring = None
+        self.x = None
+        self.dropped = True
 
     # -- admission ----------------------------------------------------------------------------
-    def admit(self) -> bool:
-        """Quantise and send the next chunks the window and the slot rule allow. Returns whether
-        more could be admitted right away."""
-        c, S, c0 = self.c, self.c._slots, self.next
-        k = min(c._window - self.inflight, self.n_chunks - c0, ADMIT_MAX)
+    def admit(self, limit: int, budget: int) -> tuple[int, bool]:
+        """Quantise and send chunks from ``next`` up to ``limit`` (exclusive) that the window and
+        the slot rule allow; (chunks sent, whether more could be sent right away)."""
+        S, c0 = self.S, self.next
+        k = min(budget, limit - c0, ADMIT_MAX)
         if k <= 0:
-            return False
-        if c0 + k > S:  # chunk c >= slots waits for chunk c - slots
+            return 0, False
+        if c0 + k > S:  # chunk c >= slots waits for the answer to chunk c - slots
             start = max(c0, S)
             blocked = self.state[start - S:c0 + k - S] != _DONE
             if blocked.any():
                 k = start - c0 + int(np.argmax(blocked))
                 if k == 0:
-                    return False
+                    return 0, False
         r0 = c0 % S
         first = min(k, self.R - r0)  # the ring may wrap once
         self._fill(c0, first, r0)
         if first < k:
             self._fill(c0 + first, k - first, 0)
-        seg = self.state[c0:c0 + k]
-        if self.done:  # a result may have come before the contribution left (quorum strategies)
-            fresh = seg != _DONE
-            self.inflight += int(np.count_nonzero(fresh))
-            seg[fresh] = _INFLIGHT
-        else:
-            self.inflight += k
-            seg[:] = _INFLIGHT
+        self.state[c0:c0 + k] = _INFLIGHT
+        self.inflight += k
         self.sent_at[c0:c0 + k] = time.monotonic()
         self.next = c0 + k
-        rec = c._rec
-        c._send(c._tx_bytes[r0 * rec:(r0 + first) * rec], first)
+        if self.next >= self.n:
+            self.x = None  # everything is in packets now: the caller's array is free
+        rec, buf = self.c._rec, self.ring.buf
+        self.c._send(buf[r0 * rec:(r0 + first) * rec], first)
         if first < k:
-            c._send(c._tx_bytes[0:(k - first) * rec], k - first)
-        return self.next < self.n_chunks and self.inflight < c._window and k == ADMIT_MAX
+            self.c._send(buf[0:(k - first) * rec], k - first)
+        return k, k == ADMIT_MAX and self.next < limit
 
     def _fill(self, c0: int, k: int, r0: int) -> None:
         """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
-        E, x = self.E, self.x
+        E, x, ring = self.E, self.x, self.ring
         if self.fast_fill:
-            c = self.c
             if x.dtype == np.float16:
                 xs, xc0 = x[c0 * E:(c0 + k) * E].astype(np.float32), 0
             else:
                 xs, xc0 = x, c0
-            _fast.fill(xs, xc0, c0, k, E, self.fq, self.jq, c._tx_u8, c._tx_i32, r0,
-                       self.flags_dirty)
+            _fast.fill(xs, xc0, c0, k, E, self.fq, self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
             return
         src = x[c0 * E:(c0 + k) * E]
         if src.size == k * E:
@@ -457,18 +1032,33 @@ class _Transfer:
         else:  # the last, partial chunk: pad with zeros
             block = np.zeros((k, E), x.dtype)
             block.reshape(-1)[:src.size] = src
-        ring = self.c._tx[r0:r0 + k]
-        h = ring["hdr"]
-        h["exponent"] = quant._quantise_rows(block, self.c._world, ring["payload"])
+        pk = ring.pk[r0:r0 + k]
+        h = pk["hdr"]
+        h["exponent"] = quant._quantise_rows(block, self.c._world, pk["payload"], self.terms)
         h["chunk"] = np.arange(c0, c0 + k, dtype=np.uint32)
         if self.flags_dirty:
             h["flags"] = 0
-        if c0 + k == self.n_chunks:
-            h["count"][k - 1] = self.last_count
+        if c0 + k == self.n:
+            h["count"][k - 1] = self.rnd.last_count
 
-    # -- loss recovery ------------------------------------------------------------------------
-    def retransmit_due(self, now: float) -> None:
-        c = self.c
+    # -- answers and loss recovery ------------------------------------------------------------
+    def ack(self, chunks: np.ndarray, now: float) -> int:
+        """Chunks answered (repeats allowed): those in flight stop being retransmitted. Returns
+        how many."""
+        if self.c._fast:
+            n = _fast.ack(self.state, chunks, chunks.size)
+        else:
+            hit = chunks[self.state[chunks] == _INFLIGHT]
+            if hit.size > 1:
+                hit = np.unique(hit)
+            self.state[hit] = _DONE
+            n = int(hit.size)
+        if n:
+            self.inflight -= n
+            self.last_ack = now
+        return n
+
+    def retransmit_due(self, now: float, cap: float) -> None:
         open_ = np.flatnonzero(self.state[self.lo:self.next] != _DONE)
         if open_.size == 0:
             self.lo = self.next
@@ -477,118 +1067,17 @@ class _Transfer:
         cand = self.lo + np.flatnonzero(self.state[self.lo:self.next] == _INFLIGHT)
         if cand.size == 0:
             return
-        rto = np.minimum(c._rto * np.exp2(self.retries[cand].astype(np.float64)), c._rto_cap)
+        c = self.c
+        rto = np.minimum(c._rto * np.exp2(self.retries[cand].astype(np.float64)), cap)
         due = cand[now - self.sent_at[cand] >= rto]
         if due.size == 0:
             return
-        ring = c._tx
-        idx = due % c._slots
-        ring["hdr"]["flags"][idx] = _RETRANSMIT
+        pk = self.ring.pk
+        idx = due % self.S
+        pk["hdr"]["flags"][idx] = _RETRANSMIT
         self.flags_dirty = True
-        packets = ring[idx]  # contiguous copy of the (few) packets to send again
+        packets = pk[idx]  # contiguous copy of the (few) packets to send again
         c._send(memoryview(packets.view(np.uint8)), due.size)
         c.stats["retransmits"] += int(due.size)
         self.sent_at[due] = now
         self.retries[due] = np.minimum(self.retries[due], 29) + 1
-
-    # -- results ------------------------------------------------------------------------------
-    def process(self, m: int) -> int:
-        """Handle ``m`` received messages; returns how many chunks got their result."""
-        c = self.c
-        if self.fast_scatter:
-            status, nd, ninf = _fast.scatter(
-                c._stage_u8, c._stage_i32, c._sizes, m, c._job, self.round32, self.n_chunks,
-                self.E, self.last_count, self.state, self.out, self.mean, c._done_buf)
-            if status == _fast.OK:
-                self.inflight -= ninf
-                self.done += nd
-                c.stats["results"] += nd
-                c.stats["ignored"] += m - nd
-                return nd
-            # a NACK or a malformed result: the numpy path below sorts it out (and raises)
-        w = c._words[:m]
-        sz = c._sizes[:m]
-        job_ok = (w[:, 1] & self.job_mask) == (self.w_result[1] & self.job_mask)
-        nack = (w[:, 0] == self.w_nack) & job_ok
-        if nack.any():
-            self.nacks(c._stage[:m]["hdr"][nack & (sz >= HEADER_SIZE)])
-        res = (w[:, 0] == self.w_result[0]) & job_ok & (w[:, 2] == self.w_result[2]) \
-            & (sz >= HEADER_SIZE)
-        idx = np.flatnonzero(res)
-        if idx.size == 0:
-            c.stats["ignored"] += m
-            return 0
-        h = c._stage["hdr"]
-        ch = h["chunk"][idx].astype(np.int64)
-        keep = ch < self.n_chunks
-        keep[keep] = self.state[ch[keep]] != _DONE
-        if not keep.all():
-            idx, ch = idx[keep], ch[keep]
-            if idx.size == 0:
-                c.stats["ignored"] += m
-                return 0
-        if idx.size > 1:  # a chunk's result may come twice in a batch; sorted chunks help below
-            ch, first = np.unique(ch, return_index=True)
-            idx = idx[first]
-        c.stats["ignored"] += m - idx.size
-        hh = h[idx]
-        if (hh["flags"] & _OVERFLOW).any():
-            j = int(np.argmax((hh["flags"] & _OVERFLOW) != 0))
-            raise AggregationOverflowError(c._server, c._job, c._round, int(ch[j]))
-        cnt = hh["count"]
-        last = ch[-1] == self.n_chunks - 1
-        if (cnt[:-1] != self.E).any() or cnt[-1] != (self.last_count if last else self.E) \
-                or (sz[idx] < HEADER_SIZE + 4 * cnt.astype(np.int64)).any():
-            raise self.bad_count(ch, cnt, sz[idx], last)
-        divisor = None
-        if self.mean:
-            divisor = hh["n_contrib"].astype(np.float64)
-            if (divisor == 0).any():
-                raise ProtocolError(f"aggregator {c._server[0]}:{c._server[1]} sent a result "
-                                    f"without contributions (n_contrib 0) for job {c._job}")
-        vals = quant.dequantise(c._stage["payload"][idx], hh["exponent"], divisor=divisor)
-        with np.errstate(over="ignore", invalid="ignore"):  # float16 may overflow to inf
-            if ch[-1] < self.n_full:  # ch is sorted: all full chunks
-                self.out_full[ch] = vals
-            else:
-                self.out_full[ch[:-1]] = vals[:-1]
-                self.out[self.n_full * self.E:] = vals[-1, :self.last_count]
-        self.inflight -= int(np.count_nonzero(self.state[ch] == _INFLIGHT))
-        self.state[ch] = _DONE
-        self.done += int(ch.size)
-        c.stats["results"] += int(ch.size)
-        return int(ch.size)
-
-    def bad_count(self, ch, cnt, sizes, last) -> ProtocolError:
-        c = self.c
-        expect = np.full(ch.size, self.E)
-        if last:
-            expect[-1] = self.last_count
-        j = int(np.argmax((cnt != expect) | (sizes < HEADER_SIZE + 4 * cnt.astype(np.int64))))
-        return ProtocolError(
-            f"aggregator {c._server[0]}:{c._server[1]} sent a result for job {c._job}, round "
-            f"{c._round}, chunk {ch[j]} with count {cnt[j]} in {sizes[j]} bytes; expected "
-            f"{expect[j]} values (is the job's packet size {self.E} elements?)")
-
-    def nacks(self, h: np.ndarray) -> None:
-        c = self.c
-        for rec in h:
-            code = int(rec["code"])
-            if code == NackCode.UNKNOWN_JOB:
-                raise UnknownJobError(c._server, c._job, c._rank, c._address)
-            if code == NackCode.NOT_MEMBER:
-                raise NotMemberError(c._server, c._job, c._rank, c._address)
-            rnd, chunk = int(rec["round"]), int(rec["chunk"])
-            where = f"job {c._job}, round {rnd}, chunk {chunk}"
-            if code == NackCode.BAD_CHUNK:
-                raise ProtocolError(
-                    f"aggregator {c._server[0]}:{c._server[1]} refused {where}: chunk beyond the "
-                    f"job's max_chunks (this tensor has {self.n_chunks} chunks of {self.E} values)")
-            if code == NackCode.STALE:
-                if rnd == self.round32 and chunk < self.n_chunks and self.state[chunk] != _DONE:
-                    raise ProtocolError(
-                        f"aggregator {c._server[0]}:{c._server[1]} refused {where} as stale: the "
-                        f"job is past this round (do all members call allreduce in lockstep?)")
-                continue  # a late answer to an old retransmission
-            raise ProtocolError(f"aggregator {c._server[0]}:{c._server[1]} refused {where} "
-                                f"with unknown NACK code {code}")

@@ -5,7 +5,10 @@ Every function works on whole blocks of chunks at once: a 2-D array of shape ``(
 the input dtype (float16, float32 or float64), and every step is exact except the one rounding to an
 integer the protocol asks for:
 
-* ``Q = floor((2**31 - 1) / world)``; ``m`` the largest magnitude of a chunk;
+* ``Q = floor((2**31 - 1) / terms)``, ``terms`` the most contributions one result may hold: ``world``
+  under ``sync``, ``ssp`` and ``async``, ``2 * world`` under ``quorum`` (late contributions carried
+  into the next round) and ``4 * world`` under ``wbsp`` (local steps); ``terms_for(world, kind)``
+  says which. ``m`` the largest magnitude of a chunk;
 * the exponent ``e`` is the largest integer with ``m * 2**e <= Q`` (found from the binary exponents
   of ``m`` and ``Q``, never from a logarithm, so it is exact for subnormals and for ``m`` near the
   float64 maximum); an all-zero chunk gets ``ZERO_EXPONENT``;
@@ -21,10 +24,10 @@ import math
 
 import numpy as np
 
-from .protocol.definition import MAX_MEMBERS, ZERO_EXPONENT
+from .protocol.definition import MAX_MEMBERS, ZERO_EXPONENT, StrategyKind
 
-__all__ = ["FLOAT_DTYPES", "q_max", "chunk_exponents", "quantise", "quantise_flat", "dequantise",
-           "align_and_sum", "error_bound", "output_rounding"]
+__all__ = ["FLOAT_DTYPES", "HEADROOM", "terms_for", "q_max", "chunk_exponents", "quantise",
+           "quantise_flat", "dequantise", "align_and_sum", "error_bound", "output_rounding"]
 
 #: Input dtypes the client accepts; results come back in the same dtype.
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
@@ -32,27 +35,42 @@ FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 INT32_MAX = 2**31 - 1
 #: smallest positive float64 (subnormal): covers the rounding of a subnormal dequantised value.
 _TINY = float(np.ldexp(1.0, -1074))
+#: Contributions per member one result may hold, by strategy (1 for the others): ``quorum`` carries
+#: late contributions into the next round (at most one per member besides its own), ``wbsp`` takes
+#: several local steps per member (the client sends at most 4 per round).
+HEADROOM = {StrategyKind.QUORUM: 2, StrategyKind.WBSP: 4}
+#: ``n_contrib`` is a u16 in the header: no result holds more terms.
+MAX_TERMS = 0xFFFF
 
 
-def q_max(world: int) -> int:
-    """``Q``: the largest magnitude one of ``world`` contributions may carry without int32 overflow."""
+def terms_for(world: int, kind: StrategyKind | int = StrategyKind.SYNC) -> int:
+    """How many contributions a result may hold under strategy ``kind``: quantise for this many."""
+    return int(world) * HEADROOM.get(StrategyKind(kind), 1)
+
+
+def q_max(world: int, terms: int | None = None) -> int:
+    """``Q``: the largest magnitude a contribution may carry so that ``terms`` of them (``world`` by
+    default) add up without int32 overflow."""
     world = int(world)
     if not 1 <= world <= MAX_MEMBERS:
         raise ValueError(f"world must be in 1..{MAX_MEMBERS}, got {world}")
-    return INT32_MAX // world
+    t = world if terms is None else int(terms)
+    if not world <= t <= MAX_TERMS:
+        raise ValueError(f"terms must be in {world}..{MAX_TERMS} (at least the world size), got {t}")
+    return INT32_MAX // t
 
 
-def _q_frexp(world: int) -> tuple[float, int]:
-    return math.frexp(float(q_max(world)))  # Q = fq * 2**jq, 0.5 <= fq < 1, exact (Q < 2**31)
+def _q_frexp(world: int, terms: int | None = None) -> tuple[float, int]:
+    return math.frexp(float(q_max(world, terms)))  # Q = fq * 2**jq, 0.5 <= fq < 1, exact (Q < 2**31)
 
 
-def chunk_exponents(max_abs: np.ndarray, world: int) -> np.ndarray:
+def chunk_exponents(max_abs: np.ndarray, world: int, terms: int | None = None) -> np.ndarray:
     """Per-chunk exponent (int32 array) for chunks whose largest magnitude is ``max_abs``.
 
-    The largest ``e`` with ``max_abs * 2**e <= Q``; ``ZERO_EXPONENT`` where ``max_abs == 0``.
-    ``max_abs`` must be finite and non-negative.
+    The largest ``e`` with ``max_abs * 2**e <= Q`` (``Q = q_max(world, terms)``); ``ZERO_EXPONENT``
+    where ``max_abs == 0``. ``max_abs`` must be finite and non-negative.
     """
-    fq, jq = _q_frexp(world)
+    fq, jq = _q_frexp(world, terms)
     fm, km = np.frexp(np.asarray(max_abs, dtype=np.float64))  # m = fm * 2**km (subnormals too)
     # m * 2**e = fm * 2**(km + e) <= fq * 2**jq: e = jq - km when fm <= fq, one less otherwise.
     e = (jq - km) - (fm > fq)
@@ -68,40 +86,43 @@ def _work_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
 
-def _quantise_rows(x: np.ndarray, world: int, out: np.ndarray) -> np.ndarray:
+def _quantise_rows(x: np.ndarray, world: int, out: np.ndarray, terms: int | None = None
+                   ) -> np.ndarray:
     """Quantise finite 2-D ``x`` into ``out`` (int32-compatible, same shape); returns exponents.
     No validation: the caller checked dtype, shape and finiteness."""
     m = np.maximum(x.max(axis=1), -x.min(axis=1))  # no |x| temporary
-    e = chunk_exponents(m, world)
+    e = chunk_exponents(m, world, terms)
     y = np.ldexp(x.astype(_work_dtype(x.dtype), copy=False), e[:, None])
     np.rint(y, out=y)
     out[...] = y  # |y| <= Q < 2**31: exact
     return e
 
 
-def quantise(chunks: np.ndarray, world: int, out: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+def quantise(chunks: np.ndarray, world: int, out: np.ndarray | None = None, *,
+             terms: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Quantise a ``(n_chunks, elements)`` float block; returns ``(q int32, exponents int32)``.
 
     ``out``, if given, receives ``q`` (any int32-compatible array of the same shape, e.g. the payload
-    column of a packet array). Raises ``ValueError`` on NaN or infinity.
+    column of a packet array). ``terms``: contributions a result may hold (``terms_for(world, kind)``;
+    default ``world``). Raises ``ValueError`` on NaN or infinity.
     """
     x = np.asarray(chunks)
     if x.ndim != 2:
         raise ValueError(f"quantise takes a (n_chunks, elements) block, got shape {x.shape}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"aggd quantises float16/32/64, got {x.dtype}")
-    q_max(world)
+    q_max(world, terms)
     if out is None:
         out = np.empty(x.shape, np.int32)
     if x.size == 0:
         return out, np.full(x.shape[0], ZERO_EXPONENT, np.int32)
     if not (np.isfinite(x.max()) and np.isfinite(x.min())):  # NaN propagates through max/min
         raise ValueError("cannot quantise a non-finite value (NaN or infinity)")
-    return out, _quantise_rows(x, world, out)
+    return out, _quantise_rows(x, world, out, terms)
 
 
-def quantise_flat(x: np.ndarray, world: int, elements: int) -> tuple[np.ndarray, np.ndarray]:
+def quantise_flat(x: np.ndarray, world: int, elements: int, *, terms: int | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """Quantise a flat array of any length, chunked by ``elements`` (last chunk zero-padded)."""
     x = np.ravel(x)
     n_chunks = -(-x.size // elements)
@@ -109,7 +130,7 @@ def quantise_flat(x: np.ndarray, world: int, elements: int) -> tuple[np.ndarray,
         padded = np.zeros(n_chunks * elements, x.dtype)
         padded[:x.size] = x
         x = padded
-    return quantise(x.reshape(n_chunks, elements), world)
+    return quantise(x.reshape(n_chunks, elements), world, terms=terms)
 
 
 def dequantise(q: np.ndarray, exponents: np.ndarray, out: np.ndarray | None = None,
@@ -153,8 +174,12 @@ def error_bound(world: int, exponents: np.ndarray, n_contrib: np.ndarray | int |
     ``exponents`` are the result exponents (one per chunk). Each of the ``world`` contributions
     loses at most half its own step (``<= u/2``, ``u = 2**-exponent``) to rounding, and at most
     once more less than ``u`` to the aligning right shift (a floor), hence ``1.5 * world * u``.
-    A result holding another number of contributions than ``world`` (``n_contrib`` of the result
-    under strategies that carry or repeat contributions) has ``1.5 * n_contrib * u``.
+    A result holding another number of contributions than ``world`` (``n_contrib`` of the result:
+    more under ``quorum`` with carried contributions and under ``wbsp`` with local steps, fewer for
+    an ``async`` running sum or a ``quorum`` released by its deadline) has ``1.5 * n_contrib * u``.
+    The headroom (``terms``) a sender quantised with does not enter: it only sets how large ``u``
+    is (``u`` is about ``2 * max|x| * terms / 2**31``, so the bound is about
+    ``3 * n_contrib * terms * max|x| / 2**31``).
     A chunk whose contributions were all zero (``ZERO_EXPONENT``) is exact. The result of
     ``dequantise`` in float64 is exact unless subnormal; a smallest subnormal is added to cover that
     rounding. Divide by ``n_contrib`` for a mean; float16/float32 outputs round once more (see
@@ -163,9 +188,9 @@ def error_bound(world: int, exponents: np.ndarray, n_contrib: np.ndarray | int |
     if not 1 <= int(world) <= MAX_MEMBERS:
         raise ValueError(f"world must be in 1..{MAX_MEMBERS}, got {world}")
     e = np.asarray(exponents).astype(np.int32)
-    terms = np.full(e.shape, float(world)) if n_contrib is None else \
+    n = np.full(e.shape, float(world)) if n_contrib is None else \
         np.broadcast_to(np.asarray(n_contrib, dtype=np.float64), e.shape)
-    b = np.ldexp(1.5 * terms, -e) + _TINY
+    b = np.ldexp(1.5 * n, -e) + _TINY
     return np.where(e == ZERO_EXPONENT, 0.0, b)
 
 

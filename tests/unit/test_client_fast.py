@@ -15,9 +15,10 @@ from hypothesis.extra import numpy as hnp
 
 from aggd_client import AggClient, AggregationOverflowError, NotMemberError, ProtocolError, quant
 from aggd_client import _fast
-from aggd_client.client import STAGE, _Transfer
+from aggd_client.client import STAGE, AllreduceHandle, _Round, _Send
 from aggd_client.protocol import HEADER_SIZE
-from aggd_client.protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, NackCode
+from aggd_client.protocol.definition import (MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, NackCode,
+                                             StrategyKind)
 
 pytestmark = pytest.mark.skipif(not _fast.AVAILABLE, reason="numba not installed")
 
@@ -32,29 +33,33 @@ def silent():
     s.close()
 
 
-def transfer(client, x, fast, mean=False, out_dtype=None):
-    out = np.zeros(x.size, out_dtype or x.dtype)
-    n_chunks = -(-x.size // client._elements)
-    t = _Transfer(client, x, out, n_chunks, mean)
-    t.fast_fill = t.fast_scatter = fast
-    return t
+def transfer(client, x, fast, mean=False, out_dtype=None, kind=StrategyKind.SYNC, number=0):
+    """A round of ``x`` registered with ``client`` and its (only) send, not sent yet."""
+    rnd = _Round(number, x.shape, out_dtype or x.dtype, x.size, client._elements, mean)
+    send = _Send(client, rnd, x.reshape(-1), 0, kind)
+    send.fast_fill = fast
+    rnd.sends.append(send)
+    client._rounds.append(rnd)
+    client._sends.append(send)
+    return rnd, send
 
 
-def rings_after_fill(client, x, fast):
+def rings_after_fill(client, x, fast, kind=StrategyKind.SYNC):
     """Ring contents after filling all chunks in runs (as admit does: at most the ring's size,
     split where the ring wraps); one snapshot per run."""
-    t = transfer(client, x, fast)
-    client._tx["payload"] = 0  # entries not filled yet hold an earlier transfer's packets
+    rnd, t = transfer(client, x, fast, kind=kind)
+    t.ring.pk["payload"] = 0  # entries not filled yet hold an earlier send's packets
     S, snaps, c0 = client._slots, [], 0
-    while c0 < t.n_chunks:
-        k = min(t.n_chunks - c0, max(1, S // 2 + 1))
+    while c0 < t.n:
+        k = min(t.n - c0, max(1, S // 2 + 1))
         r0 = c0 % S
         first = min(k, t.R - r0)
         t._fill(c0, first, r0)
         if first < k:
             t._fill(c0 + first, k - first, 0)
-        snaps.append(client._tx[:t.R].copy())
+        snaps.append(t.ring.pk[:t.R].copy())
         c0 += k
+    client._fail_all(RuntimeError("done"))  # hands the ring back
     return snaps
 
 
@@ -68,15 +73,16 @@ finite = {w: st.floats(width=w, allow_nan=False, allow_infinity=False) for w in 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(width=st.sampled_from([16, 32, 64]), world=st.integers(1, 64), elements=st.integers(1, 9),
-       data=st.data())
-def test_fill_is_bit_identical(silent, width, world, elements, data):
+       kind=st.sampled_from(list(StrategyKind)), data=st.data())
+def test_fill_is_bit_identical(silent, width, world, elements, kind, data):
     dtype = {16: np.float16, 32: np.float32, 64: np.float64}[width]
     x = data.draw(hnp.arrays(dtype, st.integers(1, 64 * elements), elements=finite[width]))
     with AggClient(silent, JOB, 0, world, elements=elements, slots=64) as c:
-        slow = rings_after_fill(c, x, fast=False)
-        fast = rings_after_fill(c, x, fast=True)
+        slow = rings_after_fill(c, x, fast=False, kind=kind)
+        fast = rings_after_fill(c, x, fast=True, kind=kind)
     assert same_rings(slow, fast)
-    q, e = quant.quantise_flat(x, world, elements)  # the ring holds every chunk (64 slots)
+    # the ring holds every chunk (64 slots), quantised with the strategy's headroom
+    q, e = quant.quantise_flat(x, world, elements, terms=quant.terms_for(world, kind))
     ring = fast[-1][:q.shape[0]]
     assert np.array_equal(ring["payload"], q) and np.array_equal(ring["hdr"]["exponent"], e)
     assert np.array_equal(ring["hdr"]["chunk"], np.arange(q.shape[0]))
@@ -98,13 +104,15 @@ def test_fill_large_random_and_extremes(silent):
 
 
 def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0, count=None):
-    """Write RESULT messages for ``chunks`` into the client's staging array; returns m."""
+    """Write RESULT messages of round ``t`` for ``chunks`` into the client's staging array;
+    returns m."""
     st_ = client._stage
     m = len(chunks)
     st_[:m] = 0
     h = st_["hdr"]
     h["magic"][:m], h["version"][:m], h["type"][:m] = MAGIC, VERSION, MsgType.RESULT
-    h["job"][:m], h["rank"][:m], h["round"][:m] = JOB, 0xFFFF, t.round32
+    h["job"][:m], h["rank"][:m], h["round"][:m] = JOB, 0xFFFF, t.r32
+    h["strategy"][:m], h["param"][:m], h["strategy_version"][:m] = StrategyKind.SSP, 2, 7
     h["chunk"][:m] = chunks
     E = client._elements
     cnt = np.where(np.asarray(chunks) == t.n_chunks - 1, t.last_count, E)
@@ -122,39 +130,62 @@ def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0,
     return m
 
 
+def fresh_client(silent, fast, **kw):
+    c = AggClient(silent, JOB, 0, 4, **kw)
+    c._fast = fast
+    return c
+
+
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mean", [False, True])
 def test_scatter_is_bit_identical(silent, out_dtype, mean):
+    """Batches holding results of two rounds in flight (and noise), through the kernel and
+    through the numpy path: the same outputs, counts, answered chunks and strategy learnt."""
     rng = np.random.default_rng(1)
     E = 64
     x = np.zeros(E * 50 - 3, out_dtype)
-    with AggClient(silent, JOB, 0, 4, elements=E, slots=64) as c:
-        ts = [transfer(c, x, fast, mean=mean) for fast in (False, True)]
-        for t in ts:
-            t.state[:] = 1
-            t.inflight = t.n_chunks
-        for batch in range(6):
+    clients = [fresh_client(silent, fast, elements=E, slots=64) for fast in (False, True)]
+    try:
+        state = []
+        for c in clients:
+            rounds = [transfer(c, x, c._fast, mean=mean, number=n) for n in (0, 1)]
+            for rnd, send in rounds:
+                send.state[:] = 1
+                send.inflight = send.n
+                send.next = send.n
+            state.append(rounds)
+        for batch in range(8):
             chunks = rng.integers(0, 50, rng.integers(1, 40))
             exps = rng.integers(-990, 1100, chunks.size)
             exps[rng.random(chunks.size) < 0.2] = ZERO_EXPONENT
             seed = int(rng.integers(1 << 30))
-            got = []
-            for t in ts:
+            which = batch % 2
+            for c, rounds in zip(clients, state):
                 r = np.random.default_rng(seed)
-                m = results_batch(c, t, r, chunks, exps=exps)
-                # noise the kernel must skip: another round, another job, a short datagram
-                if m + 3 <= STAGE:
+                m = results_batch(c, rounds[which][0], r, chunks, exps=exps)
+                # noise both paths must skip: another job, a short datagram, a later sync round
+                # (the last makes the kernel hand the batch to the numpy path as well)
+                if batch % 3 == 0 and m + 3 <= STAGE:
                     c._stage[m:m + 3] = c._stage[0]
-                    c._stage["hdr"]["round"][m] = t.round32 + 1
-                    c._stage["hdr"]["job"][m + 1] = JOB + 1
-                    c._sizes[m:m + 2] = c._rec
-                    c._sizes[m + 2] = HEADER_SIZE - 1
+                    c._stage["hdr"]["job"][m] = JOB + 1
+                    c._stage["hdr"]["round"][m + 2] = 9
+                    c._stage["hdr"]["strategy"][m + 2] = StrategyKind.SYNC
+                    c._sizes[m:m + 3] = c._rec
+                    c._sizes[m + 1] = HEADER_SIZE - 1
                     m += 3
-                got.append(t.process(m))
-            assert got[0] == got[1]
-        assert np.array_equal(ts[0].state, ts[1].state)
-        assert ts[0].done == ts[1].done and ts[0].inflight == ts[1].inflight
-        assert ts[0].out.tobytes() == ts[1].out.tobytes()
+                c._process(m)
+        assert clients[0].stats == clients[1].stats
+        for (r0, s0), (r1, s1) in zip(*state):
+            assert np.array_equal(r0.have, r1.have) and np.array_equal(r0.n_contrib, r1.n_contrib)
+            assert r0.n_have == r1.n_have == int(r0.have.sum()) > 0
+            assert np.array_equal(s0.state, s1.state) and s0.inflight == s1.inflight
+            answered = np.repeat(r0.have.astype(bool), E)[:x.size]  # the rest is np.empty
+            assert r0.result[answered].tobytes() == r1.result[answered].tobytes()
+            assert r0.info == r1.info == (StrategyKind.SSP, 2, 7)
+        assert clients[0].strategy == clients[1].strategy == (StrategyKind.SSP, 2, 7)
+    finally:
+        for c in clients:
+            c.close()
 
 
 @pytest.mark.parametrize("kind", ["overflow", "count", "nack", "stale_nack"])
@@ -163,29 +194,38 @@ def test_scatter_anomalies_fall_back(silent, kind):
     E = 16
     x = np.zeros(E * 4, np.float32)
     with AggClient(silent, JOB, 0, 2, elements=E) as c:
-        t = transfer(c, x, True)
-        m = results_batch(c, t, rng, [0, 1, 2],
+        assert c._fast
+        rnd, t = transfer(c, x, True)
+        t.state[:] = 1
+        t.inflight, t.next = t.n, t.n
+        handle = AllreduceHandle(c, rnd, t)
+        m = results_batch(c, rnd, rng, [0, 1, 2],
                           flags=Flag.OVERFLOW if kind == "overflow" else 0,
                           count=E - 1 if kind == "count" else None)
         if kind in ("nack", "stale_nack"):
             h = c._stage["hdr"]
             h["type"][1] = MsgType.NACK
             h["code"][1] = NackCode.NOT_MEMBER if kind == "nack" else NackCode.STALE
-            h["round"][1] = t.round32 + 5 if kind == "stale_nack" else t.round32
+            h["round"][1] = rnd.r32 + 5 if kind == "stale_nack" else rnd.r32
             c._sizes[1] = HEADER_SIZE
-        expected = {"overflow": AggregationOverflowError, "count": ProtocolError,
-                    "nack": NotMemberError}.get(kind)
-        if expected is None:  # a stale NACK of another round is ignored; results still count
-            assert t.process(m) == 2
-            assert t.state[0] == t.state[2] == 2 and t.state[1] == 0
-        else:
-            with pytest.raises(expected):
-                t.process(m)
+        if kind == "nack":  # fatal: raised, every round in flight fails with it
+            with pytest.raises(NotMemberError):
+                c._process(m)
+        elif kind == "stale_nack":  # a stale NACK of another round is ignored; results count
+            c._process(m)
+            assert list(rnd.have) == [1, 0, 1, 0] and list(t.state) == [2, 1, 2, 1]
+            assert t.inflight == 2
+        else:  # the round fails; its handle raises
+            c._process(m)
+            assert handle.done() and not c._rounds and not c._sends
+            with pytest.raises({"overflow": AggregationOverflowError, "count": ProtocolError}[kind]):
+                handle.wait()
 
 
 def test_kernels_can_be_disabled(monkeypatch, silent):
     monkeypatch.setattr(_fast, "AVAILABLE", False)
     assert _fast.warm_up() is False
     with AggClient(silent, JOB, 0, 1) as c:
-        t = transfer(c, np.ones(3, np.float32), c._fast)
-        assert not t.fast_fill and not t.fast_scatter
+        assert not c._fast
+        rnd, t = transfer(c, np.ones(3, np.float32), c._fast)
+        assert not t.fast_fill

@@ -1,0 +1,142 @@
+"""allreduce_async and the strategies against the reference model (aggd.model) served by the
+user-space aggregator (aggd.userspace) on 127.0.0.1: the client and the aggregator's rules agree.
+
+Skipped when the daemon package is not installed (the client does not depend on it).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from aggd_client import AggClient, StrategyInfo, WouldBlock
+from aggd_client.protocol.definition import StrategyKind
+
+from .test_client_async import (DELAYS, E, TRAINING, Workers, assert_close, check_training,
+                                close_all, grad, train)
+
+userspace = pytest.importorskip("aggd.userspace")
+model = pytest.importorskip("aggd.model")
+strategy = pytest.importorskip("aggd.strategy")
+
+JOB = 13
+
+
+@pytest.fixture
+def agg():
+    a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
+    a.start()
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+def job(agg, world: int, text: str, *, slots: int = 16, **kw) -> list[AggClient]:
+    """Clients of a job under strategy ``text`` (quorum deadlines in the text: ``quorum:2:50ms``)."""
+    kw.setdefault("give_up_after", 10.0)
+    clients = [AggClient(agg.address, JOB, r, world, bind=("127.0.0.1", 0), elements=E,
+                         slots=slots, **kw) for r in range(world)]
+    agg.add_job(model.JobConfig(job=JOB, world=world, slots=slots, max_chunks=1 << 16,
+                                members={r: c.address for r, c in enumerate(clients)},
+                                elements=E, strategy=strategy.parse(text)))
+    return clients
+
+
+def drops(agg) -> dict:
+    return {k: v for k, v in agg.stats()["jobs"][JOB]["drops"].items() if v}
+
+
+def test_ssp_outstanding_rounds(agg):
+    world = 2
+    cs = job(agg, world, "ssp:2", slots=3)
+    fast, slow = cs
+    size = 10 * E - 3  # more chunks than slots: rounds share slots, keys must grow
+    try:
+        Workers(lambda r: cs[r].allreduce(grad(r, 0, size)), range(world)).join()
+        assert fast.strategy == StrategyInfo(StrategyKind.SSP, 2, 0)
+        hs = [fast.allreduce_async(grad(0, n, size)) for n in (1, 2, 3)]
+        assert fast.must_wait()
+        with pytest.raises(WouldBlock):
+            fast.allreduce_async(grad(0, 4, size), block=False)
+        slow_rounds = Workers(lambda r: [slow.allreduce(grad(1, n, size)) for n in (1, 2, 3, 4)], [1])
+        h4 = fast.allreduce_async(grad(0, 4, size))
+        assert hs[0].done()
+        for n, h in enumerate(hs + [h4], start=1):
+            assert_close(h.wait(), [grad(0, n, size), grad(1, n, size)], world, world)
+        slow_rounds.join()
+        assert drops(agg) == {}
+    finally:
+        close_all(cs)
+
+
+def test_wbsp_steps(agg):
+    world = 2
+    cs = job(agg, world, "wbsp")
+    fast, slow = cs
+    try:
+        Workers(lambda r: cs[r].allreduce(grad(r, 0)), range(world)).join()
+        steps = [grad(0, 1, step=s) for s in range(3)]
+        hs = [fast.allreduce_async(g, op="mean") for g in steps]
+        assert [h.step for h in hs] == [0, 1, 2]
+        time.sleep(0.1)  # the steps reach the aggregator before the slow worker's contribution
+        y = grad(1, 1)
+        slow.allreduce(y, op="mean")
+        res = [h.wait(timeout=5) for h in hs]
+        assert all(r is res[0] for r in res) and hs[0].n_contrib.tolist() == [4] * 4
+        assert_close(res[0], steps + [y], world, 4 * world, mean=True)
+        assert drops(agg) == {}
+    finally:
+        close_all(cs)
+
+
+def test_quorum_straggler_catches_up(agg):
+    world = 3
+    cs = job(agg, world, "quorum:2:10s")
+    try:
+        out = Workers(lambda r: [cs[r].allreduce(grad(r, n)) for n in range(5)], (0, 1)).join()
+        # the straggler heard every release (fan-out to registered members): it is past them
+        # before it sends, so its gradient joins round 5 as its own
+        straggler = cs[2]
+        assert not straggler.must_wait() and straggler.round == 5
+        h = straggler.allreduce_async(grad(2, 5))
+        r0 = cs[0].allreduce(grad(0, 5))  # with rank 0 the quorum of 2 is there
+        res = h.wait(timeout=5)
+        assert h.round == 5 and np.array_equal(res, r0) and h.n_contrib.tolist() == [2] * 4
+        assert_close(res, [grad(0, 5), grad(2, 5)], world, 2 * world)
+        # rank 1 heard that release too: its next call is round 6
+        assert not cs[1].must_wait() and cs[1].round == 6
+        assert np.array_equal(out[0][4], out[1][4])
+    finally:
+        close_all(cs)
+
+
+def test_quorum_deadline_driven_by_retransmissions(agg):
+    world = 2
+    cs = job(agg, world, "quorum:2:300ms", retransmit_timeout=0.02, max_retransmit_interval=0.04)
+    try:
+        c = cs[0]
+        c.allreduce(grad(0, 0))  # only rank 0: released at the deadline
+        assert c.strategy.kind == StrategyKind.QUORUM
+        t0 = time.monotonic()
+        h = c.allreduce_async(grad(0, 1))
+        assert_close(h.wait(timeout=5), [grad(0, 1)], world, 2 * world)
+        assert h.n_contrib.tolist() == [1] * 4
+        assert time.monotonic() - t0 < 0.3 + 0.04 + 0.25
+        assert agg.stats()["jobs"][JOB]["counters"]["timeouts"] >= 8
+    finally:
+        close_all(cs)
+
+
+@pytest.mark.parametrize("text", TRAINING)
+def test_one_training_loop_runs_under_every_strategy(agg, text):
+    world, rounds = 3, 8
+    full = text + ":50ms" if text.startswith("quorum") else text
+    cs = job(agg, world, full, slots=8, retransmit_timeout=0.02, max_retransmit_interval=0.02,
+             give_up_after=2.0 if text == "async" else 10.0)
+    try:
+        out = Workers(lambda r: train(cs[r], r, rounds, DELAYS[r]), range(world)).join()
+        check_training(out, cs, text, rounds, world)
+    finally:
+        close_all(cs)
