@@ -74,6 +74,7 @@ class Daemon:
         self.notifier = Notifier()
         self.service = Service(cfg, reset_kernel_state=reset_kernel_state)
         self.control: ControlServer | None = None
+        self.metrics = None  # aggd.metrics.MetricsServer: the Prometheus endpoint
         self._stop = False
         self._reload = False
 
@@ -102,10 +103,14 @@ class Daemon:
             self.notifier.status("starting: loading the XDP program")
             self.service.start()
             cfg = self.service.config
+            from .metrics import serve as serve_metrics
+            self.metrics = serve_metrics(self.service)  # [metrics] address, in dataplane.netns
             self.control = ControlServer(cfg.control.socket, self.service.dispatch, cfg.control.group)
         except Exception as exc:
             log.error("cannot start: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
             self.notifier.status(f"failed: {exc}")
+            if self.metrics is not None:
+                self.metrics.close()
             self.service.stop()
             return 1
         n = len(self.service.registry.jobs)
@@ -117,6 +122,7 @@ class Daemon:
             self.notifier.stopping("stopping: detaching XDP")
             log.info("stopping")
             self.control.close()
+            self.metrics.close()
             self.service.stop()
         return 0
 
