@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from aggd_client.protocol import DEFAULT_ELEMENTS, DEFAULT_PORT, DEFAULT_RESULT_PORT, MAX_ELEMENTS, MAX_JOBS
+from aggd_client.protocol import DEFAULT_ELEMENTS, DEFAULT_PORT, DEFAULT_RESULT_PORT, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS
 
 DEFAULT_PATH = Path("/etc/aggd/aggd.toml")
 IFNAMSIZ = 16
@@ -182,7 +182,10 @@ class StateConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    address: str = _setting("127.0.0.1:9477", _host_port, "Prometheus endpoint (a later issue)")
+    address: str = _setting("127.0.0.1:9477", _host_port, "Prometheus endpoint (in dataplane.netns if set)")
+    max_jobs: int = _setting(64, _int_range(0, MAX_JOBS), "jobs exported (by id); the rest are counted in "
+                             "aggd_metrics_truncated_total")
+    max_ranks: int = _setting(64, _int_range(0, MAX_MEMBERS), "ranks of a job exported; the rest are counted")
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,7 @@ RELOADABLE = {
     "log.level", "control.group", "jobs.default_slots", "jobs.max_chunks",
     *(f"policy.{f.name}" for f in dataclasses.fields(PolicyConfig)),
     "dataplane.kernel_memory",  # for jobs created afterwards, up to the size loaded at start
+    "metrics.max_jobs", "metrics.max_ranks",  # read at every scrape
 }
 
 
