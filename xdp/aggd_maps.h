@@ -68,7 +68,7 @@ struct bank {
 	__u8 kind;
 	__u8 param;
 	__u8 _pad[2];
-	__u8 steps[AGGD_MAX_MEMBERS]; /* wbsp: next step expected from each member */
+	__u8 steps[AGGD_MAX_MEMBERS]; /* wbsp: bitmask of the steps (0..7) added from each member */
 	__s32 values[ELEMS];
 };
 

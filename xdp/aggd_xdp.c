@@ -279,18 +279,25 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->reason = AGGD_DROP_REASON_STALE;
 	} else if (ik >= 0) {
 		struct bank *b = &s->bank[ik & (NBANKS - 1)];
-		int counted = b->kind == AGGD_STRATEGY_KIND_WBSP ? step < b->steps[rank & (AGGD_MAX_MEMBERS - 1)]
-								  : !!(b->bitmap & bit);
-		if (b->state == BANK_OPEN) {
+		int counted, extra_step = 0;
+		if (b->kind == AGGD_STRATEGY_KIND_WBSP) {
+			counted = step >= 8 || (b->steps[rank & (AGGD_MAX_MEMBERS - 1)] >> step) & 1;
+		} else {
+			counted = !!(b->bitmap & bit);
+			/* a wbsp step that reached a round a swap made non-wbsp: carried, never lost */
+			extra_step = step > 0 && counted && !(b->late & bit);
+		}
+		if (extra_step)
+			sc->late = 1;
+		else if (b->state == BANK_OPEN)
 			if (counted)
 				sc->reason = AGGD_DROP_REASON_DUPLICATE;
 			else
 				sc->add = ik;
-		} else if (counted || (b->late & bit)) {
+		else if (counted || (b->late & bit))
 			sc->out = ik; /* the sender lost the result */
-		} else {
+		else
 			sc->late = 1; /* released without this member */
-		}
 	} else if (sc->used == 0 || key > sc->newest) {
 		if (pick >= 0 && admits(st_new, round, sc->nopen, sc->min_open_round)) {
 			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now);
@@ -342,7 +349,7 @@ int aggd_xdp(struct xdp_md *ctx)
 				release = (bm & all) == all;
 			b->bitmap = bm;
 			if (b->kind == AGGD_STRATEGY_KIND_WBSP)
-				b->steps[rank & (AGGD_MAX_MEMBERS - 1)] = step + 1;
+				b->steps[rank & (AGGD_MAX_MEMBERS - 1)] |= 1 << (step & 7);
 			if (release) {
 				sc->released = 1;
 				sc->out = add;

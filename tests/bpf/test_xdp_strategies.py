@@ -131,3 +131,25 @@ def test_member_stats_measure_each_members_lag(dp4):
     assert [row["lag_ns_sum"] for row in rows] == [0, 1_000_000, 2_000_000, 7_000_000]
     assert [row["last_round"] for row in rows] == [0, 0, 0, 0]
     assert all(row["contributions"] == 1 and row["late"] == 0 for row in rows)
+
+
+def test_wbsp_step_lost_then_retransmitted_still_counts(dp4):
+    use(dp4, "wbsp")
+    send(dp4, 0, value=1, step=1)                                   # step 0 was lost in transit
+    assert send(dp4, 0, value=1, step=0, flags=Flag.RETRANSMIT)[0] == "drop"
+    assert dp4.job_stats(1).drops["duplicate"] == 0
+    for r in (1, 2):
+        send(dp4, r, value=1)
+    verdict, out = send(dp4, 3, value=1)
+    assert verdict == "tx" and out.hdr.n_contrib == 5 and out.payload[0] == 5
+
+
+def test_wbsp_step_that_meets_a_sync_round_is_carried_not_lost(dp4):
+    use(dp4, "sync")                                                # a swap made the round sync
+    for r in range(4):
+        send(dp4, r, value=1)                                       # round 0 released
+    verdict, out = send(dp4, 0, value=10, step=1)                   # a wbsp step sent before the swap
+    assert verdict == "tx" and out.hdr.round == 0 and out.hdr.flags & Flag.REREAD
+    for r in range(4):
+        verdict, out = send(dp4, r, round_=1, value=1)
+    assert out.hdr.round == 1 and out.payload[0] == 14 and out.hdr.flags & Flag.CARRIED
