@@ -16,6 +16,7 @@ _COMMANDS = {
     "jobs": ("aggd.commands.jobs", "jobs"),
     "strategy": ("aggd.commands.strategy", "strategy"),
     "config": ("aggd.commands.config", "config"),
+    "top": ("aggd.commands.top", "top"),
 }
 
 
