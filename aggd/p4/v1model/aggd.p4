@@ -1,0 +1,847 @@
+/* aggd on BMv2 simple_switch (v1model): the aggregator of docs/protocol.md in a switch pipeline.
+ *
+ * Structure (after SwitchML's pipeline, with aggd's 4-bank slots and strategies):
+ *   - checks in the order of docs/protocol.md, each drop counted in `drops[bucket * 16 + reason]`;
+ *   - job, member, strategy and service tables written by aggd/dataplane/p4.py over P4Runtime;
+ *   - per-slot bank state in registers (index slot * 4 + bank), one register per value lane
+ *     (index (slot * 4 + bank) * AGGD_PASSES + pass), recirculation for the next AGGD_LANES values;
+ *   - results multicast through the packet replication engine (group job + 1), answers to one
+ *     sender sent back out of its port;
+ *   - everything else forwarded by an L2 table.
+ * The slot rules are those of aggd/model.py (the reference model), bank by bank, unrolled; async
+ * admission as docs/protocol.md and the XDP program have it (fewer than 3 banks open).
+ * docs/p4.md explains the design and how to run it. Build: `make p4` (p4c-bm2-ss --arch v1model). */
+#include <core.p4>
+#include <v1model.p4>
+
+#include "../common/parser.p4"
+
+#define BANK_FIELDS(i) \
+    bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i;
+
+/* Metadata. Fields marked @field_list(1) survive recirculation (the later passes of one packet). */
+struct aggd_meta_t {
+    @field_list(1) bit<8>  pass;        /* which block of AGGD_LANES values this pass adds */
+    @field_list(1) bit<8>  spins;       /* recirculations spent waiting for a locked slot */
+    @field_list(1) bit<9>  in_port;     /* the port the packet came in on (answers go back there) */
+    @field_list(1) bit<1>  work;        /* lanes work in flight: the slot is locked */
+    @field_list(1) bit<32> slot;        /* global slot index */
+    @field_list(1) bit<1>  do_add;      /* the payload goes into bank add_cell */
+    @field_list(1) bit<32> add_cell;    /* first lane cell of the bank added into */
+    @field_list(1) bit<32> add_bank;    /* its bank index (slot * 4 + bank) */
+    @field_list(1) bit<1>  fresh;       /* first contribution of the bank: copy, do not add */
+    @field_list(1) bit<8>  sa;          /* right shift of the stored sum (exponent alignment) */
+    @field_list(1) bit<8>  sb;          /* right shift of the incoming values */
+    @field_list(1) bit<1>  ovf;         /* an int32 addition overflowed in some pass */
+    @field_list(1) bit<1>  do_out;      /* a bank's values go back in the packet */
+    @field_list(1) bit<32> out_cell;
+    @field_list(1) bit<1>  out_is_add;  /* the values sent are the sums just made */
+    @field_list(1) bit<1>  to_group;    /* multicast to the job's group, else back to the sender */
+    bit<1>  recirc;
+    bit<1>  csum;                       /* recompute the IPv4 checksum (rewritten addresses) */
+    bit<1>  flood;
+    bit<1>  is_aggd;
+    bit<1>  fwd;                        /* forward by the L2 table (not ours, or for the daemon) */
+    /* jobs table */
+    bit<1>  job_ok;
+    bit<8>  world;
+    bit<64> all_members;
+    bit<32> n_slots;
+    bit<32> slot_base;
+    bit<32> switch_slots;
+    bit<32> max_chunks;
+    bit<32> group_ip;
+    bit<48> group_mac;
+    bit<16> result_port;
+    bit<16> mcast_grp;
+    /* members table */
+    bit<1>  member_ok;
+    bit<32> member_ip;
+    bit<16> member_port;
+    /* strategy table */
+    bit<32> s_round;
+    bit<16> s_version;
+    bit<8>  s_kind;
+    bit<8>  s_param;
+    bit<32> s_timeout;
+}
+
+parser AggdParser(packet_in pkt, out headers_t hdr, inout aggd_meta_t meta,
+                  inout standard_metadata_t sm) {
+    AggdCommonParser() common;
+    state start {
+        common.apply(pkt, hdr);
+        transition accept;
+    }
+}
+
+control AggdVerifyChecksum(inout headers_t hdr, inout aggd_meta_t meta) {
+    apply { }
+}
+
+/* Everything aggd does to a packet; AggdIngress forwards what it leaves alone (meta.fwd). */
+control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard_metadata_t sm) {
+    /* ---- counters -------------------------------------------------------------------------- */
+    counter(AGGD_JOB_ROWS * AGGD_DROP_STRIDE, CounterType.packets) drops;
+    /* Per-job counters grow by packet, byte and element counts: registers, read-modify-write. */
+    register<bit<64>>(AGGD_JOB_ROWS * AGGD_COUNTER_STRIDE) job_counters;
+    /* Highest round a member of the job sent, plus one (0: none): hot swaps start after it. */
+    register<bit<32>>(AGGD_MAX_JOBS) max_round;
+    /* 0: the switch's clock; anything else: frozen time in microseconds (tests). */
+    register<bit<48>>(1) clock;
+
+    /* ---- slots ----------------------------------------------------------------------------- */
+    register<bit<1>>(AGGD_SLOTS) slot_lock;
+    register<bit<8>>(AGGD_BANK_CELLS) bank_state;
+    register<bit<32>>(AGGD_BANK_CELLS) bank_round;
+    register<bit<32>>(AGGD_BANK_CELLS) bank_chunk;
+    register<bit<64>>(AGGD_BANK_CELLS) bank_bitmap;
+    register<bit<64>>(AGGD_BANK_CELLS) bank_late;
+    register<bit<16>>(AGGD_BANK_CELLS) bank_n;
+    register<bit<16>>(AGGD_BANK_CELLS) bank_exp;
+    register<bit<8>>(AGGD_BANK_CELLS) bank_flags;
+    register<bit<16>>(AGGD_BANK_CELLS) bank_version;
+    register<bit<8>>(AGGD_BANK_CELLS) bank_kind;
+    register<bit<8>>(AGGD_BANK_CELLS) bank_param;
+    register<bit<32>>(AGGD_BANK_CELLS) bank_timeout;
+    register<bit<48>>(AGGD_BANK_CELLS) bank_t_first;
+    /* wbsp: the next step expected from each member, index bank * 64 + rank (not wrapped). */
+    register<bit<32>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
+    /* The values: one register per lane (SwitchML), index bank * AGGD_PASSES + pass. */
+#define AGGD_LANE_REGISTER(i) register<bit<32>>(AGGD_LANE_CELLS) lane_##i;
+    AGGD_FOR_LANES(AGGD_LANE_REGISTER)
+
+    /* ---- tables ---------------------------------------------------------------------------- */
+    action drop() {
+        mark_to_drop(sm);
+    }
+
+    action aggd_serve() {
+        meta.is_aggd = 1;
+    }
+
+    /* The aggregator's address: UDP to (address, port) is aggd's; results come from there. */
+    table aggd_service {
+        key = {
+            hdr.ipv4.dst_addr: exact;
+            hdr.udp.dst_port: exact;
+        }
+        actions = { aggd_serve; @defaultonly NoAction; }
+        default_action = NoAction();
+        size = 16;
+    }
+
+    action set_job(bit<8> world, bit<64> all_members, bit<32> n_slots, bit<32> slot_base,
+                   bit<32> switch_slots, bit<32> max_chunks, bit<32> group_ip, bit<48> group_mac,
+                   bit<16> result_port, bit<16> mcast_grp) {
+        meta.job_ok = 1;
+        meta.world = world;
+        meta.all_members = all_members;
+        meta.n_slots = n_slots;
+        meta.slot_base = slot_base;
+        meta.switch_slots = switch_slots;
+        meta.max_chunks = max_chunks;
+        meta.group_ip = group_ip;
+        meta.group_mac = group_mac;
+        meta.result_port = result_port;
+        meta.mcast_grp = mcast_grp;
+    }
+
+    table jobs {
+        key = { hdr.aggd.job: exact; }
+        actions = { set_job; @defaultonly NoAction; }
+        default_action = NoAction();
+        size = AGGD_MAX_JOBS;
+    }
+
+    action set_member(bit<32> ip, bit<16> port) {
+        meta.member_ok = 1;
+        meta.member_ip = ip;
+        meta.member_port = port;
+    }
+
+    table members {
+        key = {
+            hdr.aggd.job: exact;
+            hdr.aggd.rank: exact;
+        }
+        actions = { set_member; @defaultonly NoAction; }
+        default_action = NoAction();
+        size = 16384;   /* AGGD_MAX_JOBS * AGGD_MAX_MEMBERS */
+    }
+
+    action set_strategy(bit<16> version, bit<8> kind, bit<8> param, bit<32> timeout_us) {
+        meta.s_version = version;
+        meta.s_kind = kind;
+        meta.s_param = param;
+        meta.s_timeout = timeout_us;
+    }
+
+    /* The versioned strategy table: job exact, round range. The control plane writes one entry per
+     * distinct from_round, [from_round, next from_round - 1], the first from round 0 (docs/p4.md). */
+    table strategy {
+        key = {
+            hdr.aggd.job: exact;
+            meta.s_round: range;
+        }
+        actions = { set_strategy; }
+        default_action = set_strategy(0, 0, 0, 0);   /* sync, version 0 */
+        size = 1024;   /* AGGD_MAX_JOBS * AGGD_STRATEGY_VERSIONS */
+    }
+
+    /* ---- helpers ----------------------------------------------------------------------------- */
+    bit<64> cv;
+#define BUMP(c, n) \
+    job_counters.read(cv, (bit<32>)hdr.aggd.job * AGGD_COUNTER_STRIDE + (bit<32>)(c)); \
+    job_counters.write((bit<32>)hdr.aggd.job * AGGD_COUNTER_STRIDE + (bit<32>)(c), cv + (bit<64>)(n));
+#define COUNT_DROP(bucket, reason) \
+    drops.count((bit<32>)(bucket) * AGGD_DROP_STRIDE + (bit<32>)(reason));
+
+    action nack(bit<8> code) {
+        /* A bare header back to the sender: job, rank, round, chunk echoed, code set, rest 0. */
+        hdr.aggd.type = AGGD_MSG_TYPE_NACK;
+        hdr.aggd.code = code;
+        hdr.aggd.count = 0;
+        hdr.aggd.strategy_version = 0;
+        hdr.aggd.exponent = 0;
+        hdr.aggd.flags = 0;
+        hdr.aggd.contributors = 0;
+        hdr.aggd.n_contrib = 0;
+        hdr.aggd.step = 0;
+        hdr.aggd.strategy = 0;
+        hdr.aggd.param = 0;
+        hdr.aggd.reserved = 0;
+        hdr.lanes.setInvalid();
+#if AGGD_PASSES > 1
+        hdr.tail[0].setInvalid();
+#if AGGD_PASSES > 2
+        hdr.tail[1].setInvalid();
+#endif
+#if AGGD_PASSES > 3
+        hdr.tail[2].setInvalid();
+#endif
+#endif
+        hdr.ipv4.total_len = 20 + 8 + 40;
+        hdr.udp.length = 8 + 40;
+        truncate(14 + 20 + 8 + 40);
+        meta.do_out = 1;
+        meta.to_group = 0;
+    }
+
+    action to_sender() {
+        bit<48> mac = hdr.ethernet.src_addr;
+        bit<32> ip = hdr.ipv4.src_addr;
+        bit<16> port = hdr.udp.src_port;
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
+        hdr.ethernet.dst_addr = mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = ip;
+        hdr.ipv4.ttl = 64;
+        hdr.udp.src_port = hdr.udp.dst_port;
+        hdr.udp.dst_port = port;
+        hdr.udp.checksum = 0;
+        sm.egress_spec = meta.in_port;
+        meta.csum = 1;
+    }
+
+    action to_group() {
+        hdr.ethernet.src_addr = hdr.ethernet.dst_addr;
+        hdr.ethernet.dst_addr = meta.group_mac;
+        hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
+        hdr.ipv4.dst_addr = meta.group_ip;
+        hdr.ipv4.ttl = 64;
+        hdr.udp.src_port = AGGD_PORT;
+        hdr.udp.dst_port = meta.result_port;
+        hdr.udp.checksum = 0;
+        sm.mcast_grp = meta.mcast_grp;
+        meta.csum = 1;
+    }
+
+    apply {
+        /* Locals of the slot rules (declared once: the bank scan below is unrolled by macros). */
+        BANK_FIELDS(0) BANK_FIELDS(1) BANK_FIELDS(2) BANK_FIELDS(3)
+        bit<48> now;
+        bit<64> key;
+        bit<64> k;
+        bit<64> bit_x;
+        bit<32> used = 0;
+        bit<32> nopen = 0;
+        bit<32> timeouts = 0;
+        bit<32> min_open = 0xFFFFFFFF;
+        bit<8> ifree = NO_BANK;
+        bit<8> ik = NO_BANK;
+        bit<8> itarget = NO_BANK;
+        bit<8> irel_old = NO_BANK;
+        bit<8> irel_chunk = NO_BANK;
+        bit<64> newest = 0;
+        bit<64> chunk_newest = 0;
+        bit<1> have_chunk = 0;
+        bit<64> target_key = 0xFFFFFFFFFFFFFFFF;
+        bit<64> rel_old_key = 0xFFFFFFFFFFFFFFFF;
+        bit<64> rel_chunk_key = 0;
+        bit<8> add = NO_BANK;
+        bit<8> out = NO_BANK;
+        bit<8> reason = 0xFF;
+        bit<1> late = 0;
+        bit<1> carried = 0;
+        bit<1> want_open = 0;
+        bit<1> fresh = 0;
+        bit<1> released = 0;
+        bit<1> partial = 0;
+        bit<32> open_round = 0;
+        bit<8> pick = NO_BANK;
+        bit<8> b_state;
+        bit<8> b_kind;
+        bit<8> b_param;
+        bit<8> b_flags;
+        bit<16> b_n;
+        bit<16> b_exp;
+        bit<16> b_version;
+        bit<32> b_round;
+        bit<32> b_chunk;
+        bit<32> b_steps;
+        bit<64> b_bitmap;
+        bit<64> b_late;
+        bit<32> base;
+        bit<32> payload_len;
+        bit<32> slot_idx;
+        bit<32> mr;
+        bit<1> locked;
+        bit<1> counted;
+
+        if (meta.pass == 0 && meta.spins == 0) {
+            meta.in_port = sm.ingress_port;
+        }
+        if (hdr.udp.isValid()) {
+            aggd_service.apply();
+        }
+        if (meta.is_aggd == 0 && meta.pass == 0) {
+            meta.fwd = 1;              /* not ours: a plain L2 switch */
+            return;
+        }
+        if (hdr.aggd.isValid()) {
+            jobs.apply();
+        }
+
+        if (meta.pass == 0) {
+            /* ---- checks, in the order of docs/protocol.md ------------------------------------ */
+            if (meta.spins == 0) {
+                if (!hdr.aggd.isValid() || hdr.udp.length < 8 + 40 ||
+                    sm.packet_length < 14 + 20 + (bit<32>)hdr.udp.length) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_TOO_SHORT)
+                    drop();
+                    return;
+                }
+                if (hdr.aggd.magic != (bit<16>)AGGD_MAGIC) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_BAD_MAGIC)
+                    drop();
+                    return;
+                }
+                if (hdr.aggd.version != (bit<8>)AGGD_VERSION) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_BAD_VERSION)
+                    drop();
+                    return;
+                }
+                if (hdr.aggd.type == AGGD_MSG_TYPE_JOIN) {
+                    meta.fwd = 1;      /* membership is the daemon's business */
+                    return;
+                }
+                if (hdr.aggd.type != AGGD_MSG_TYPE_CONTRIB && hdr.aggd.type != AGGD_MSG_TYPE_REREAD) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_BAD_TYPE)
+                    drop();
+                    return;
+                }
+                payload_len = (bit<32>)hdr.udp.length - 48;
+                if (hdr.aggd.count == 0 || (bit<32>)hdr.aggd.count > AGGD_ELEMENTS ||
+                    (bit<32>)hdr.aggd.count * 4 > payload_len) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_BAD_COUNT)
+                    drop();
+                    return;
+                }
+                if (meta.job_ok == 0) {
+                    COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_UNKNOWN_JOB)
+                    nack(AGGD_NACK_CODE_UNKNOWN_JOB);
+                    to_sender();
+                    return;
+                }
+                BUMP(AGGD_COUNTER_RX_PACKETS, 1)
+                BUMP(AGGD_COUNTER_RX_BYTES, hdr.udp.length - 8)
+                if ((hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0) {
+                    BUMP(AGGD_COUNTER_RETRANSMITS, 1)
+                }
+                if (hdr.aggd.rank >= (bit<16>)meta.world) {
+                    COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_BAD_RANK)
+                    nack(AGGD_NACK_CODE_NOT_MEMBER);
+                    to_sender();
+                    return;
+                }
+                members.apply();
+                if (meta.member_ok == 0 || meta.member_ip != hdr.ipv4.src_addr ||
+                    meta.member_port != hdr.udp.src_port) {
+                    COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_NOT_MEMBER)
+                    nack(AGGD_NACK_CODE_NOT_MEMBER);
+                    to_sender();
+                    return;
+                }
+                if (hdr.aggd.chunk >= meta.max_chunks || meta.n_slots == 0) {
+                    COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_BAD_CHUNK)
+                    drop();
+                    return;
+                }
+                slot_idx = hdr.aggd.chunk % meta.n_slots;
+                if (payload_len != 4 * AGGD_ELEMENTS || slot_idx >= meta.switch_slots) {
+                    BUMP(AGGD_COUNTER_TO_USERSPACE, 1)
+                    meta.fwd = 1;      /* the daemon's user-space path serves it */
+                    return;
+                }
+                max_round.read(mr, (bit<32>)hdr.aggd.job);
+                if ((bit<33>)hdr.aggd.round + 1 > (bit<33>)mr) {
+                    max_round.write((bit<32>)hdr.aggd.job, hdr.aggd.round + 1);
+                }
+                meta.slot = meta.slot_base + slot_idx;
+            }
+
+            /* ---- one packet at a time in a slot while its passes are in flight ---------------- */
+            slot_lock.read(locked, meta.slot);
+            if (locked == 1) {
+                if (meta.spins < 64) {
+                    meta.spins = meta.spins + 1;
+                    meta.recirc = 1;
+                    sm.egress_spec = meta.in_port;
+                } else {
+                    COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_BUSY)
+                    drop();
+                }
+                return;
+            }
+
+            /* ---- the slot rules (aggd/model.py, docs/protocol.md "Strategies") --------------- */
+            clock.read(now, 0);
+            if (now == 0) {
+                now = sm.ingress_global_timestamp;   /* microseconds */
+            }
+            key = hdr.aggd.round ++ hdr.aggd.chunk;
+            bit_x = (bit<64>)1 << (bit<8>)hdr.aggd.rank;
+            base = meta.slot * AGGD_BANKS;
+
+            /* Rule 0 (expiry) and the scan of the four banks. */
+#define SCAN(i) \
+            bank_state.read(st##i, base + i); \
+            bank_round.read(rd##i, base + i); \
+            bank_chunk.read(ch##i, base + i); \
+            bank_kind.read(kd##i, base + i); \
+            bank_timeout.read(to##i, base + i); \
+            bank_t_first.read(tf##i, base + i); \
+            if (st##i == BANK_OPEN && kd##i == AGGD_STRATEGY_KIND_QUORUM && \
+                now - tf##i >= (bit<48>)to##i) { \
+                st##i = BANK_RELEASED; \
+                bank_state.write(base + i, BANK_RELEASED); \
+                timeouts = timeouts + 1; \
+            } \
+            if (st##i == BANK_EMPTY) { \
+                if (ifree == NO_BANK) { ifree = i; } \
+            } else { \
+                k = rd##i ++ ch##i; \
+                used = used + 1; \
+                if (k == key) { ik = i; } \
+                if (used == 1 || k > newest) { newest = k; } \
+                if (ch##i == hdr.aggd.chunk && (have_chunk == 0 || k > chunk_newest)) { \
+                    chunk_newest = k; \
+                    have_chunk = 1; \
+                } \
+                if (st##i == BANK_OPEN) { \
+                    nopen = nopen + 1; \
+                    if (rd##i < min_open) { min_open = rd##i; } \
+                    if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
+                        target_key = k; \
+                        itarget = i; \
+                    } \
+                } else { \
+                    if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
+                    if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
+                        rel_chunk_key = k; \
+                        irel_chunk = i; \
+                    } \
+                } \
+            }
+            SCAN(0)
+            SCAN(1)
+            SCAN(2)
+            SCAN(3)
+            pick = ifree;
+            if (pick == NO_BANK) {
+                pick = irel_old;
+            }
+
+            if (ik != NO_BANK) {
+                bank_state.read(b_state, base + (bit<32>)ik);
+                bank_kind.read(b_kind, base + (bit<32>)ik);
+                bank_bitmap.read(b_bitmap, base + (bit<32>)ik);
+                bank_late.read(b_late, base + (bit<32>)ik);
+                bank_steps.read(b_steps, (base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank);
+                if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
+                    counted = (bit<32>)hdr.aggd.step < b_steps ? 1w1 : 1w0;
+                } else {
+                    counted = ((b_bitmap | b_late) & bit_x) != 0 ? 1w1 : 1w0;
+                }
+            }
+
+            if (hdr.aggd.type == AGGD_MSG_TYPE_REREAD) {
+                if (ik != NO_BANK && b_state == BANK_RELEASED) {
+                    out = ik;
+                } else if (ik != NO_BANK || used == 0 || key > newest) {
+                    reason = AGGD_DROP_REASON_NOT_READY;
+                } else {
+                    reason = AGGD_DROP_REASON_STALE;
+                }
+            } else if (ik != NO_BANK) {
+                if (b_state == BANK_OPEN) {
+                    if (counted == 1) {                                   /* rule 1 */
+                        reason = AGGD_DROP_REASON_DUPLICATE;
+                    } else {
+                        add = ik;
+                    }
+                } else if (counted == 1) {                                /* rule 2 */
+                    out = ik;
+                } else {
+                    late = 1;
+                }
+            } else if (used == 0 || key > newest) {                       /* rule 3 */
+                want_open = 1;
+                open_round = hdr.aggd.round;
+            } else {
+                late = 1;                                                 /* rule 4 */
+            }
+
+            if (late == 1) {
+                if (ik == NO_BANK && (hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0) {
+                    reason = AGGD_DROP_REASON_STALE;
+                } else {
+                    carried = 1;
+                    if (itarget != NO_BANK) {
+                        add = itarget;
+                    } else {
+                        if (have_chunk == 1) {
+                            open_round = chunk_newest[63:32];
+                        } else {
+                            open_round = hdr.aggd.round;
+                        }
+                        if (open_round == 0xFFFFFFFF || (open_round + 1) ++ hdr.aggd.chunk <= newest) {
+                            reason = AGGD_DROP_REASON_BUSY;
+                        } else {
+                            open_round = open_round + 1;
+                            want_open = 1;
+                        }
+                    }
+                }
+            }
+
+            if (want_open == 1) {
+                /* Rule 3: admission under the entry governing the new round, then the bank. */
+                meta.s_round = open_round;
+                strategy.apply();
+                bit<1> admitted = 0;
+                if (meta.s_kind == AGGD_STRATEGY_KIND_ASYNC) {
+                    /* docs/protocol.md: while fewer than 3 banks are open (one released bank is
+                     * kept for re-reads); the XDP program does the same. */
+                    if (nopen < AGGD_BANKS - 1) {
+                        admitted = 1;
+                    }
+                } else if (meta.s_kind == AGGD_STRATEGY_KIND_SSP) {
+                    if (nopen == 0 || (bit<33>)min_open + (bit<33>)meta.s_param >= (bit<33>)open_round) {
+                        admitted = 1;
+                    }
+                } else if (nopen == 0) {
+                    admitted = 1;
+                }
+                if (admitted == 0 || pick == NO_BANK) {
+                    reason = AGGD_DROP_REASON_BUSY;
+                    carried = 0;
+                } else {
+                    bank_state.write(base + (bit<32>)pick, BANK_OPEN);
+                    bank_round.write(base + (bit<32>)pick, open_round);
+                    bank_chunk.write(base + (bit<32>)pick, hdr.aggd.chunk);
+                    bank_bitmap.write(base + (bit<32>)pick, 0);
+                    bank_late.write(base + (bit<32>)pick, 0);
+                    bank_n.write(base + (bit<32>)pick, 0);
+                    bank_flags.write(base + (bit<32>)pick, 0);
+                    bank_exp.write(base + (bit<32>)pick, (bit<16>)AGGD_ZERO_EXPONENT);
+                    bank_version.write(base + (bit<32>)pick, meta.s_version);
+                    bank_kind.write(base + (bit<32>)pick, meta.s_kind);
+                    bank_param.write(base + (bit<32>)pick, meta.s_param);
+                    bank_timeout.write(base + (bit<32>)pick, meta.s_timeout);
+                    bank_t_first.write(base + (bit<32>)pick, now);
+                    /* wbsp steps of the new round start at 0 (64 cells; only a wbsp bank reads them) */
+#define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
+                    AGGD_LANES_64(CLEAR_STEP)
+                    add = pick;
+                    fresh = 1;
+                }
+            }
+
+            /* The carried contribution's origin remembers it (if the new round did not take it),
+             * and the answer is the newest released result of the chunk, chosen after the carry. */
+            if (carried == 1 && add != NO_BANK) {
+                if (ik != NO_BANK && !(fresh == 1 && pick == ik)) {
+                    bank_late.write(base + (bit<32>)ik, b_late | bit_x);
+                    if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
+                        bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                         (bit<32>)hdr.aggd.step + 1);
+                    }
+                }
+                out = irel_chunk;
+                if (fresh == 1 && pick == irel_chunk) {
+                    out = NO_BANK;   /* it was the chunk's only released bank */
+                }
+            }
+
+            /* Rule 1 after the duplicate test, or a carry: the bank's bookkeeping. */
+            if (add != NO_BANK) {
+                bank_bitmap.read(b_bitmap, base + (bit<32>)add);
+                bank_kind.read(b_kind, base + (bit<32>)add);
+                bank_param.read(b_param, base + (bit<32>)add);
+                bank_n.read(b_n, base + (bit<32>)add);
+                bank_exp.read(b_exp, base + (bit<32>)add);
+                bank_flags.read(b_flags, base + (bit<32>)add);
+                if (carried == 0) {
+                    b_bitmap = b_bitmap | bit_x;
+                    bank_bitmap.write(base + (bit<32>)add, b_bitmap);
+                    if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
+                        bank_steps.write((base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                         (bit<32>)hdr.aggd.step + 1);
+                    }
+                    if (b_kind == AGGD_STRATEGY_KIND_QUORUM) {
+                        /* popcount of the bitmap (SWAR) against k */
+                        bit<64> p = b_bitmap - ((b_bitmap >> 1) & 0x5555555555555555);
+                        p = (p & 0x3333333333333333) + ((p >> 2) & 0x3333333333333333);
+                        p = (p + (p >> 4)) & 0x0F0F0F0F0F0F0F0F;
+                        p = (p * 0x0101010101010101) >> 56;
+                        if (p >= (bit<64>)b_param) {
+                            released = 1;
+                        }
+                    } else if ((b_bitmap & meta.all_members) == meta.all_members) {
+                        released = 1;
+                    }
+                    if (released == 1) {
+                        out = add;
+                        meta.to_group = 1;
+                        bank_state.write(base + (bit<32>)add, BANK_RELEASED);
+                    } else if (b_kind == AGGD_STRATEGY_KIND_ASYNC) {
+                        out = add;     /* no barrier: the running sum goes back at once */
+                        partial = 1;
+                    }
+                } else {
+                    b_flags = b_flags | AGGD_FLAG_CARRIED;
+                    bank_flags.write(base + (bit<32>)add, b_flags);
+                }
+                /* Exponents: the first contribution sets it; later ones align to the smaller. */
+                meta.sa = 0;
+                meta.sb = 0;
+                if (fresh == 1) {
+                    bank_exp.write(base + (bit<32>)add, hdr.aggd.exponent);
+                } else if ((int<16>)hdr.aggd.exponent < (int<16>)b_exp) {
+                    int<32> d = (int<32>)(int<16>)b_exp - (int<32>)(int<16>)hdr.aggd.exponent;
+                    meta.sa = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;
+                    bank_exp.write(base + (bit<32>)add, hdr.aggd.exponent);
+                } else {
+                    int<32> d = (int<32>)(int<16>)hdr.aggd.exponent - (int<32>)(int<16>)b_exp;
+                    meta.sb = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;
+                }
+                bank_n.write(base + (bit<32>)add, b_n + 1);
+                meta.do_add = 1;
+                meta.fresh = fresh;
+                meta.add_bank = base + (bit<32>)add;
+                meta.add_cell = (base + (bit<32>)add) * AGGD_PASSES;
+            }
+
+            /* ---- counters ---------------------------------------------------------------------- */
+            if (timeouts != 0) {
+                BUMP(AGGD_COUNTER_TIMEOUTS, timeouts)
+                BUMP(AGGD_COUNTER_RELEASED, timeouts)
+            }
+            if (reason != 0xFF) {
+                COUNT_DROP(hdr.aggd.job, reason)
+                drop();
+                return;
+            }
+            if (add != NO_BANK) {
+                BUMP(AGGD_COUNTER_CONTRIBUTIONS, 1)
+                BUMP(AGGD_COUNTER_ELEMENTS, hdr.aggd.count)
+                if (carried == 1) {
+                    BUMP(AGGD_COUNTER_CARRIED, 1)
+                }
+                if (released == 1) {
+                    BUMP(AGGD_COUNTER_RELEASED, 1)
+                }
+                if (partial == 1) {
+                    BUMP(AGGD_COUNTER_PARTIALS, 1)
+                }
+            }
+
+            /* ---- the result header (values follow lane by lane) ------------------------------ */
+            if (out != NO_BANK) {
+                bank_round.read(b_round, base + (bit<32>)out);
+                bank_chunk.read(b_chunk, base + (bit<32>)out);
+                bank_bitmap.read(b_bitmap, base + (bit<32>)out);
+                bank_n.read(b_n, base + (bit<32>)out);
+                bank_exp.read(b_exp, base + (bit<32>)out);
+                bank_flags.read(b_flags, base + (bit<32>)out);
+                bank_version.read(b_version, base + (bit<32>)out);
+                bank_kind.read(b_kind, base + (bit<32>)out);
+                bank_param.read(b_param, base + (bit<32>)out);
+                if (meta.to_group == 0 && partial == 0) {
+                    BUMP(AGGD_COUNTER_REREADS, 1)
+                    b_flags = b_flags | AGGD_FLAG_REREAD;
+                }
+                hdr.aggd.type = AGGD_MSG_TYPE_RESULT;
+                hdr.aggd.rank = 0xFFFF;
+                hdr.aggd.round = b_round;
+                hdr.aggd.chunk = b_chunk;
+                hdr.aggd.exponent = b_exp;
+                hdr.aggd.flags = b_flags;
+                hdr.aggd.code = 0;
+                hdr.aggd.strategy_version = b_version;
+                hdr.aggd.strategy = b_kind;
+                hdr.aggd.param = b_param;
+                hdr.aggd.reserved = 0;
+                hdr.aggd.contributors = b_bitmap;
+                hdr.aggd.n_contrib = b_n;
+                hdr.aggd.step = 0;
+                meta.do_out = 1;
+                meta.out_is_add = out == add ? 1w1 : 1w0;
+                meta.out_cell = (base + (bit<32>)out) * AGGD_PASSES;
+            }
+            if (meta.do_add == 0 && meta.do_out == 0) {
+                drop();
+                return;
+            }
+            if (AGGD_PASSES > 1) {
+                slot_lock.write(meta.slot, 1);
+                meta.work = 1;
+            }
+        }
+
+        /* ---- lanes: this pass's AGGD_LANES values ------------------------------------------ */
+        bit<32> lx;
+        bit<32> ly;
+        bit<32> lz;
+        if (meta.do_add == 1) {
+#define ADD_LANE(i) \
+            lane_##i.read(lx, meta.add_cell + (bit<32>)meta.pass); \
+            if (meta.fresh == 1) { lx = 0; } \
+            ly = AGGD_SWAP(hdr.lanes.v##i); \
+            lx = (bit<32>)((int<32>)lx >> meta.sa); \
+            ly = (bit<32>)((int<32>)ly >> meta.sb); \
+            lz = lx + ly; \
+            if (((lx ^ lz) & (ly ^ lz))[31:31] == 1) { meta.ovf = 1; } \
+            lane_##i.write(meta.add_cell + (bit<32>)meta.pass, lz); \
+            hdr.lanes.v##i = AGGD_SWAP(lz);
+            AGGD_FOR_LANES(ADD_LANE)
+        }
+        if (meta.do_out == 1 && meta.out_is_add == 0) {
+#define OUT_LANE(i) \
+            lane_##i.read(lx, meta.out_cell + (bit<32>)meta.pass); \
+            hdr.lanes.v##i = AGGD_SWAP(lx);
+            AGGD_FOR_LANES(OUT_LANE)
+        }
+        /* The block just done goes behind the others (see block_h). */
+        hdr.lanes_out = hdr.lanes;
+        hdr.lanes.setInvalid();
+
+        if (meta.pass + 1 < AGGD_PASSES) {
+            meta.pass = meta.pass + 1;
+            meta.recirc = 1;
+            sm.egress_spec = meta.in_port;
+            return;
+        }
+
+        /* ---- last pass: overflow, unlock, send ----------------------------------------------- */
+        if (meta.ovf == 1) {
+            bank_flags.read(b_flags, meta.add_bank);
+            bank_flags.write(meta.add_bank, b_flags | AGGD_FLAG_OVERFLOW);
+            BUMP(AGGD_COUNTER_OVERFLOWS, 1)
+            if (meta.out_is_add == 1) {
+                hdr.aggd.flags = hdr.aggd.flags | AGGD_FLAG_OVERFLOW;
+            }
+        }
+        if (meta.work == 1) {
+            slot_lock.write(meta.slot, 0);
+        }
+        if (meta.do_out == 0) {
+            drop();            /* absorbed into the slot */
+        } else if (meta.to_group == 1) {
+            to_group();
+        } else {
+            to_sender();
+        }
+    }
+}
+
+control AggdIngress(inout headers_t hdr, inout aggd_meta_t meta, inout standard_metadata_t sm) {
+    AggdPipeline() aggd;
+
+    action drop() {
+        mark_to_drop(sm);
+    }
+
+    action l2_forward(bit<9> port) {
+        sm.egress_spec = port;
+    }
+
+    action l2_flood() {
+        sm.mcast_grp = AGGD_FLOOD_GROUP;
+        meta.flood = 1;
+    }
+
+    /* Non-aggd traffic, and aggd messages handed to the daemon (XDP_PASS): by destination MAC. */
+    table forward {
+        key = { hdr.ethernet.dst_addr: exact; }
+        actions = { l2_forward; l2_flood; drop; }
+        default_action = l2_flood();
+        size = 1024;
+    }
+
+    apply {
+        aggd.apply(hdr, meta, sm);
+        if (meta.fwd == 1) {
+            forward.apply();
+        }
+    }
+}
+
+control AggdEgress(inout headers_t hdr, inout aggd_meta_t meta, inout standard_metadata_t sm) {
+    apply {
+        if (meta.recirc == 1) {
+            recirculate_preserving_field_list(1);
+        } else if (meta.flood == 1 && sm.egress_port == meta.in_port) {
+            mark_to_drop(sm);  /* a flooded frame does not go back where it came from */
+        }
+    }
+}
+
+control AggdComputeChecksum(inout headers_t hdr, inout aggd_meta_t meta) {
+    apply {
+        update_checksum(meta.csum == 1 && hdr.ipv4.isValid(),
+            { hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+              hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
+              hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr },
+            hdr.ipv4.hdr_checksum, HashAlgorithm.csum16);
+    }
+}
+
+control AggdDeparser(packet_out pkt, in headers_t hdr) {
+    apply {
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.aggd);
+        pkt.emit(hdr.lanes);
+#if AGGD_PASSES > 1
+        pkt.emit(hdr.tail);
+#endif
+        pkt.emit(hdr.lanes_out);
+    }
+}
+
+V1Switch(AggdParser(), AggdVerifyChecksum(), AggdIngress(), AggdEgress(), AggdComputeChecksum(),
+         AggdDeparser()) main;

@@ -1,0 +1,255 @@
+"""The P4 backend's writes, interpreted by the reference model, against the real XDP program.
+
+One job is installed on both data planes by their backends: ``XdpDataPlane`` fills the XDP maps,
+``P4DataPlane`` writes P4Runtime entries to a fake server on 127.0.0.1 (tests/p4/sim.py). The
+captured entries are read back as model configuration (jobs, members, strategy rows, multicast
+groups) and the model so configured plays the switch. Every frame goes through both: verdict, the
+frame sent (bytes) and where it goes (the job's replication ports, the ingress port, the daemon's
+port), and at the end of each sequence every counter as each backend's ``job_stats`` reads it, must
+be identical. The fixture tables and the randomised traffic are those of the XDP/model tests.
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggd.dataplane.bpf_syscall import prog_test_run
+from aggd.model import TableEntry, Verdict
+from aggd.strategy import StrategyTable, from_entry, parse
+from aggd.testing.frames import AGG_IP, worker_addr
+from aggd_client import protocol as proto
+
+from ..bpf.conftest import ELEMENTS, job_config
+from ..bpf.test_model_equivalence import (KINDS, MAX_OPS, MIN_OPS, SWAP_TEXTS, describe, frame, member,
+                                          table_for)
+from ..bpf.test_xdp_fixtures import MALFORMED, contrib
+from ..unit.test_model_strategies import (GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, Scenario, Sent, Swap,
+                                          Traffic, check, entry, swap_table)
+from .conftest import AGG_PORT_NO, HOSTS, port_of
+
+pytestmark = pytest.mark.root
+
+SEQUENCES = 300          #: randomised sequences per strategy
+SWAP_SEQUENCES = 150
+BATCH = 5
+#: model and XDP disagree here today (tests/bpf/test_model_equivalence.py fails the same way):
+#: the model force-releases the oldest open async round when all four banks are open, the XDP
+#: program refuses the fourth (busy). Not a P4 write; passes once the two agree.
+KNOWN_MODEL_XDP_GAP = "async answers every contribution with the running sum; all banks open force-releases the oldest"
+
+
+class Twin:
+    """One job on the XDP program and on the P4 backend's simulated switch."""
+
+    def __init__(self, xdp, p4dp, sim) -> None:
+        self.xdp, self.p4, self.sim = xdp, p4dp, sim
+        self.seen: collections.Counter = collections.Counter()
+
+    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
+        members = {r: member(r) for r in range(world)}
+        cfg = job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP, members=members)
+        for dp in (self.xdp, self.p4):
+            dp.remove_job(OTHER_JOB)
+            dp.install_job(cfg)
+            dp.set_strategy(JOB, entries)
+        self.xdp._reset_stats(proto.MAX_JOBS)
+        self.p4.reset_stats(None)
+
+    def set_strategy(self, entries: list[TableEntry]) -> None:
+        self.xdp.set_strategy(JOB, entries)
+        self.p4.set_strategy(JOB, entries)
+
+    @property
+    def model(self):
+        return self.sim.model
+
+    def send_frame(self, pkt: bytes, src_ip: str, now_ns: int, where: str = "") -> Verdict | None:
+        self.xdp.set_clock(now_ns)
+        res = prog_test_run(self.xdp.prog_fd, pkt)
+        out = self.sim.process(pkt, port_of(src_ip), now_ns)
+        v = out.verdict
+        why = f"{where}\n  in : {describe(pkt[42:])} from {src_ip} at {now_ns}\n  p4 : {out.action} " \
+              f"{None if v is None else (v.action, v.reason, v.dest)} {describe(out.frame[42:] if out.frame else None)}" \
+              f"\n  xdp: {res.verdict_name} {describe(res.packet[42:]) if res.verdict_name == 'tx' else ''}"
+        self.seen[(out.action, None if v is None or v.reason is None else v.reason.name.lower())] += 1
+        if res.verdict_name == "pass":
+            assert out.action == "forward" and out.frame == pkt, why
+            if v is not None:                          # an aggd message for the daemon's user-space path
+                assert out.ports == (AGG_PORT_NO,), why
+        elif res.verdict_name == "drop":
+            assert out.action == "drop", why
+        else:
+            assert res.verdict_name == "tx" and out.action == "tx", why
+            assert out.frame == res.packet, why
+            if v.dest == "group":
+                assert set(out.ports) == {HOSTS[ip][1] for ip, _ in self.sim.model.jobs[v.job].cfg.members.values()}, why
+            else:
+                assert out.ports == (port_of(src_ip),), why
+        return v
+
+    def send(self, data: bytes, src: tuple[str, int], now_ns: int, where: str = "") -> Verdict:
+        return self.send_frame(frame(data, src), src[0], now_ns, where)
+
+    def check_counters(self, where: str = "") -> None:
+        for job in (JOB, None):
+            x, q = self.xdp.job_stats(job), self.p4.job_stats(job)
+            assert (q.counters, q.drops) == (x.counters, x.drops), (where, job)
+        assert self.p4.max_round(JOB) == self.xdp.max_round(JOB), where
+
+
+@pytest.fixture(scope="module")
+def model_xdp_gap(xdp_program) -> bool:
+    """Is KNOWN_MODEL_XDP_GAP still there? (async, one member opening four rounds: the model opens
+    the fourth, the XDP program refuses it). While it is, async traffic cannot be compared."""
+    from ..unit.test_model_strategies import c
+    xdp_program.remove_job(JOB)
+    xdp_program.install_job(job_config(job=JOB, world=4, slots=1, max_chunks=8, group=GROUP,
+                                       members={r: member(r) for r in range(4)}))
+    xdp_program.set_strategy(JOB, [entry("async")])
+    verdicts = [prog_test_run(xdp_program.prog_fd, frame(c(0, rnd).build(ELEMENTS), member(0))).verdict_name
+                for rnd in range(4)]
+    xdp_program.remove_job(JOB)
+    return verdicts[3] == "drop"
+
+
+@pytest.fixture
+def twin(xdp_program, p4dp, sim):
+    t = Twin(xdp_program, p4dp, sim)
+    yield t
+    xdp_program.set_clock(0)
+    xdp_program.remove_job(JOB)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fixture tables (tests/unit/test_model_strategies.py), with their expectations.
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason="model/XDP gap, see "
+                                                                               "KNOWN_MODEL_XDP_GAP", strict=False))
+                                  if n == KNOWN_MODEL_XDP_GAP else n for n in SCENARIOS])
+def test_scenario(twin, name):
+    sc: Scenario = SCENARIOS[name]
+    twin.start(sc.world, sc.slots, sc.max_chunks, list(sc.table))
+    for i, step in enumerate(sc.steps):
+        if isinstance(step, Swap):
+            twin.set_strategy(list(step.entries))
+            continue
+        t_us, p, exp = step
+        v = twin.send(p.build(ELEMENTS), member(p.rank), T0_NS + t_us * 1000, f"step {i}: {p}")
+        check(v, exp, ELEMENTS, where=f"step {i}: {p}")
+    twin.check_counters(name)
+
+
+# ---------------------------------------------------------------------------------------------
+# The XDP fixture frames (tests/bpf/test_xdp_fixtures.py).
+
+def test_sync_round_goes_to_the_group_ports(twin):
+    twin.start(3, 8, 1 << 20, [entry("sync")])
+    for r in range(3):
+        v = twin.send_frame(contrib(r), worker_addr(r)[1], T0_NS)
+    assert v.dest == "group"
+    twin.check_counters()
+
+
+@pytest.mark.parametrize("name,make,bucket,reason,nack", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed(twin, name, make, bucket, reason, nack):
+    twin.start(3, 8, 1 << 20, [entry("sync")])
+    pkt = make()
+    v = twin.send_frame(pkt, ".".join(str(b) for b in pkt[26:30]), T0_NS, name)
+    assert v.reason == reason
+    for r in range(3):
+        twin.send_frame(contrib(r), worker_addr(r)[1], T0_NS)
+    twin.check_counters(name)
+
+
+def test_other_traffic_is_forwarded_untouched(twin):
+    from scapy.layers.inet import IP, TCP, UDP
+    from scapy.layers.l2 import ARP, Ether
+    from scapy.packet import Raw
+    twin.start(3, 8, 1 << 20, [entry("sync")])
+    for p in (Ether() / ARP(), Ether() / IP(dst=AGG_IP) / TCP(dport=proto.DEFAULT_PORT),
+              Ether() / IP(dst=AGG_IP) / UDP(dport=53) / Raw(b"x" * 100),
+              Ether() / IP(dst=AGG_IP, flags="MF") / UDP(dport=proto.DEFAULT_PORT) / Raw(b"x" * 100)):
+        assert twin.send_frame(bytes(p), "10.9.9.9", T0_NS) is None
+
+
+def test_what_the_switch_cannot_hold_goes_to_the_daemon(twin):
+    twin.start(3, 8, 1 << 20, [entry("sync")])
+    from aggd.testing.frames import frame as mkframe
+    hdr = proto.Header(type=proto.MsgType.CONTRIB, job=JOB, rank=0, count=10)
+    v = twin.send_frame(mkframe(hdr, np.ones(10, np.int32)), worker_addr(0)[1], T0_NS)
+    assert v.action == "pass"
+    twin.check_counters()
+
+
+# ---------------------------------------------------------------------------------------------
+# Randomised sequences (the traffic of tests/unit/test_model_strategies.py).
+
+RUN: collections.Counter = collections.Counter()
+
+
+def run_sequence(t: Twin, label: str, entries: list[TableEntry], shape: int, ops: list[int],
+                 swaps=()) -> None:
+    world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
+    chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
+    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=ELEMENTS,
+                      addr_of=member, junk=True)
+    t.start(world, slots, 8, entries)
+    table = StrategyTable(parse("sync"))
+    table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
+    pending = sorted(swaps)
+    for i, op in enumerate(ops):
+        while pending and pending[0][0] <= i:
+            _, text, ahead = pending.pop(0)
+            t.set_strategy(swap_table(table, table.entries[-1][0] + 1, t.model, traffic, text, ahead))
+        sent: Sent = traffic.next(op)
+        where = f"{label} op {i} of shape={shape} ops={ops} swaps={swaps} table={entries}"
+        traffic.observe(sent, t.send(sent.data, sent.src, sent.now_ns, where))
+    t.check_counters(f"{label}: counters after shape={shape} ops={ops} swaps={swaps} table={entries}")
+    RUN[label] += 1
+
+
+sequences = st.tuples(st.integers(0, 2**16 - 1), st.lists(st.integers(0, 2**32 - 1), min_size=MIN_OPS,
+                                                         max_size=MAX_OPS))
+SETTINGS = settings(max_examples=SEQUENCES // BATCH, deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.function_scoped_fixture])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@SETTINGS
+@given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
+def test_random_sequences(twin, model_xdp_gap, kind, batch):
+    if kind == "async" and model_xdp_gap:
+        pytest.xfail(f"model/XDP gap: {KNOWN_MODEL_XDP_GAP}")
+    for shape, ops in batch:
+        run_sequence(twin, kind, table_for(kind, shape), shape, ops)
+
+
+swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEXTS), st.integers(0, 2)),
+                 min_size=1, max_size=4)
+
+
+@settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
+def test_random_sequences_with_hot_swaps(twin, model_xdp_gap, batch):
+    def usable(text: str) -> str:     # while the model/XDP async gap lasts, async is left out
+        return "ssp:2" if model_xdp_gap and text == "async" else text
+
+    for (shape, ops), first, changes in batch:
+        first, changes = usable(first), [(i, usable(t), a) for i, t, a in changes]
+        run_sequence(twin, "swap", [entry(first)], shape, ops, changes)
+
+
+def test_sequence_counts():
+    """Each randomised test that ran compared its number of sequences."""
+    for kind in KINDS:
+        if RUN[kind]:
+            assert RUN[kind] >= SEQUENCES, (kind, RUN[kind])
+    if RUN["swap"]:
+        assert RUN["swap"] >= SWAP_SEQUENCES
