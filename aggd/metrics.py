@@ -25,17 +25,23 @@ and ``path`` (``kernel`` or ``user``). Cardinality is bounded: jobs beyond ``max
 ranks beyond ``max_ranks`` are left out and counted in ``aggd_metrics_truncated_total``.
 docs/observability.md lists every metric.
 
+Events with no data-plane counter come from what the daemon records anyway: hot swaps are the
+registry's strategy versions (they survive restarts with state.json), policy decisions the policy
+runner's record of the switches it made (``aggd.policy.PolicyRunner.decisions``, with their times:
+the collector counts the new ones at each scrape), per-rank lag and waiting time the straggler
+detector's (``aggd.straggler``). Releases are counted per job by the data planes; the collector
+attributes each scrape's new ones to the strategy in force.
+
 :func:`serve` starts the HTTP endpoint (``[metrics] address``, inside ``dataplane.netns`` when
 that is set, like the daemon's other sockets) with this collector and the process collector.
 """
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
