@@ -263,6 +263,7 @@ class PolicyRunner:
         self.detectors: dict[int, Detector] = {}
         self.policies: dict[int, JobPolicy] = {}
         self.decisions: dict[int, deque] = {}
+        self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -272,6 +273,10 @@ class PolicyRunner:
             self._saved = json.loads(self._path.read_text())
         except (OSError, ValueError):
             self._saved = {}
+
+    def _forget(self, jid: int) -> None:
+        for d in (self.detectors, self.policies, self.decisions, self._who):
+            d.pop(jid, None)
 
     def _save(self) -> None:
         data = {str(j): {"own": p.own, "switched": p.switched, "stragglers": list(p.stragglers)}
@@ -327,10 +332,11 @@ class PolicyRunner:
         with svc.lock:
             rules = self.rules()
             jobs = {j.id: j for j in svc.registry.list()}
-            for gone in set(self.detectors) - set(jobs):
-                self.detectors.pop(gone, None)
-                self.policies.pop(gone, None)
-                self.decisions.pop(gone, None)
+            for jid in list(self._who):  # a job deleted (and its id perhaps reused): forget it
+                if jid not in jobs or self._who[jid] != (jobs[jid].name, jobs[jid].created_at):
+                    self._forget(jid)
+            for jid, j in jobs.items():
+                self._who[jid] = (j.name, j.created_at)
             for job in jobs.values():
                 det = self.detectors.get(job.id)
                 if det is None or det.world != job.world or det.config != rules.detector():

@@ -1,0 +1,326 @@
+"""Train the digits MLP with N workers in a lab: an aggd daemon on the aggregator namespace, one
+``aggd.training.worker`` per worker namespace. Shared by ``aggctl bench stragglers``, ``aggctl demo``
+and the training tests.
+
+``LabDaemon`` is a real ``aggd`` process (its config written for the lab, XDP in native mode on
+``agg0``, maps pinned in a private bpffs folder, control socket in a temporary folder). ``run()``
+creates a job for one (strategy, scenario), starts the workers, collects their records and deletes
+the job, so one daemon serves a whole benchmark. The ``dynamic`` strategy is a ``sync`` job whose
+name the daemon's policy manages (``policy.jobs``); every other job is left alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..control import ControlClient, ControlError
+from ..lab import Lab
+
+#: The job names the daemon's policy manages in a LabDaemon (the dynamic runs).
+DYNAMIC_PREFIX = "dyn"
+GLOO_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Which worker is slow, how much, and when (as fractions of the run's rounds)."""
+    name: str
+    slow: float = 1.0
+    start: float = 0.0
+    end: float | None = None
+    description: str = ""
+
+    def rounds(self, total: int) -> tuple[int, int | None]:
+        return int(self.start * total), (None if self.end is None else int(self.end * total))
+
+
+SCENARIOS = {
+    "none": Scenario("none", 1.0, description="no straggler"),
+    "slow2x": Scenario("slow2x", 2.0, description="the last worker 2x slower throughout"),
+    "slow3x": Scenario("slow3x", 3.0, description="the last worker 3x slower throughout"),
+    "slow4x": Scenario("slow4x", 4.0, description="the last worker 4x slower throughout"),
+    "phase": Scenario("phase", 3.0, 0.25, 0.6, description="the last worker 3x slower for rounds 25%..60%"),
+}
+
+#: Benchmark strategy name -> the job's strategy text (n: world size). ``dynamic`` starts as sync
+#: and the daemon's policy switches it; ``gloo`` uses no aggd job.
+STRATEGIES = {
+    "sync": "sync",
+    "quorum": "quorum:n-1",
+    "ssp": "ssp:2",
+    "async": "async",
+    "wbsp": "wbsp",
+    "dynamic": "sync",
+    "gloo": None,
+}
+
+
+@dataclass(frozen=True)
+class RunParams:
+    workers: int = 4
+    rounds: int = 300
+    compute_ms: float = 20.0
+    lr: float = 0.5
+    lr_final: float = 0.1
+    batch: int = 16
+    hidden: int = 64
+    eval_every: int = 5
+    seed: int = 0
+    target: float = 0.95
+    timeout_s: float = 240.0
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    strategy: str
+    strategy_text: str | None
+    target_accuracy: float
+    time_to_target_s: float | None
+    final_accuracy: float
+    seconds: float
+    rounds: int
+    curve: list[tuple[float, float]]             #: rank 0's (seconds, test accuracy)
+    strategies_seen: list[tuple[float, str]]     #: rank 0's (seconds, strategy in force) changes
+    decisions: list[dict] = field(default_factory=list)
+    workers: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"scenario": self.scenario, "strategy": self.strategy, "strategy_text": self.strategy_text,
+                "target_accuracy": self.target_accuracy, "time_to_target_s": self.time_to_target_s,
+                "final_accuracy": self.final_accuracy, "seconds": self.seconds, "rounds": self.rounds,
+                "curve": self.curve, "strategies_seen": self.strategies_seen, "decisions": self.decisions,
+                "workers": self.workers}
+
+
+class LabDaemon:
+    """An ``aggd`` for ``lab``: ``with LabDaemon(lab, policy={...}) as d: d.call("status")``."""
+
+    def __init__(self, lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info"):
+        self.lab = lab
+        self.workdir = Path(tempfile.mkdtemp(prefix="aggdtr-"))
+        self.pin_dir = f"/sys/fs/bpf/aggdtr-{secrets.token_hex(4)}"
+        self.socket = str(self.workdir / "control.sock")
+        self.log_path = self.workdir / "aggd.log"
+        self.config_path = self.workdir / "aggd.toml"
+        self.settings = {
+            "dataplane": {"interface": lab.agg_ifname, "netns": lab.agg_ns, "pin_dir": self.pin_dir,
+                          "kernel_memory": "8MiB"},
+            "jobs": {"default_slots": slots},
+            "control": {"socket": self.socket},
+            "state": {"dir": str(self.workdir / "state")},
+            "log": {"level": log_level},
+            "policy": {"auto_switch": True, "jobs": f"{DYNAMIC_PREFIX}*", **(policy or {})},
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def _write_config(self) -> None:
+        lines = []
+        for section, values in self.settings.items():
+            lines.append(f"[{section}]")
+            for k, v in values.items():
+                lines.append(f"{k} = {json.dumps(v)}")
+        self.config_path.write_text("\n".join(lines) + "\n")
+
+    def start(self, timeout: float = 120.0) -> "LabDaemon":
+        self._write_config()
+        log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "aggd.daemon", "--config", str(self.config_path)],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"aggd exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+            try:
+                self.call("status")
+                return self
+            except ControlError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"aggd not answering after {timeout:.0f} s:\n{self.log()[-3000:]}")
+                time.sleep(0.1)
+
+    def call(self, cmd: str, **args):
+        return ControlClient(self.socket, timeout=10).call(cmd, **args)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        from ..dataplane.xdp import remove_pinned
+        remove_pinned(self.pin_dir)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "LabDaemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def strategy_text(strategy: str, world: int) -> str | None:
+    text = STRATEGIES[strategy]
+    if text is None:
+        return None
+    from ..policy import fill
+    return fill(text, world, 1)
+
+
+def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int) -> list[str]:
+    argv = [sys.executable, "-m", "aggd.training.worker", "--rank", str(rank),
+            "--rounds", str(params.rounds), "--compute-ms", str(params.compute_ms), "--lr", str(params.lr),
+            "--lr-final", str(params.lr_final), "--batch", str(params.batch), "--hidden", str(params.hidden),
+            "--eval-every", str(params.eval_every), "--seed", str(params.seed)]
+    if rank == straggler and scenario.slow != 1.0:
+        a, b = scenario.rounds(params.rounds)
+        argv += ["--slow", str(scenario.slow), "--slow-rounds", f"{a}:{'' if b is None else b}"]
+    return argv
+
+
+def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
+        *, on_record: Callable[[int, dict], None] | None = None, tag: str = "") -> RunResult:
+    """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line."""
+    if isinstance(scenario, str):
+        scenario = SCENARIOS[scenario]
+    world = params.workers
+    straggler = world - 1
+    text = strategy_text(strategy, world)
+    job = None
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.worker_ifname}
+    procs = []
+    try:
+        if strategy == "gloo":
+            init = f"tcp://{lab.worker_ip(0)}:{GLOO_PORT}"
+            extra = lambda rank: ["--gloo", init, "--world", str(world)]  # noqa: E731
+        else:
+            if daemon is None:
+                raise ValueError(f"strategy {strategy} needs a LabDaemon")
+            name = f"{DYNAMIC_PREFIX if strategy == 'dynamic' else 'st'}-{scenario.name}-{strategy}" \
+                   f"{tag}-{secrets.token_hex(2)}"
+            job = daemon.call("jobs.create", name=name, world=world, strategy=text)
+            extra = lambda rank: ["--server", f"{lab.agg_ip}:{job['port']}",  # noqa: E731
+                                  "--bind", f"{lab.worker_ip(rank)}:41000", "--job", job["name"],
+                                  "--token", job["token"]]
+        for rank in range(world):
+            argv = worker_argv(params, rank, scenario, straggler) + extra(rank)
+            procs.append(lab.run(lab.worker_ns(rank), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env=env))
+        records, summaries, errors = _collect(procs, params.timeout_s, on_record)
+        decisions = []
+        if job is not None:
+            decisions = (daemon.call("workers", job=job["name"]).get("policy") or {}).get("decisions", [])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if job is not None:
+            try:
+                daemon.call("jobs.delete", job=job["name"])
+            except ControlError:
+                pass
+    if 0 not in summaries:
+        raise RuntimeError(f"{strategy}/{scenario.name}: rank 0 did not finish: {errors.get(0, '')[-3000:]}")
+    evals = [r for r in records[0] if "accuracy" in r]
+    curve = [(round(r["t"], 4), r["accuracy"]) for r in evals]
+    seen: list[tuple[float, str]] = []
+    for r in evals:
+        if not seen or seen[-1][1] != r["strategy"]:
+            seen.append((round(r["t"], 4), r["strategy"]))
+    ttt = next((r["t"] for r in evals if r["accuracy"] >= params.target), None)
+    s0 = summaries[0]
+    return RunResult(scenario.name, strategy, text, params.target, ttt, s0["final_accuracy"], s0["seconds"],
+                     s0["rounds"], curve, seen, decisions,
+                     [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
+                                             "drained")} for _, s in sorted(summaries.items())])
+
+
+def _collect(procs, timeout: float, on_record):
+    """Read the workers' lines as they come (raw reads: a buffered readline would hold back lines
+    that arrived together until the next write); returns (records, summaries, stderr) by rank."""
+    records = {rank: [] for rank in range(len(procs))}
+    summaries, errors = {}, {rank: "" for rank in range(len(procs))}
+    partial = {}
+    sel = selectors.DefaultSelector()
+    for rank, p in enumerate(procs):
+        for stream, kind in ((p.stdout, "out"), (p.stderr, "err")):
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream.fileno(), selectors.EVENT_READ, (rank, kind))
+            partial[(rank, kind)] = b""
+    deadline = time.monotonic() + timeout
+    open_streams = 2 * len(procs)
+
+    def line_in(rank: int, kind: str, line: str) -> None:
+        if kind == "err":
+            errors[rank] = (errors[rank] + line + "\n")[-20000:]
+            return
+        if not line.startswith("{"):
+            return
+        rec = json.loads(line)
+        if rec.get("summary"):
+            rec["_at"] = time.monotonic()
+            summaries[rank] = rec
+        else:
+            records[rank].append(rec)
+        if on_record:
+            on_record(rank, rec)
+
+    try:
+        while open_streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"training workers still running after {timeout:.0f} s")
+            # the run is over once rank 0 is done and the others have had a moment to drain
+            if 0 in summaries and len(summaries) < len(procs) and time.monotonic() > summaries[0]["_at"] + 10:
+                break
+            for key, _ in sel.select(timeout=min(left, 0.5)):
+                rank, kind = key.data
+                try:
+                    data = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    sel.unregister(key.fd)
+                    open_streams -= 1
+                    rest = partial.pop((rank, kind))
+                    if rest:
+                        line_in(rank, kind, rest.decode(errors="replace"))
+                    continue
+                buf = partial[(rank, kind)] + data
+                *lines, partial[(rank, kind)] = buf.split(b"\n")
+                for line in lines:
+                    line_in(rank, kind, line.decode(errors="replace"))
+        for p in procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        sel.close()
+    for rank, p in enumerate(procs):
+        if p.poll() not in (0, None) and rank not in summaries:
+            raise RuntimeError(f"worker {rank} failed ({p.returncode}):\n{errors[rank][-3000:]}")
+    return records, summaries, errors
