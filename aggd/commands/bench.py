@@ -123,3 +123,7 @@ def bench_xdp(elements_list, strategies, packets, as_json):
             click.echo(f"{row['strategy']:<16} {row['elements_per_packet']:>9} elems/pkt "
                        f"{row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} elems/s/core "
                        f"({row['fraction_of_numpy']:.0%} of numpy)")
+
+
+from .stragglers import stragglers  # noqa: E402  (aggctl bench stragglers: aggd/commands/stragglers.py)
+bench.add_command(stragglers)

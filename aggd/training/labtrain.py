@@ -92,6 +92,7 @@ class RunResult:
     seconds: float
     rounds: int
     curve: list[tuple[float, float]]             #: rank 0's (seconds, test accuracy)
+    rounds_curve: list[tuple[float, int]]        #: rank 0's (seconds, round)
     strategies_seen: list[tuple[float, str]]     #: rank 0's (seconds, strategy in force) changes
     decisions: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
@@ -100,7 +101,7 @@ class RunResult:
         return {"scenario": self.scenario, "strategy": self.strategy, "strategy_text": self.strategy_text,
                 "target_accuracy": self.target_accuracy, "time_to_target_s": self.time_to_target_s,
                 "final_accuracy": self.final_accuracy, "seconds": self.seconds, "rounds": self.rounds,
-                "curve": self.curve, "strategies_seen": self.strategies_seen, "decisions": self.decisions,
+                "curve": self.curve, "rounds_curve": self.rounds_curve, "strategies_seen": self.strategies_seen, "decisions": self.decisions,
                 "workers": self.workers}
 
 
@@ -246,6 +247,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         raise RuntimeError(f"{strategy}/{scenario.name}: rank 0 did not finish: {errors.get(0, '')[-3000:]}")
     evals = [r for r in records[0] if "accuracy" in r]
     curve = [(round(r["t"], 4), r["accuracy"]) for r in evals]
+    rounds_curve = [(round(r["t"], 4), r["round"]) for r in evals]
     seen: list[tuple[float, str]] = []
     for r in evals:
         if not seen or seen[-1][1] != r["strategy"]:
@@ -253,7 +255,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     ttt = next((r["t"] for r in evals if r["accuracy"] >= params.target), None)
     s0 = summaries[0]
     return RunResult(scenario.name, strategy, text, params.target, ttt, s0["final_accuracy"], s0["seconds"],
-                     s0["rounds"], curve, seen, decisions,
+                     s0["rounds"], curve, rounds_curve, seen, decisions,
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
                                              "drained")} for _, s in sorted(summaries.items())])
 
