@@ -468,19 +468,26 @@ class ServiceReader:
             jobs = [JobInfo(j.id, j.name, j.world, len(j.members), j.slots, j.kernel_slots, j.kernel_base,
                             tuple(tuple(e) for e in j.strategies), j.created_at)
                     for j in svc.registry.list()]
-            runner = getattr(svc, "policy", None)
             self._detected, self._policy = {}, {}
-            for j in jobs:
-                det = runner.detectors.get(j.id) if runner is not None else None
-                if det is not None and det.last is not None:
-                    self._detected[j.id] = {w.rank: w for w in det.workers}
-                pol = runner.policies.get(j.id) if runner is not None else None
-                made = runner.decisions.get(j.id, ()) if runner is not None else ()
-                self._policy[j.id] = PolicyState(
-                    bool(pol is not None and pol.switched),
-                    len(det.last.stragglers) if det is not None and det.last is not None else 0,
-                    tuple((float(d["time"]), d["strategy"].split(":", 1)[0]) for d in made))
+            runner = getattr(svc, "policy", None)
+            if runner is not None:
+                try:
+                    self._read_policy(runner, jobs)
+                except (AttributeError, KeyError, TypeError, ValueError):  # the policy's shape changed
+                    log.debug("metrics: cannot read the policy runner", exc_info=True)
         return jobs
+
+    def _read_policy(self, runner, jobs: list[JobInfo]) -> None:
+        for j in jobs:
+            det = runner.detectors.get(j.id)
+            judged = det is not None and det.last is not None
+            if judged:
+                self._detected[j.id] = {w.rank: w for w in det.workers}
+            pol = runner.policies.get(j.id)
+            self._policy[j.id] = PolicyState(
+                bool(pol is not None and pol.switched), len(det.last.stragglers) if judged else 0,
+                tuple((float(d["time"]), str(d["strategy"]).split(":", 1)[0])
+                      for d in runner.decisions.get(j.id, ())))
 
     def job_stats(self, job: JobInfo | None, path: str) -> JobStats:
         svc = self.service

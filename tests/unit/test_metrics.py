@@ -372,6 +372,10 @@ def test_service_reader_over_the_daemon_state():
     s = scrape(m.AggdCollector(r))
     assert value(s, "aggd_job_strategy_info", aggd_job="train", strategy="quorum") == 1
     assert value(s, "aggd_policy_decisions_total", aggd_job="train", strategy="quorum") == 1
+    # a policy runner of another shape (or none) leaves the rest of the scrape alone
+    svc.policy = types.SimpleNamespace()
+    (info,) = r.jobs()
+    assert r.policy(info) == m.PolicyState() and r.worker_lag(info)[2].lag_seconds is None
 
 
 def test_parse_address():
