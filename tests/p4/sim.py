@@ -389,6 +389,8 @@ class Output:
     frame: bytes | None = None
     ports: tuple[int, ...] = ()
     verdict: Verdict | None = None
+    msg: bytes | None = None                 #: the aggd message the model was given, and from where
+    src: tuple[str, int] | None = None
 
 
 def _ip_checksum(header: bytes) -> int:
@@ -498,9 +500,9 @@ class SimSwitch:
             i = v.job
             self.registers.write(L.REG_MAX_ROUND, i, max(self.registers.read(L.REG_MAX_ROUND, i), hdr.round + 1))
         if v.action == "pass":
-            return Output("forward", frame, self._forward(frame).ports, v)
+            return Output("forward", frame, self._forward(frame).ports, v, data, src)
         if v.action == "drop":
-            return Output("drop", verdict=v)
+            return Output("drop", verdict=v, msg=data, src=src)
         eth, ipb, udp = bytearray(frame[0:14]), bytearray(frame[14:34]), bytearray(frame[34:42])
         if v.dest == "group":
             a = conf[v.job].params
@@ -518,4 +520,4 @@ class SimSwitch:
             udp[4:6] = struct.pack("!H", 8 + proto.HEADER_SIZE)
         ipb[8] = 64
         udp[6:8] = b"\0\0"
-        return Output("tx", bytes(eth + _with_checksum(ipb) + udp) + v.out, ports, v)
+        return Output("tx", bytes(eth + _with_checksum(ipb) + udp) + v.out, ports, v, data, src)

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aggd.dataplane.bpf_syscall import prog_test_run
-from aggd.model import TableEntry, Verdict
+from aggd.model import AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd.strategy import StrategyTable, from_entry, parse
 from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
@@ -42,12 +42,21 @@ BATCH = 5
 KNOWN_MODEL_XDP_GAP = "async answers every contribution with the running sum; all banks open force-releases the oldest"
 
 
+#: Said when the P4 path and XDP differ but the reference model, configured directly (not from the
+#: P4 writes), says what the P4 path says: the difference is the model's and XDP's, not the backend's.
+MODEL_XDP = ("the reference model configured without the P4 backend agrees with the P4 path: a model/XDP "
+             "divergence (tests/bpf/test_model_equivalence.py shows it too), not a P4 write")
+
+
 class Twin:
-    """One job on the XDP program and on the P4 backend's simulated switch."""
+    """One job on the XDP program and on the P4 backend's simulated switch, plus the reference model
+    configured directly from the same job (``ref``): the P4 path must equal ``ref`` (the writes
+    carry the configuration exactly) and XDP (the data planes agree)."""
 
     def __init__(self, xdp, p4dp, sim) -> None:
         self.xdp, self.p4, self.sim = xdp, p4dp, sim
         self.seen: collections.Counter = collections.Counter()
+        self.ref = AggregatorModel(ELEMENTS)
 
     def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
         members = {r: member(r) for r in range(world)}
@@ -58,10 +67,15 @@ class Twin:
             dp.set_strategy(JOB, entries)
         self.xdp._reset_stats(proto.MAX_JOBS)
         self.p4.reset_stats(None)
+        self.ref = AggregatorModel(ELEMENTS)
+        self.ref.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks, members=members,
+                                   group=GROUP))
+        self.ref.set_strategy(JOB, entries)
 
     def set_strategy(self, entries: list[TableEntry]) -> None:
         self.xdp.set_strategy(JOB, entries)
         self.p4.set_strategy(JOB, entries)
+        self.ref.set_strategy(JOB, entries)
 
     @property
     def model(self):
@@ -76,6 +90,13 @@ class Twin:
               f"{None if v is None else (v.action, v.reason, v.dest)} {describe(out.frame[42:] if out.frame else None)}" \
               f"\n  xdp: {res.verdict_name} {describe(res.packet[42:]) if res.verdict_name == 'tx' else ''}"
         self.seen[(out.action, None if v is None or v.reason is None else v.reason.name.lower())] += 1
+        if out.msg is not None:
+            r = self.ref.process(out.msg, out.src, now_ns)
+            assert (r.action, r.reason, r.out, r.dest, r.job) == (v.action, v.reason, v.out, v.dest, v.job), \
+                f"the P4 writes configure another aggregator than the job's:{why}\n  ref: {r}"
+        agrees = _xdp_agrees(res, out, pkt)
+        if not agrees:
+            why += f"\n  ({MODEL_XDP})"
         if res.verdict_name == "pass":
             assert out.action == "forward" and out.frame == pkt, why
             if v is not None:                          # an aggd message for the daemon's user-space path
@@ -95,10 +116,24 @@ class Twin:
         return self.send_frame(frame(data, src), src[0], now_ns, where)
 
     def check_counters(self, where: str = "") -> None:
+        ref = self.ref.stats()
+        p4 = self.p4.job_stats(JOB)
+        assert {k: ref["jobs"][JOB]["counters"][k] for k in p4.counters} == p4.counters, where
+        assert ref["jobs"][JOB]["drops"] == p4.drops, where
         for job in (JOB, None):
             x, q = self.xdp.job_stats(job), self.p4.job_stats(job)
-            assert (q.counters, q.drops) == (x.counters, x.drops), (where, job)
+            diff = {k: (q.counters[k], x.counters[k]) for k in q.counters if q.counters[k] != x.counters[k]}
+            diff |= {k: (q.drops[k], x.drops[k]) for k in q.drops if q.drops[k] != x.drops[k]}
+            assert not diff, (where, job, "(p4, xdp):", diff, MODEL_XDP)
         assert self.p4.max_round(JOB) == self.xdp.max_round(JOB), where
+
+
+def _xdp_agrees(res, out, pkt) -> bool:
+    if res.verdict_name == "pass":
+        return out.action == "forward" and out.frame == pkt
+    if res.verdict_name == "drop":
+        return out.action == "drop"
+    return out.action == "tx" and out.frame == res.packet
 
 
 @pytest.fixture(scope="module")
