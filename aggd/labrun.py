@@ -118,3 +118,62 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
                 p.kill()
                 p.wait()
     return runs
+
+
+class StrategyRun:
+    """Workers of ``aggd.labstrategy`` plus an observer of the job's group, in a lab.
+
+    ``start()`` launches them; ``finish()`` waits for the workers, stops the observer and returns
+    (worker records by rank, observed releases)."""
+
+    def __init__(self, lab: Lab, job: LabJob, observer_worker: int, *, steps: int, delay: float,
+                 slow: dict[int, float] | None = None, jitter: float = 0.0, slow_steps: str = "",
+                 give_up_after: float = 30.0):
+        self.lab, self.job, self.obs_w = lab, job, observer_worker
+        self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
+                         give_up_after=give_up_after)
+        self.procs: list[subprocess.Popen] = []
+        self.observer: subprocess.Popen | None = None
+
+    def start(self) -> "StrategyRun":
+        lab, job, a = self.lab, self.job, self.args
+        self.observer = lab.run(lab.worker_ns(self.obs_w), [
+            sys.executable, "-m", "aggd.labstrategy", "observer", "--group", f"{job.group[0]}:{job.group[1]}",
+            "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert json.loads(self.observer.stdout.readline()).get("ready")
+        for rank, w in enumerate(job.workers):
+            argv = [sys.executable, "-m", "aggd.labstrategy", "worker",
+                    "--server", f"{lab.agg_ip}:{proto.DEFAULT_PORT}", "--group", f"{job.group[0]}:{job.group[1]}",
+                    "--bind", f"{lab.worker_ip(w)}:{job.port}", "--job", str(job.job), "--rank", str(rank),
+                    "--world", str(job.world), "--steps", str(a["steps"]), "--delay", str(a["delay"]),
+                    "--slow", str(a["slow"].get(rank, 1.0)), "--jitter", str(a["jitter"]), "--seed", "7",
+                    "--give-up-after", str(a["give_up_after"])]
+            if a["slow_steps"] and rank in a["slow"]:
+                argv += ["--slow-steps", a["slow_steps"]]
+            self.procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+        return self
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def finish(self, timeout: float = 300) -> tuple[dict[int, list[dict]], list[dict], dict[int, str]]:
+        records, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        try:
+            for rank, p in enumerate(self.procs):
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                records[rank] = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+                if p.returncode != 0:
+                    errors[rank] = err[-3000:]
+            time.sleep(0.3)  # let the last releases reach the observer
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.observer.terminate()
+            out, _ = self.observer.communicate(timeout=10)
+        releases = [json.loads(x) for x in out.splitlines() if x.startswith("{") and "round" in x]
+        return records, releases, errors

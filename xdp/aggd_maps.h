@@ -67,8 +67,9 @@ struct bank {
 	__u8 flags;          /* AGGD_FLAG_OVERFLOW, AGGD_FLAG_CARRIED */
 	__u8 kind;
 	__u8 param;
-	__u8 _pad[2];
-	__u8 steps[AGGD_MAX_MEMBERS]; /* wbsp: bitmask of the steps (0..7) added from each member */
+	__u8 unannounced;    /* released by its deadline: the next answer from it goes to the group */
+	__u8 _pad;
+	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
 	__s32 values[ELEMS];
 };
 
@@ -87,6 +88,11 @@ struct slot {
 	struct bpf_spin_lock lock;
 	__u32 _pad;
 	struct scratch sc;
+	/* Per member, the late contribution last refused (busy) because it could not be carried yet:
+	 * when its retransmission arrives after its round's bank is gone, this tells it apart from a
+	 * copy of one already counted (which is stale). */
+	__u64 busy_key[AGGD_MAX_MEMBERS];
+	__u8 busy_step[AGGD_MAX_MEMBERS];
 	struct bank bank[NBANKS];
 };
 

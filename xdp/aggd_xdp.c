@@ -109,6 +109,7 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 	b->late = 0;
 	b->n_contrib = 0;
 	b->flags = 0;
+	b->unannounced = 0;
 	b->t_first = now;
 	b->version = e ? e->version : 0;
 	b->kind = e ? e->kind : AGGD_STRATEGY_KIND_SYNC;
@@ -231,6 +232,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (b->state == BANK_OPEN && b->kind == AGGD_STRATEGY_KIND_QUORUM &&
 		    now - b->t_first >= (__u64)b->timeout_us * 1000) {
 			b->state = BANK_RELEASED; /* deadline passed: released without the stragglers */
+			b->unannounced = 1;
 			sc->timeouts++;
 		}
 		if (b->state == BANK_EMPTY) {
@@ -279,17 +281,10 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->reason = AGGD_DROP_REASON_STALE;
 	} else if (ik >= 0) {
 		struct bank *b = &s->bank[ik & (NBANKS - 1)];
-		int counted, extra_step = 0;
-		if (b->kind == AGGD_STRATEGY_KIND_WBSP) {
-			counted = step >= 8 || (b->steps[rank & (AGGD_MAX_MEMBERS - 1)] >> step) & 1;
-		} else {
-			counted = !!(b->bitmap & bit);
-			/* a wbsp step that reached a round a swap made non-wbsp: carried, never lost */
-			extra_step = step > 0 && counted && !(b->late & bit);
-		}
-		if (extra_step)
-			sc->late = 1;
-		else if (b->state == BANK_OPEN)
+		/* Every contribution is (member, step): wbsp sends several steps a round, and a step
+		 * that reaches a round a swap made non-wbsp is summed into it all the same. */
+		int counted = step >= 8 || (b->steps[rank & (AGGD_MAX_MEMBERS - 1)] >> step) & 1;
+		if (b->state == BANK_OPEN)
 			if (counted)
 				sc->reason = AGGD_DROP_REASON_DUPLICATE;
 			else
@@ -297,9 +292,12 @@ int aggd_xdp(struct xdp_md *ctx)
 		else if (counted || (b->late & bit))
 			sc->out = ik; /* the sender lost the result */
 		else
-			sc->late = 1; /* released without this member */
+			sc->late = 1; /* released without this contribution */
 	} else if (sc->used == 0 || key > sc->newest) {
-		if (pick >= 0 && admits(st_new, round, sc->nopen, sc->min_open_round)) {
+		/* Rounds of a chunk open in order: a round whose predecessor was refused (busy) must
+		 * not open first, or the predecessor could never open after it. */
+		int in_order = !sc->have_chunk || round == (__u32)(sc->chunk_newest >> 32) + 1;
+		if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->min_open_round)) {
 			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now);
 			sc->add = pick;
 			sc->add_fresh = 1;
@@ -310,9 +308,11 @@ int aggd_xdp(struct xdp_md *ctx)
 		sc->late = 1; /* older than every bank */
 	}
 
+	__u32 mi = rank & (AGGD_MAX_MEMBERS - 1);
 	if (sc->late) {
-		if (ik < 0 && retransmit) {
-			sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one already carried */
+		int refused_before = s->busy_key[mi] == key + 1 && s->busy_step[mi] == step;
+		if (ik < 0 && retransmit && !refused_before) {
+			sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one already counted */
 		} else if (sc->itarget >= 0) {
 			sc->add = sc->itarget;
 		} else {
@@ -325,10 +325,13 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->add_fresh = 1;
 			} else {
 				sc->reason = AGGD_DROP_REASON_BUSY;
+				s->busy_key[mi] = key + 1; /* (+1: 0 means none) */
+				s->busy_step[mi] = step;
 			}
 		}
 		if (sc->add >= 0) {
 			sc->add_carried = 1;
+			s->busy_key[mi] = 0;
 			if (ik >= 0)
 				s->bank[ik & (NBANKS - 1)].late |= bit;
 			sc->out = sc->irel_chunk; /* the newest released result of this chunk answers */
@@ -348,8 +351,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			else
 				release = (bm & all) == all;
 			b->bitmap = bm;
-			if (b->kind == AGGD_STRATEGY_KIND_WBSP)
-				b->steps[rank & (AGGD_MAX_MEMBERS - 1)] |= 1 << (step & 7);
+			b->steps[rank & (AGGD_MAX_MEMBERS - 1)] |= 1 << (step & 7);
 			if (release) {
 				sc->released = 1;
 				sc->out = add;
@@ -408,6 +410,12 @@ int aggd_xdp(struct xdp_md *ctx)
 	int out = sc->out;
 	if (out >= 0) {
 		struct bank *r = &s->bank[out & (NBANKS - 1)];
+		if (r->unannounced) {
+			/* the first answer from a round released by its deadline goes to the whole group,
+			 * so every member (and any observer) sees that release once */
+			r->unannounced = 0;
+			sc->out_group = 1;
+		}
 		if (!sc->written) {
 			__s32 *v = r->values;
 			_Pragma("clang loop unroll(disable)")

@@ -125,5 +125,56 @@ def bench_xdp(elements_list, strategies, packets, as_json):
                        f"({row['fraction_of_numpy']:.0%} of numpy)")
 
 
+@bench.command("swap")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--swaps", default=10, show_default=True, help="strategy swaps to time")
+@click.option("--steps", default=400, show_default=True, help="steps each worker runs")
+@click.option("--delay", default=0.003, show_default=True, help="seconds of compute a step")
+@click.option("--json", "as_json", is_flag=True)
+def bench_swap(workers, swaps, steps, delay, as_json):
+    """Time from a hot-swap request to the first round released under the new strategy, with
+    workers training in a lab (median and max)."""
+    import time
+
+    from aggd import strategy as strat
+    from aggd.hotswap import swap
+    from aggd.lab import Lab
+    from aggd.labrun import LabJob, StrategyRun, xdp_aggregator
+
+    cycle = ["quorum:%d:200ms" % max(1, workers - 1), "ssp:2", "async", "wbsp", "sync"]
+    name = "s" + uuid.uuid4().hex[:6]
+    requests = []
+    with Lab(name, workers + 1) as lab, xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(workers)), slots=16)
+        dp.install_job(job.config(lab))
+        table = strat.StrategyTable(strat.SYNC)
+        run = StrategyRun(lab, job, workers, steps=steps, delay=delay, jitter=1.0).start()
+        time.sleep(1.0)  # workers import and start
+        for i in range(swaps):
+            if not run.running():
+                break
+            t0 = time.monotonic()
+            version, first = swap(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
+            requests.append((version, first, cycle[i % len(cycle)], t0))
+            time.sleep(0.3)
+        records, releases, errors = run.finish(timeout=600)
+    if errors:
+        raise click.ClickException(f"workers failed: {errors}")
+    lat = []
+    for version, first, text, t0 in requests:
+        ts = [r["t"] for r in releases if r["version"] == version]
+        if ts:
+            lat.append(min(ts) - t0)
+    if not lat:
+        raise click.ClickException("no round ran under a swapped strategy: raise --steps")
+    lat.sort()
+    row = {"bench": "swap", "workers": workers, "swaps": len(requests), "observed": len(lat),
+           "median_s": lat[len(lat) // 2], "max_s": lat[-1], "min_s": lat[0],
+           "margin_rounds": __import__("aggd.hotswap", fromlist=["SWAP_MARGIN"]).SWAP_MARGIN}
+    click.echo(json.dumps(row) if as_json else
+               f"swap -> first round under the new strategy: median {row['median_s'] * 1e3:.1f} ms, "
+               f"max {row['max_s'] * 1e3:.1f} ms over {row['observed']} swaps ({workers} workers)")
+
+
 from .stragglers import stragglers  # noqa: E402  (aggctl bench stragglers: aggd/commands/stragglers.py)
 bench.add_command(stragglers)

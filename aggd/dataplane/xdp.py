@@ -14,6 +14,8 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
@@ -317,6 +319,18 @@ class XdpDataPlane(DataPlane):
                          "last_round": top - 1 if top else None,
                          "last_ns": max(int(c.last_ns) for c in per_cpu)})
         return rows
+
+    def pending_sum(self, job: int) -> float:
+        """Sum of every value still held in the job's open (unreleased) banks, dequantised: what a
+        conservation check adds to the released sums."""
+        j = self.jobs[ctypes.c_uint32(job)]
+        total = 0.0
+        for i in range(int(j.slot_base), int(j.slot_base) + int(j.kernel_slots)):
+            for bank in self.slots[ctypes.c_uint32(i)].bank:
+                if bank.state == 1:  # BANK_OPEN
+                    values = np.ctypeslib.as_array(bank.values).astype(np.float64)
+                    total += float(np.ldexp(values, -int(bank.exponent)).sum())
+        return total
 
     def max_round(self, job: int) -> int | None:
         """The highest round any member of ``job`` has sent to the kernel, or None."""

@@ -355,6 +355,12 @@ class AggClient:
     def close(self) -> None:
         if self._closed:
             return
+        # Deliver what was handed to us: contributions still unanswered (a straggler's carried
+        # chunk, a late wbsp step) are retransmitted until answered or give_up_after passes.
+        try:
+            self._progress(lambda: all(s.finished for s in self._sends), self._give_up)
+        except Exception:  # noqa: BLE001 - closing must not raise for a round that already failed
+            pass
         self._closed = True
         self._fail_all(AggdError("the client was closed"))
         try:
@@ -679,7 +685,10 @@ class AggClient:
         repeats harmlessly what the kernel did."""
         new = acked = 0
         handled = False
-        if self._fast and self._rounds and all(r.fast for r in self._rounds):
+        # Under quorum and wbsp a release seen on the group need not hold our packet (released
+        # without us, or a later wbsp step): those rounds take the numpy path, which checks.
+        checked = self._strategy.kind in (StrategyKind.QUORUM, StrategyKind.WBSP)
+        if self._fast and self._rounds and not checked and all(r.fast for r in self._rounds):
             handled, matched, jobs = True, 0, 0
             for rnd in list(self._rounds):
                 status, nd, na, jobs = _fast.scatter(
@@ -720,8 +729,15 @@ class AggClient:
         rounds = h["round"].astype(np.int64)
         chunks = h["chunk"].astype(np.int64)
         kind = h["strategy"]
-        later_ok = (kind == _QUORUM) | (kind == _ASYNC)  # may answer an earlier round's chunk
+        # Only a quorum round may answer an earlier round's chunk: it was released without some
+        # members, who catch up. An async round is released only once every member has
+        # contributed, so a member that skipped one would hold that round open for good.
+        later_ok = kind == _QUORUM
         new = acked = 0
+        # A later round answers one of our chunks only when it was sent to us alone (flag REREAD):
+        # the aggregator's reply to our late contribution, which it has carried. A later round
+        # merely seen on the group proves nothing about our packet, which may still be on its way.
+        later_ok = later_ok & ((h["flags"] & _REREAD) != 0)
         for rnd in list(self._rounds):
             sel = (rounds == rnd.r32) | (later_ok & (rounds > rnd.r32))
             sel &= chunks < rnd.n_chunks
@@ -729,18 +745,26 @@ class AggClient:
                 n, a = self._apply(rnd, idx[sel], h[sel], rounds[sel], chunks[sel])
                 new += n
                 acked += a
-        if later_ok.any():  # a straggler catches up: its next round follows the newest seen
-            self._next_round = max(self._next_round, int(rounds[later_ok].max()) + 1)
+        caught_up = kind == _QUORUM
+        if caught_up.any():  # a straggler catches up: its next round follows the newest seen
+            self._next_round = max(self._next_round, int(rounds[caught_up].max()) + 1)
         return new, acked
 
     def _apply(self, rnd: "_Round", idx, h, rounds, chunks) -> tuple[int, int]:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
-        # Every answer to this round's chunks stops their retransmission; a later round's only
-        # when it answers one of our packets (re-sent to us alone: the straggler's answer).
-        answers = own | ((h["flags"] & _REREAD) != 0)
-        acked = self._ack(rnd, chunks[answers]) if answers.any() else 0
+        # What stops a packet's retransmission is proof that the aggregator holds it: an answer
+        # sent to us alone (flag REREAD: a re-send, or the reply to a late contribution it
+        # carried), or our own round's result listing our rank, which proves our first step
+        # only (a later wbsp step may have arrived after the release; its re-send will say).
+        to_us = (h["flags"] & _REREAD) != 0
+        # (under the other strategies a round is released only once every member is in it)
+        partial_release = (h["strategy"] == _QUORUM) | (h["strategy"] == int(StrategyKind.WBSP))
+        lists_us = own & (~partial_release | ((h["contributors"] >> np.uint64(self._rank)) & np.uint64(1) != 0))
+        acked = 0
+        if to_us.any() or lists_us.any():
+            acked = self._ack(rnd, chunks[to_us | lists_us], first_only=chunks[lists_us & ~to_us])
         new = rnd.have[chunks] == 0
         if not new.any():
             return 0, acked
@@ -795,11 +819,16 @@ class AggClient:
                     int(h["strategy_version"][j]))
         return int(chunks.size), acked
 
-    def _ack(self, rnd: "_Round", chunks: np.ndarray) -> int:
+    def _ack(self, rnd: "_Round", chunks: np.ndarray, first_only: np.ndarray | None = None) -> int:
+        """``chunks`` are answered for every send of the round; those also in ``first_only`` only
+        for its first step."""
         now = time.monotonic()
         n = 0
         for s in rnd.sends:
-            n += s.ack(chunks, now)
+            if first_only is not None and first_only.size and s.step > 0:
+                n += s.ack(np.setdiff1d(chunks, first_only), now)
+            else:
+                n += s.ack(chunks, now)
         return n
 
     def _learn(self, rnd: "_Round", number: int, kind: int, param: int, version: int) -> None:

@@ -68,6 +68,9 @@ def test_quorum_deadline_releases_with_fewer_than_k(dp4):
     dp4.set_clock(T0 + 21_000_000)
     verdict, out = send(dp4, 1, flags=Flag.RETRANSMIT)                   # a waiting member's retransmission
     assert verdict == "tx" and out.hdr.n_contrib == 2 and out.payload[0] == 3
+    assert out.ip_dst == GROUP                                           # the release is announced once
+    verdict, again = send(dp4, 0, flags=Flag.RETRANSMIT)
+    assert again.ip_dst == worker_addr(0)[1] and again.hdr.flags & Flag.REREAD
     assert dp4.job_stats(1).counters["timeouts"] == 1
 
 
