@@ -1,0 +1,145 @@
+"""A PyTorch DDP communication hook that allreduces gradient buckets through aggd.
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from aggd_client import join
+    from aggd_client.torch_hook import register
+
+    dist.init_process_group("gloo", ...)          # DDP still broadcasts the initial model with it
+    model = DDP(net)
+    client = join(("10.0.0.1", 47000), "resnet", rank=rank, token=TOKEN)
+    register(model, client)                        # model.register_comm_hook(state, aggd_hook)
+
+Each bucket DDP hands the hook (a flat gradient tensor) becomes one aggd round with ``op="mean"``:
+the result is the sum of the members' buckets divided, chunk by chunk, by the number of
+contributions it holds (``n_contrib``: the world under ``sync``; fewer or more under ``quorum`` and
+``wbsp``), which is what DDP's own allreduce hook computes (sum / world) when everybody contributes.
+
+Dtypes: float32 and float16 buckets go as they are (the client quantises float16 directly);
+bfloat16 has no numpy type, so a bfloat16 bucket is converted to float32 for quantisation and the
+result back to bfloat16. The result is within ``quant.error_bound`` of the exact mean plus the
+rounding to the bucket's dtype.
+
+Threads: the hook returns at once with a ``torch.futures.Future``; a background thread (one per
+state, the only user of the ``AggClient``, which is not thread-safe) reduces the buckets in the
+order DDP launches them, which is the same on every rank, and completes the futures. Backward
+computation of later buckets overlaps the reduction of earlier ones. ``threaded=False`` reduces
+inside the hook instead.
+
+Strategies: every member must reduce the same sequence of buckets. Under ``quorum`` and ``async`` a
+straggler's round may be answered by a newer round; with one bucket per step (a large
+``bucket_cap_mb``) that is simply a newer mean gradient and is used, with several buckets it is
+another bucket, and the hook raises instead of returning it.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+
+__all__ = ["AggdHookState", "aggd_hook", "register", "reduce_tensor"]
+
+
+def _to_numpy(t):
+    """(numpy array to send, torch dtype to return) for a gradient tensor."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.to(torch.float32).cpu().numpy(), t.dtype
+    if t.dtype in (torch.float32, torch.float16, torch.float64):
+        return t.cpu().numpy(), t.dtype
+    raise TypeError(f"aggd reduces float32, float16, bfloat16 and float64 gradients, not {t.dtype}")
+
+
+def reduce_tensor(client, tensor, op: str = "mean"):
+    """Allreduce one tensor through ``client`` (an ``AggClient``); returns (tensor of the input's
+    dtype and shape, round that answered, round asked)."""
+    import torch
+
+    arr, dtype = _to_numpy(tensor)
+    asked = client.round
+    h = client.allreduce_async(np.ascontiguousarray(arr).reshape(-1), op)
+    out = h.wait()
+    res = torch.from_numpy(np.asarray(out)).to(dtype).reshape(tensor.shape)
+    return res, h.round, asked
+
+
+class AggdHookState:
+    """What ``aggd_hook`` needs: the ``AggClient`` of this rank and the reduction thread."""
+
+    def __init__(self, client, *, op: str = "mean", threaded: bool = True):
+        if op not in ("mean", "sum"):
+            raise ValueError(f"op must be 'mean' or 'sum', not {op!r}")
+        self.client = client
+        self.op = op
+        self.threaded = threaded
+        self.buckets_seen: set[int] = set()
+        self.stats = {"buckets": 0, "elements": 0, "newer_answers": 0}
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def _reduce(self, index: int, tensor):
+        res, answered, asked = reduce_tensor(self.client, tensor, self.op)
+        if answered != asked:
+            self.stats["newer_answers"] += 1
+            if len(self.buckets_seen) > 1:
+                raise RuntimeError(
+                    f"bucket {index} (round {asked}) was answered by round {answered}: under "
+                    f"{self.client.strategy} a straggler gets the newest result, which is another bucket "
+                    f"when a step has {len(self.buckets_seen)}; use one bucket (a large bucket_cap_mb) "
+                    f"or a strategy that waits (sync, ssp, wbsp)")
+        self.stats["buckets"] += 1
+        self.stats["elements"] += tensor.numel()
+        return res
+
+    def submit(self, index: int, tensor):
+        """A future for the reduction of ``tensor`` (bucket ``index``)."""
+        import torch
+
+        fut = torch.futures.Future()
+        self.buckets_seen.add(index)
+        if not self.threaded:
+            try:
+                fut.set_result(self._reduce(index, tensor))
+            except Exception as exc:
+                fut.set_exception(exc)
+            return fut
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="aggd-ddp-hook", daemon=True)
+                self._thread.start()
+        self._queue.put((index, tensor, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            index, tensor, fut = item
+            try:
+                fut.set_result(self._reduce(index, tensor))
+            except Exception as exc:  # the future carries it to DDP, which raises in backward
+                fut.set_exception(exc)
+
+    def close(self) -> None:
+        """Stop the reduction thread (the client stays open: the caller owns it)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+
+def aggd_hook(state: AggdHookState, bucket):
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, aggd_hook)``."""
+    return state.submit(bucket.index(), bucket.buffer())
+
+
+def register(ddp_model, client, *, op: str = "mean", threaded: bool = True) -> AggdHookState:
+    """Register ``aggd_hook`` on ``ddp_model`` with a new state for ``client``; returns the state."""
+    state = AggdHookState(client, op=op, threaded=threaded)
+    ddp_model.register_comm_hook(state, aggd_hook)
+    return state
