@@ -419,6 +419,7 @@ class SimSwitch:
         self.model = AggregatorModel(self.info.elements)
         self._gen: dict[int, int] = {}
         self._seen: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._synced_at, self._conf = -1, {}
         self.server, self.address = self.fake.serve()
 
     def close(self) -> None:
@@ -426,6 +427,9 @@ class SimSwitch:
 
     # -- the model, configured from the captured entries ----------------------------------------------
     def sync_model(self) -> dict[int, JobView]:
+        """Bring the model in line with the captured entries (re-read only after a write)."""
+        if self._synced_at == len(self.fake.requests):
+            return self._conf
         conf = switch_config(self.fake, self.hosts)
         m = self.model
         for job in list(m.jobs):
@@ -445,6 +449,7 @@ class SimSwitch:
                     m.set_member(job, rank, view.cfg.members.get(rank))
             if m.strategy_table(job) != view.rows:
                 m.set_strategy(job, view.rows)
+        self._synced_at, self._conf = len(self.fake.requests), conf
         return conf
 
     def _mirror(self) -> None:
@@ -485,7 +490,8 @@ class SimSwitch:
         if ip[0] != 0x45 or struct.unpack("!H", ip[6:8])[0] & 0x3FFF or ip[9] != 17 or len(frame) < 42:
             return self._forward(frame)
         sport, dport, udp_len = struct.unpack("!HHH", frame[34:40])
-        service = {(e.m["hdr.ipv4.dst_addr"], e.m["hdr.udp.dst_port"]) for e in self.fake.entries(L.SERVICE)}
+        service = {(e.m["hdr.ipv4.dst_addr"], e.m["hdr.udp.dst_port"]) for e in self.fake.tables.values()
+                   if e.table == L.SERVICE}
         if (int.from_bytes(ip[16:20], "big"), dport) not in service:
             return self._forward(frame)
         # the program's too_short: the frame holds less than the UDP length says

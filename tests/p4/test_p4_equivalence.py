@@ -36,10 +36,6 @@ pytestmark = pytest.mark.root
 SEQUENCES = 300          #: randomised sequences per strategy
 SWAP_SEQUENCES = 150
 BATCH = 5
-#: model and XDP disagree here today (tests/bpf/test_model_equivalence.py fails the same way):
-#: the model force-releases the oldest open async round when all four banks are open, the XDP
-#: program refuses the fourth (busy). Not a P4 write; passes once the two agree.
-KNOWN_MODEL_XDP_GAP = "async answers every contribution with the running sum; all banks open force-releases the oldest"
 
 
 #: Said when the P4 path and XDP differ but the reference model, configured directly (not from the
@@ -62,10 +58,12 @@ class Twin:
         members = {r: member(r) for r in range(world)}
         cfg = job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP, members=members)
         for dp in (self.xdp, self.p4):
-            dp.remove_job(OTHER_JOB)
-            dp.install_job(cfg)
-            dp.set_strategy(JOB, entries)
-        self.xdp._reset_stats(proto.MAX_JOBS)
+            if dp is not None:
+                dp.remove_job(OTHER_JOB)
+                dp.install_job(cfg)
+                dp.set_strategy(JOB, entries)
+        if self.xdp is not None:
+            self.xdp._reset_stats(proto.MAX_JOBS)
         self.p4.reset_stats(None)
         self.ref = AggregatorModel(ELEMENTS)
         self.ref.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks, members=members,
@@ -73,29 +71,32 @@ class Twin:
         self.ref.set_strategy(JOB, entries)
 
     def set_strategy(self, entries: list[TableEntry]) -> None:
-        self.xdp.set_strategy(JOB, entries)
+        if self.xdp is not None:
+            self.xdp.set_strategy(JOB, entries)
         self.p4.set_strategy(JOB, entries)
         self.ref.set_strategy(JOB, entries)
 
     @property
     def model(self):
+        self.sim.sync_model()
         return self.sim.model
 
     def send_frame(self, pkt: bytes, src_ip: str, now_ns: int, where: str = "") -> Verdict | None:
-        self.xdp.set_clock(now_ns)
-        res = prog_test_run(self.xdp.prog_fd, pkt)
         out = self.sim.process(pkt, port_of(src_ip), now_ns)
         v = out.verdict
         why = f"{where}\n  in : {describe(pkt[42:])} from {src_ip} at {now_ns}\n  p4 : {out.action} " \
-              f"{None if v is None else (v.action, v.reason, v.dest)} {describe(out.frame[42:] if out.frame else None)}" \
-              f"\n  xdp: {res.verdict_name} {describe(res.packet[42:]) if res.verdict_name == 'tx' else ''}"
+              f"{None if v is None else (v.action, v.reason, v.dest)} {describe(out.frame[42:] if out.frame else None)}"
         self.seen[(out.action, None if v is None or v.reason is None else v.reason.name.lower())] += 1
         if out.msg is not None:
             r = self.ref.process(out.msg, out.src, now_ns)
             assert (r.action, r.reason, r.out, r.dest, r.job) == (v.action, v.reason, v.out, v.dest, v.job), \
                 f"the P4 writes configure another aggregator than the job's:{why}\n  ref: {r}"
-        agrees = _xdp_agrees(res, out, pkt)
-        if not agrees:
+        if self.xdp is None:
+            return v
+        self.xdp.set_clock(now_ns)
+        res = prog_test_run(self.xdp.prog_fd, pkt)
+        why += f"\n  xdp: {res.verdict_name} {describe(res.packet[42:]) if res.verdict_name == 'tx' else ''}"
+        if not _xdp_agrees(res, out, pkt):
             why += f"\n  ({MODEL_XDP})"
         if res.verdict_name == "pass":
             assert out.action == "forward" and out.frame == pkt, why
@@ -120,6 +121,8 @@ class Twin:
         p4 = self.p4.job_stats(JOB)
         assert {k: ref["jobs"][JOB]["counters"][k] for k in p4.counters} == p4.counters, where
         assert ref["jobs"][JOB]["drops"] == p4.drops, where
+        if self.xdp is None:
+            return
         for job in (JOB, None):
             x, q = self.xdp.job_stats(job), self.p4.job_stats(job)
             diff = {k: (q.counters[k], x.counters[k]) for k in q.counters if q.counters[k] != x.counters[k]}
@@ -136,21 +139,6 @@ def _xdp_agrees(res, out, pkt) -> bool:
     return out.action == "tx" and out.frame == res.packet
 
 
-@pytest.fixture(scope="module")
-def model_xdp_gap(xdp_program) -> bool:
-    """Is KNOWN_MODEL_XDP_GAP still there? (async, one member opening four rounds: the model opens
-    the fourth, the XDP program refuses it). While it is, async traffic cannot be compared."""
-    from ..unit.test_model_strategies import c
-    xdp_program.remove_job(JOB)
-    xdp_program.install_job(job_config(job=JOB, world=4, slots=1, max_chunks=8, group=GROUP,
-                                       members={r: member(r) for r in range(4)}))
-    xdp_program.set_strategy(JOB, [entry("async")])
-    verdicts = [prog_test_run(xdp_program.prog_fd, frame(c(0, rnd).build(ELEMENTS), member(0))).verdict_name
-                for rnd in range(4)]
-    xdp_program.remove_job(JOB)
-    return verdicts[3] == "drop"
-
-
 @pytest.fixture
 def twin(xdp_program, p4dp, sim):
     t = Twin(xdp_program, p4dp, sim)
@@ -159,12 +147,16 @@ def twin(xdp_program, p4dp, sim):
     xdp_program.remove_job(JOB)
 
 
+@pytest.fixture
+def model_twin(p4dp, sim):
+    """The P4 path against the reference model alone (no XDP, no root)."""
+    return Twin(None, p4dp, sim)
+
+
 # ---------------------------------------------------------------------------------------------
 # The fixture tables (tests/unit/test_model_strategies.py), with their expectations.
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason="model/XDP gap, see "
-                                                                               "KNOWN_MODEL_XDP_GAP", strict=False))
-                                  if n == KNOWN_MODEL_XDP_GAP else n for n in SCENARIOS])
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(twin, name):
     sc: Scenario = SCENARIOS[name]
     twin.start(sc.world, sc.slots, sc.max_chunks, list(sc.table))
@@ -257,9 +249,7 @@ SETTINGS = settings(max_examples=SEQUENCES // BATCH, deadline=None, database=Non
 @pytest.mark.parametrize("kind", KINDS)
 @SETTINGS
 @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
-def test_random_sequences(twin, model_xdp_gap, kind, batch):
-    if kind == "async" and model_xdp_gap:
-        pytest.xfail(f"model/XDP gap: {KNOWN_MODEL_XDP_GAP}")
+def test_random_sequences(twin, kind, batch):
     for shape, ops in batch:
         run_sequence(twin, kind, table_for(kind, shape), shape, ops)
 
@@ -272,19 +262,36 @@ swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEX
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
 @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
-def test_random_sequences_with_hot_swaps(twin, model_xdp_gap, batch):
-    def usable(text: str) -> str:     # while the model/XDP async gap lasts, async is left out
-        return "ssp:2" if model_xdp_gap and text == "async" else text
-
+def test_random_sequences_with_hot_swaps(twin, batch):
     for (shape, ops), first, changes in batch:
-        first, changes = usable(first), [(i, usable(t), a) for i, t, a in changes]
         run_sequence(twin, "swap", [entry(first)], shape, ops, changes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@SETTINGS
+@given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
+def test_random_sequences_against_the_model(model_twin, kind, batch):
+    """The captured writes configure exactly the job's aggregator: the P4 path equals the model
+    configured directly, message by message and counter by counter (independent of XDP)."""
+    for shape, ops in batch:
+        run_sequence(model_twin, f"model-{kind}", table_for(kind, shape), shape, ops)
+
+
+@settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
+def test_random_hot_swaps_against_the_model(model_twin, batch):
+    for (shape, ops), first, changes in batch:
+        run_sequence(model_twin, "model-swap", [entry(first)], shape, ops, changes)
 
 
 def test_sequence_counts():
     """Each randomised test that ran compared its number of sequences."""
     for kind in KINDS:
-        if RUN[kind]:
-            assert RUN[kind] >= SEQUENCES, (kind, RUN[kind])
-    if RUN["swap"]:
-        assert RUN["swap"] >= SWAP_SEQUENCES
+        for label in (kind, f"model-{kind}"):
+            if RUN[label]:
+                assert RUN[label] >= SEQUENCES, (label, RUN[label])
+    for label in ("swap", "model-swap"):
+        if RUN[label]:
+            assert RUN[label] >= SWAP_SEQUENCES, (label, RUN[label])
