@@ -1,0 +1,177 @@
+"""The straggler detector (aggd.straggler) against synthetic data-plane counters.
+
+``simulate`` plays a job the way the XDP program counts it: per member, each round's chunks arrive
+at once after that member's step time; under ``sync`` a round is released when the last member
+arrives and every member's lag is its arrival minus the first one's; under ``quorum:k`` a round is
+released at the k-th arrival, later arrivals are late (carried: counted, no lag) and their sender
+starts its next step at once, on the newest round. Snapshots of the cumulative counters are taken
+every ``poll`` seconds, as the daemon does.
+"""
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+
+from aggd.straggler import Detector, DetectorConfig, Snapshot
+
+CHUNKS = 19
+
+
+def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | None = None, jitter: float = 0.1,
+             poll: float = 0.2, seed: int = 0, steps_per_round=None):
+    """Snapshots of a job. ``step(rank, round) -> seconds`` of compute; ``strategy`` "sync" or
+    "quorum" (release at the ``k``-th own contribution); ``steps_per_round(rank, round)``: wbsp's
+    extra steps (sync only), spread over the time the fast members wait."""
+    rng = random.Random(seed)
+    k = world if strategy == "sync" else k
+    events = []  # (time, rank, contributions, lag_ns, late, round)
+    heap = [(step(i, 0) * (1 + jitter * rng.random()), i) for i in range(world)]
+    heapq.heapify(heap)
+    target = [0] * world
+    open_round, first, members = 0, None, []
+    while heap and open_round < rounds:
+        a, i = heapq.heappop(heap)
+        if target[i] < open_round:  # its round was released without it: late, carried
+            events.append((a, i, CHUNKS, 0, CHUNKS, target[i]))
+            target[i] = open_round
+            heapq.heappush(heap, (a + 0.001 + step(i, open_round) * (1 + jitter * rng.random()), i))
+            continue
+        first = a if first is None else first
+        members.append((a, i))
+        if len(members) < k:
+            continue
+        for at, m in members:  # released at a: everybody in it gets the result and goes on
+            n = steps_per_round(m, open_round) if steps_per_round else 1
+            for s in range(n):
+                t_s = at if n == 1 else first + (a - first) * s / (n - 1)
+                events.append((t_s, m, CHUNKS, int(CHUNKS * (t_s - first) * 1e9), 0, open_round))
+            target[m] = open_round + 1
+            heapq.heappush(heap, (a + 0.001 + step(m, open_round + 1) * (1 + jitter * rng.random()), m))
+        open_round, first, members = open_round + 1, None, []
+    events.sort()
+    snaps = []
+    cum = [[0, 0, 0, None] for _ in range(world)]
+    j = 0
+    end = events[-1][0]
+    t = poll
+    while t <= end + poll:
+        while j < len(events) and events[j][0] <= t:
+            _, i, c, lag, late, rr = events[j]
+            cum[i][0] += c
+            cum[i][1] += lag
+            cum[i][2] += late
+            cum[i][3] = rr if cum[i][3] is None else max(cum[i][3], rr)
+            j += 1
+        snaps.append(Snapshot(t, tuple(x[0] for x in cum), tuple(x[1] for x in cum), tuple(x[2] for x in cum),
+                              tuple(x[3] for x in cum)))
+        t += poll
+    return snaps
+
+
+def run(snaps, world, **cfg):
+    det = Detector(world, DetectorConfig(**cfg))
+    return det, [o for o in (det.update(s) for s in snaps) if o is not None]
+
+
+def const(fast: float, slow: float = 0.0, who: int = 3, start: int = 0, end: int | None = None):
+    def step(i, r):
+        if i == who and slow and r >= start and (end is None or r < end):
+            return fast * slow
+        return fast
+    return step
+
+
+def test_an_even_job_is_never_flagged():
+    for seed in range(5):
+        det, obs = run(simulate(4, const(0.02), rounds=300, jitter=0.15, seed=seed), 4)
+        assert len(obs) > 20
+        assert not any(o.stragglers for o in obs), [o.stragglers for o in obs if o.stragglers][:3]
+        assert max(w.slowdown for o in obs for w in o.workers) < 1.3
+
+
+@pytest.mark.parametrize("factor", [2.0, 3.0, 4.0])
+def test_a_slow_member_under_sync_is_flagged_within_a_few_rounds(factor):
+    det, obs = run(simulate(4, const(0.02, factor, start=50), rounds=200, seed=1), 4)
+    flagged = [o for o in obs if o.stragglers]
+    assert flagged and flagged[0].round <= 50 + 12, flagged[0].round if flagged else None
+    assert all(o.stragglers == (3,) for o in flagged)
+    # once flagged it stays flagged, and the estimate is close to the truth
+    after = [o for o in obs if o.round >= flagged[0].round]
+    assert all(o.stragglers == (3,) for o in after)
+    assert abs(after[-1].workers[3].slowdown - factor) / factor < 0.25, after[-1].workers[3].slowdown
+    assert all(after[-1].workers[i].slowdown < 1.2 for i in range(3))
+    # lag: the straggler's contributions arrive (factor - 1) steps after the others'
+    assert after[-1].workers[3].lag_ms == pytest.approx((factor - 1) * 20, rel=0.25)
+
+
+def test_waiting_time_is_what_the_fast_members_spend_at_the_barrier():
+    det, obs = run(simulate(4, const(0.02, 3.0), rounds=100, jitter=0.0, seed=2), 4)
+    w = det.workers
+    # 100 rounds, each fast member waits 40 ms for the straggler: about 4 s (the intervals seen so far)
+    counted = sum(o.rounds for o in obs)
+    for i in range(3):
+        assert w[i].wait_s == pytest.approx(counted * 0.040, rel=0.1)
+    assert w[3].wait_s < 0.05 * w[0].wait_s
+
+
+def test_a_straggler_the_quorum_leaves_behind_is_still_flagged_and_cleared_when_it_recovers():
+    # 3x slower for rounds 0..149: its contributions are late (carried), it makes a third as many
+    snaps = simulate(4, const(0.02, 3.0, end=150), rounds=300, strategy="quorum", k=3, seed=3)
+    det, obs = run(snaps, 4)
+    slow_phase = [o for o in obs if 20 <= o.round < 140]
+    assert slow_phase and all(o.stragglers == (3,) for o in slow_phase), [o.stragglers for o in slow_phase]
+    assert det.workers[3].late > 0
+    late_phase = [o for o in obs if o.round >= 150 + 20]
+    assert late_phase and not any(o.stragglers for o in late_phase)
+
+
+def test_wbsp_fast_members_extra_steps_show_the_straggler_by_rate():
+    snaps = simulate(4, const(0.02, 3.0), rounds=120, seed=4,
+                     steps_per_round=lambda i, r: 3 if i < 3 else 1)
+    det, obs = run(snaps, 4)
+    assert obs[-1].stragglers == (3,)
+
+
+def test_snapshots_accumulate_until_an_interval_holds_enough_rounds():
+    snaps = simulate(4, const(0.02), rounds=60, poll=0.01, jitter=0.0)
+    det = Detector(4, DetectorConfig(min_rounds=4))
+    outs = [det.update(s) for s in snaps]
+    obs = [o for o in outs if o is not None]
+    assert obs and all(o.rounds >= 4 for o in obs)
+    assert sum(1 for o in outs if o is None) > len(obs)  # most 10 ms polls closed no interval
+
+
+def test_counters_that_go_backwards_restart_the_detector():
+    snaps = simulate(4, const(0.02, 3.0), rounds=80, seed=5)
+    det, obs = run(snaps, 4)
+    assert det.last.stragglers == (3,)
+    fresh = simulate(4, const(0.02), rounds=80, seed=6)  # the job re-created: counters from zero
+    obs2 = [o for o in (det.update(s) for s in fresh) if o is not None]
+    assert obs2 and not obs2[-1].stragglers
+    assert det.workers[3].wait_s < 1.0  # the old job's waiting time is gone
+
+
+def test_idle_job_gives_no_observation_and_a_silent_member_is_as_slow_as_it_gets():
+    det = Detector(3)
+    s0 = Snapshot(0.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (None, None, None))
+    assert det.update(s0) is None
+    assert det.update(Snapshot(1.0, (0, 0, 0), (0, 0, 0), (0, 0, 0), (None, None, None))) is None
+    o = det.update(Snapshot(2.0, (100, 100, 0), (0, 0, 0), (0, 0, 0), (9, 9, None)))
+    assert o is not None and o.stragglers == (2,) and o.workers[2].slowdown >= 5
+
+
+def test_from_rows_reads_member_stats_rows():
+    rows = [{"rank": 0, "contributions": 5, "lag_ns_sum": 7, "late": 1, "last_round": 3, "last_ns": 9},
+            {"rank": 1, "contributions": 6, "lag_ns_sum": 8, "late": 0, "last_round": None, "last_ns": 0}]
+    s = Snapshot.from_rows(1.5, rows)
+    assert s.contributions == (5, 6) and s.lag_ns_sum == (7, 8) and s.late == (1, 0) and s.round == 3
+
+
+def test_bad_configuration_is_refused():
+    for bad in ({"slow_factor": 1.0}, {"alpha": 0}, {"min_rounds": 0}, {"max_slowdown": 1.2}):
+        with pytest.raises(ValueError):
+            DetectorConfig(**bad)
+    with pytest.raises(ValueError):
+        Detector(0)
