@@ -18,7 +18,7 @@ Header checks and counters
   RX_PACKETS, RX_BYTES (the UDP payload) and RETRANSMITS (Flag.RETRANSMIT) count every packet whose
   job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) / OVERFLOWS count
   every contribution added, carried ones included; CARRIED counts carried contributions; RELEASED
-  counts every bank that becomes released (complete, quorum deadline, async force-release);
+  counts every bank that becomes released (complete or quorum deadline);
   TIMEOUTS the deadline releases; REREADS every result sent back to one sender as a re-send (flag
   REREAD: re-reads, retransmissions of counted contributions, answers to late contributions);
   PARTIALS the async running sums (unicast, no REREAD flag). A counter the protocol definition does
@@ -46,26 +46,34 @@ Slot rules (numbers as in docs/protocol.md)
 * Keys ``(round, chunk)`` compare as unsigned tuples (the kernel's ``round << 32 | chunk``), no wrap.
   Time is u64 ns: rule 0 tests ``(now - t_first) mod 2**64 >= timeout_us * 1000``. A bank's
   ``t_first`` is the time it opened. Rule 0 runs for every packet that reaches the slot rules,
-  re-reads included, before anything else; the expired banks send nothing themselves.
-* Counted test ("X has contributed to B"): wbsp banks ``step < B.steps[X]``, other banks ``X`` in
-  ``B.bitmap | B.late``. Rule 1 drops it as ``duplicate``; rule 2 answers it with a re-send.
-  ``steps[X]`` holds ``step + 1`` without wrapping (up to 65536).
-* Rule 3 order: admission of the entry governing K.round (busy), then the bank: the first empty one,
-  else the released one with the smallest key, else (async only) the open one with the smallest key,
-  force-released (counted in RELEASED, nothing sent: its members got running sums). The bank records
-  version, kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
-  ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow).
-* Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT.
-  Otherwise its target is the open bank of the same chunk with the smallest round above K.round;
-  else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among the slot's
-  non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's newest key (or R
-  + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``. A carry adds the
-  values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the target unchanged; no
-  release test: the bitmap did not change), then, if the origin bank B (K released) still holds K --
-  the new round may have taken it -- sets X in B.late and, for a wbsp B, ``B.steps[X] = step + 1``
-  so the retransmission of that step is answered, not carried again. The answer is chosen *after*
-  the carry: the released bank of that chunk with the largest round, sent to X as a re-send; with no
-  such bank the packet is absorbed (XDP_DROP, nothing counted but the contribution).
+  re-reads included, before anything else; the expired banks send nothing themselves, but the
+  first answer taken from such a bank afterwards (re-read, re-send, late answer) goes to the group
+  as a plain result (no REREAD flag, not counted in REREADS): every member sees the release once.
+* Counted test: every strategy deduplicates contributions by (member, step): each bank keeps a
+  bitmask of steps 0..7 per member (``steps[X]``); step ``s`` is counted when ``s >= 8`` or bit
+  ``s`` is set. Rule 1 drops a counted one as ``duplicate``, otherwise adds it (sets X in the
+  bitmap and bit ``s``); rule 2 re-sends to a counted one, otherwise it is late. ``B.late`` is kept
+  (and reported) but decides nothing: carrying from B sets bit ``s`` of ``B.steps[X]`` as well, so
+  the retransmission of a carried step is answered, and a later step of X to B is still carried.
+* Rule 3 order: the chunk order (when the slot holds banks of K's chunk, K.round must be their
+  largest round + 1), admission of the entry governing K.round, then the bank: the first empty one,
+  else the released one with the smallest key; any refusal is ``busy``. The bank records version,
+  kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
+  ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
+  async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
+* Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT,
+  unless it is the member's contribution last refused ``busy`` by rule 4 in this slot (the slot
+  remembers one ``(key, step)`` per member: set by such a refusal, cleared by the member's next
+  carry). Otherwise its target is the open bank of the same chunk with the smallest round above
+  K.round; else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among
+  the slot's non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's
+  newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
+  A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
+  target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
+  holds K -- the new round may have taken it -- sets X in B.late and bit ``step`` of
+  ``B.steps[X]``. The answer is chosen *after* the carry: the released bank of that chunk with the
+  largest round, sent to X as a re-send; with no such bank the packet is absorbed (XDP_DROP,
+  nothing counted but the contribution).
 * Re-read: K released -> re-send (whoever asks); K open, or newer than the newest key, or the slot
   empty -> ``not_ready``; otherwise ``stale``.
 """
@@ -96,13 +104,17 @@ U32_MAX = (1 << 32) - 1
 MAX_SHIFT = 31
 #: Banks a slot holds (docs/protocol.md, "Slot state").
 BANKS = 4
+#: async opens a round only while fewer banks than this are open (one released bank stays).
+ASYNC_MAX_OPEN = BANKS - 1
+#: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
+STEPS = 8
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
 RULES: dict[StrategyKind, str] = {
     StrategyKind.SYNC: "release when every member contributed; a new round only when none is open",
     StrategyKind.QUORUM: "release at k members or at the deadline; late contributions are carried",
     StrategyKind.SSP: "release when every member contributed; rounds open up to s ahead of the oldest",
-    StrategyKind.ASYNC: "every contribution is answered with the running sum; rounds always open",
+    StrategyKind.ASYNC: "every contribution is answered with the running sum; up to 3 rounds open",
     StrategyKind.WBSP: "members push several steps into a round; release when every member did",
 }
 #: Counters the strategies add. Until the protocol definition has one, the model keeps it by name.
@@ -227,21 +239,22 @@ class Bank:
     param: int = 0
     timeout_us: int = 0
     t_first: int = 0                   #: ns, when the bank opened
-    steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: wbsp: next step expected
+    unannounced: bool = False          #: released by its deadline, not yet sent to the group
+    steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
 
     def open(self, key: Key, entry: TableEntry, now: int) -> None:
         self.state, self.key, self.t_first = BankState.OPEN, key, now
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
         self.bitmap = self.late = self.n_contrib = self.flags = 0
+        self.unannounced = False
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
 
     def counted(self, rank: int, step: int) -> bool:
-        """Has this member's contribution (wbsp: this step) already been taken by this round?"""
-        if self.kind == StrategyKind.WBSP:
-            return step < self.steps[rank]
-        return bool((self.bitmap | self.late) >> rank & 1)
+        """Has this contribution, (member, step), already been taken by this round (added, or
+        carried from it)? Every strategy deduplicates so; only wbsp clients send steps > 0."""
+        return step >= STEPS or bool(self.steps[rank] >> step & 1)
 
     def complete(self, world: int) -> bool:
         """The release test of rule 1."""
@@ -258,6 +271,9 @@ class Bank:
 @dataclass
 class Slot:
     banks: list[Bank]
+    #: Per member, the late contribution (key, step) last refused ``busy`` because it could not be
+    #: carried yet: its retransmission is carried even when its round's bank is gone by then.
+    refused: list[tuple[Key, int] | None] = field(default_factory=lambda: [None] * MAX_MEMBERS)
 
     def bank_of(self, key: Key) -> Bank | None:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
@@ -286,7 +302,7 @@ def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
     """Rule 3's admission: may a round governed by ``entry`` open now?"""
     kind = StrategyKind(entry.kind)
     if kind == StrategyKind.ASYNC:
-        return True
+        return len(slot.open_banks()) < ASYNC_MAX_OPEN
     if kind == StrategyKind.SSP:
         return all(b.key[0] + entry.param >= round_ for b in slot.open_banks())
     return not slot.open_banks()
@@ -339,8 +355,8 @@ class Verdict:
         return None if self.out is None else Header.unpack(self.out)
 
 
-#: Called with (job, bank, cause) whenever a bank becomes released; cause is "complete",
-#: "timeout" or "force". For tests and diagnostics: the bank is live, copy what you keep.
+#: Called with (job, bank, cause) whenever a bank becomes released; cause is "complete" or
+#: "timeout". For tests and diagnostics: the bank is live, copy what you keep.
 ReleaseObserver = Callable[[int, Bank, str], None]
 
 
@@ -467,6 +483,7 @@ class AggregatorModel:
         for bank in slot.banks:                                                  # rule 0
             if bank.expired(now):
                 job.count("timeouts")
+                bank.unannounced = True
                 self._release(job, bank, "timeout")
         key = (hdr.round, hdr.chunk)
         bank, newest = slot.bank_of(key), slot.newest()
@@ -493,16 +510,17 @@ class AggregatorModel:
         return self._late(job, slot, None, hdr, values, src, now)                # rule 4
 
     def _open(self, job: JobState, slot: Slot, key: Key, now: int) -> Bank | None:
-        """Rule 3: open a bank for a new round if its strategy admits it; None means busy."""
+        """Rule 3: open a bank for a new round if it is the next round of its chunk and its
+        strategy admits it; None means busy."""
+        rounds = [b.key[0] for b in slot.of_chunk(key[1])]
+        if rounds and key[0] != max(rounds) + 1:
+            return None           # a round whose predecessor was refused must not open first
         entry = governing(job.table, key[0])
         if not admits(entry, slot, key[0]):
             return None
         bank = slot.free_bank()
         if bank is None:
-            if entry.kind != StrategyKind.ASYNC:
-                return None
-            bank = min(slot.open_banks(), key=lambda b: b.key)
-            self._release(job, bank, "force")
+            return None
         bank.open(key, entry, now)
         return bank
 
@@ -511,8 +529,7 @@ class AggregatorModel:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
         bank.bitmap |= 1 << hdr.rank
-        if bank.kind == StrategyKind.WBSP:
-            bank.steps[hdr.rank] = hdr.step + 1
+        bank.steps[hdr.rank] |= 1 << hdr.step
         if bank.complete(job.cfg.world):
             self._release(job, bank, "complete")
             return self._to_group(job, self._result(bank, hdr))
@@ -525,27 +542,28 @@ class AggregatorModel:
               src: Addr, now: int) -> Verdict:
         """Rule 4: carry a late contribution into the next round of its chunk, answer with the
         newest released result of that chunk. ``origin`` is K's released bank, if any."""
-        if origin is None and hdr.flags & Flag.RETRANSMIT:
-            return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         key = (hdr.round, hdr.chunk)
+        refused_before = slot.refused[hdr.rank] == (key, hdr.step)
+        if origin is None and hdr.flags & Flag.RETRANSMIT and not refused_before:
+            return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]
         target = min(later, key=lambda b: b.key, default=None)
         fresh = target is None
         if fresh:
             newest_round = max((b.key[0] for b in slot.of_chunk(hdr.chunk)), default=hdr.round)
             new_key = (newest_round + 1, hdr.chunk)
-            if new_key[0] > U32_MAX or new_key <= slot.newest():
-                return self._drop(job.cfg.job, DropReason.BUSY)
-            target = self._open(job, slot, new_key, now)
+            if new_key[0] <= U32_MAX and new_key > slot.newest():
+                target = self._open(job, slot, new_key, now)
             if target is None:
+                slot.refused[hdr.rank] = (key, hdr.step)
                 return self._drop(job.cfg.job, DropReason.BUSY)
+        slot.refused[hdr.rank] = None
         self._add(job, target, hdr, values, fresh)
         target.flags |= Flag.CARRIED
         job.count("carried")
-        if origin is not None and origin.state == BankState.RELEASED and origin.key == key:
+        if origin is not None and origin.state != BankState.EMPTY and origin.key == key:
             origin.late |= 1 << hdr.rank
-            if origin.kind == StrategyKind.WBSP:
-                origin.steps[hdr.rank] = hdr.step + 1
+            origin.steps[hdr.rank] |= 1 << hdr.step
         answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
         if answer is None:
             return Verdict("drop", job=job.cfg.job)
@@ -599,6 +617,11 @@ class AggregatorModel:
         return Verdict("tx", None, out, "sender", (_addr(src),), job.cfg.job)
 
     def _resend(self, job: JobState, bank: Bank, hdr: Header, src: Addr) -> Verdict:
+        """Send a released result back: to the sender as a re-send, except the first answer from a
+        round released by its deadline, which announces it to the whole group."""
+        if bank.unannounced:
+            bank.unannounced = False
+            return self._to_group(job, self._result(bank, hdr))
         job.count("rereads")
         return self._to_sender(job, self._result(bank, hdr, Flag.REREAD), src)
 

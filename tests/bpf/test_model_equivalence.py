@@ -4,28 +4,27 @@ Every packet goes through ``aggd.model.AggregatorModel`` and through the product
 must agree on the verdict (XDP_DROP / XDP_TX / XDP_PASS), on the bytes of the aggd message sent and
 on where it goes (the job's group or the sender), and, at the end of each sequence, on every per-job
 counter and drop counter (the job's and the "no job" bucket). Time is frozen: the model gets
-``now_ns`` and the program reads the same value from its one-entry ``clock`` map.
+``now_ns`` and the program reads the same value from its one-entry ``clock`` map
+(``XdpDataPlane.set_clock``); strategy tables go to both with ``set_strategy``.
 
 Runs: the strategy fixture tables of tests/unit/test_model_strategies.py (with their expectations),
 and at least MIN_SEQUENCES randomised sequences per strategy (hypothesis; each example is a batch of
 BATCH sequences; each sequence starts from a freshly installed job) built by that module's
 ``Traffic``: members in random order, several chunks and rounds, windows, duplicates and
-retransmissions, re-reads, late and early contributions, extra wbsp steps (some beyond 255), unequal
+retransmissions, re-reads, late and early contributions, extra wbsp steps (some beyond 7), unequal
 exponents, overflow-prone values, malformed packets, non-members, quorum deadlines, and random
-strategy swaps at round boundaries.
-
-A program without the ``clock`` map is today's two-bank sync-only program: then only sync runs, with
-traffic it answers like the model (``Traffic(legacy=True)``), and every other test fails saying so.
+strategy swaps at round boundaries. Contributions and refused packets carry junk in the header fields
+the aggregator must overwrite (results) or zero (NACKs).
 """
 from __future__ import annotations
 
 import collections
-import ctypes
+import os
 import socket
 import struct
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from aggd.dataplane.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
@@ -34,7 +33,7 @@ from aggd.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd.strategy import StrategyTable, from_entry, parse
 from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
 from aggd_client import protocol as proto
-from aggd_client.protocol import STRATEGY_VERSIONS, Counter, DropReason
+from aggd_client.protocol import Counter, DropReason
 
 from ..unit.test_model_strategies import (GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, Scenario, Sent, Swap,
                                           Traffic, check, entry, swap_table)
@@ -44,8 +43,8 @@ pytestmark = pytest.mark.root
 
 MIN_SEQUENCES = 1000     #: per strategy
 BATCH = 5                #: sequences per hypothesis example
-MIN_OPS, MAX_OPS = 10, 40   #: packets per sequence
-SWAP_SEQUENCES = 300     #: sequences with random strategy swaps
+MIN_OPS, MAX_OPS = 20, 80   #: packets per sequence
+SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
 KINDS = ("sync", "quorum", "ssp", "async", "wbsp")
 VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
 STRANGER_MAC = "02:00:00:00:09:09"
@@ -91,49 +90,15 @@ def describe(msg: bytes | None) -> str:
 # ---------------------------------------------------------------------------------------------
 # The two data planes side by side.
 
-def has_strategies(dp) -> bool:
-    """The strategy rewrite of the program has the ``clock`` map (docs/protocol.md, "Time")."""
-    try:
-        dp.bpf.get_table(b"clock")
-        return True
-    except KeyError:
-        return False
-
-
-def set_clock(dp, ns: int) -> None:
-    if hasattr(dp, "set_clock"):
-        dp.set_clock(ns)
-    else:  # until XdpDataPlane.set_clock exists: the map as the program reads it
-        dp.bpf[b"clock"][ctypes.c_uint32(0)] = ctypes.c_uint64(ns)
-
-
-def set_strategy(dp, job: int, entries: list[TableEntry]) -> None:
-    if hasattr(dp, "set_strategy"):
-        dp.set_strategy(job, entries)
-        return
-    # Until XdpDataPlane.set_strategy exists: the job's ring, field by field (layout from bcc).
-    j = dp.jobs[ctypes.c_uint32(job)]
-    for i in range(STRATEGY_VERSIONS):
-        e = j.strategy[i]
-        x = entries[i] if i < len(entries) else TableEntry(0, 0, 0, 0, 0)
-        e.from_round, e.version, e.kind, e.param, e.timeout_us = (x.from_round, x.version, x.kind, x.param,
-                                                                  x.timeout_us)
-        e.valid = int(i < len(entries))
-    dp.jobs[ctypes.c_uint32(job)] = j
-
-
 class Harness:
     """One job on both data planes; ``send`` runs a packet through both and compares."""
 
     def __init__(self, dp) -> None:
         self.dp = dp
-        self.full = has_strategies(dp)
         self.packets = 0
         self.seen: collections.Counter = collections.Counter()   # model outcomes compared
 
     def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
-        if not self.full and any(e.kind != proto.StrategyKind.SYNC for e in entries):
-            pytest.fail("the XDP program has no strategies yet (no `clock` map): only sync can be compared")
         members = {r: member(r) for r in range(world)}
         self.model = AggregatorModel(ELEMENTS)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
@@ -146,19 +111,19 @@ class Harness:
 
     def set_strategy(self, entries: list[TableEntry]) -> None:
         self.model.set_strategy(JOB, entries)
-        if self.full:
-            set_strategy(self.dp, JOB, entries)
+        self.dp.set_strategy(JOB, entries)
 
     def send(self, data: bytes, src: tuple[str, int], now_ns: int, where: str = "") -> Verdict:
         v = self.model.process(data, src, now_ns)
-        if self.full:
-            set_clock(self.dp, now_ns)
+        self.dp.set_clock(now_ns)
         pkt = frame(data, src)
         res = prog_test_run(self.dp.prog_fd, pkt)
         self.packets += 1
         self.seen[(v.action, None if v.reason is None else v.reason.name.lower(), v.dest)] += 1
         why = f"{where}\n  in : {describe(data)} from {src} at {now_ns}\n  model: {v.action} {v.reason} " \
               f"{v.dest} {describe(v.out)}\n  xdp  : {res.verdict_name}"
+        if res.verdict == XDP_TX:
+            why += f" to {socket.inet_ntoa(res.packet[30:34])} {describe(res.packet[42:])}"
         assert res.verdict == VERDICTS[v.action], why
         if v.action == "pass":
             assert res.packet == pkt, why
@@ -167,7 +132,6 @@ class Harness:
         out = res.packet
         udp_len = struct.unpack_from("!H", out, 38)[0]
         msg = out[42:34 + udp_len]
-        why += f" {describe(msg)}"
         assert msg == v.out, why
         eth_dst, ip_dst, dport = out[0:6], socket.inet_ntoa(out[30:34]), struct.unpack_from("!H", out, 36)[0]
         if v.dest == "group":
@@ -191,8 +155,7 @@ class Harness:
 def harness(xdp_program):
     h = Harness(xdp_program)
     yield h
-    if h.full:
-        set_clock(xdp_program, 0)      # real time again for whoever uses the program next
+    xdp_program.set_clock(0)      # real time again for whoever uses the program next
     xdp_program.remove_job(JOB)
 
 
@@ -233,12 +196,9 @@ def run_sequence(h: Harness, label: str, entries: list[TableEntry], shape: int, 
     """One sequence from a fresh job: ``shape`` picks world, slots, chunks and window; ``swaps``
     are (op index, strategy, rounds ahead) installed as new versions at round boundaries."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
-    if h.full:
-        chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
-    else:
-        chunks, window = slots * (1 + (shape >> 4) % 2), 1 + (shape >> 6) % slots
+    chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
     traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=ELEMENTS,
-                      addr_of=member, legacy=not h.full, junk=h.full)
+                      addr_of=member, junk=True)
     h.start(world, slots, 8, entries)
     table = StrategyTable(parse("sync"))
     table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
@@ -254,18 +214,27 @@ def run_sequence(h: Harness, label: str, entries: list[TableEntry], shape: int, 
     RUN[label] += 1
 
 
+#: Shrinking a failing batch of sequences can take minutes per test; the failure message already has
+#: the whole sequence (replay it with ``run_sequence``). AGGD_SHRINK=1 shrinks to a minimal one.
+PHASES = tuple(Phase) if os.environ.get("AGGD_SHRINK") else (Phase.explicit, Phase.reuse, Phase.generate)
 sequences = st.tuples(st.integers(0, 2**16 - 1), st.lists(st.integers(0, 2**32 - 1), min_size=MIN_OPS,
                                                          max_size=MAX_OPS))
-SETTINGS = settings(max_examples=MIN_SEQUENCES // BATCH, deadline=None, database=None,
+SETTINGS = settings(max_examples=MIN_SEQUENCES // BATCH, deadline=None, database=None, phases=PHASES,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@SETTINGS
-@given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
-def test_random_sequences(harness, kind, batch):
-    for shape, ops in batch:
-        run_sequence(harness, kind, table_for(kind, shape), shape, ops)
+def test_random_sequences(harness, kind):
+    before = RUN[kind]
+
+    @SETTINGS
+    @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
+    def sequences_agree(batch):
+        for shape, ops in batch:
+            run_sequence(harness, kind, table_for(kind, shape), shape, ops)
+
+    sequences_agree()
+    assert RUN[kind] - before >= MIN_SEQUENCES
 
 
 SWAP_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:1ms", "ssp:1", "ssp:2", "async", "wbsp")
@@ -273,20 +242,16 @@ swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEX
                  min_size=1, max_size=4)
 
 
-@settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
-def test_random_sequences_with_hot_swaps(harness, batch):
-    if not harness.full:
-        pytest.fail("the XDP program has no strategies yet (no `clock` map): hot swaps cannot be compared")
-    for (shape, ops), first, changes in batch:
-        run_sequence(harness, "swap", [entry(first)], shape, ops, changes)
+def test_random_sequences_with_hot_swaps(harness):
+    before = RUN["swap"]
 
+    @settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None, phases=PHASES,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH,
+                          max_size=BATCH))
+    def swapped_sequences_agree(batch):
+        for (shape, ops), first, changes in batch:
+            run_sequence(harness, "swap", [entry(first)], shape, ops, changes)
 
-def test_sequence_counts():
-    """Each strategy whose randomised test ran compared at least MIN_SEQUENCES sequences."""
-    for kind in KINDS:
-        if RUN[kind]:
-            assert RUN[kind] >= MIN_SEQUENCES, (kind, RUN[kind])
-    if RUN["swap"]:
-        assert RUN["swap"] >= SWAP_SEQUENCES
+    swapped_sequences_agree()
+    assert RUN["swap"] - before >= SWAP_SEQUENCES

@@ -158,16 +158,16 @@ SCENARIOS: dict[str, Scenario] = {
         (0, c(0, 0, [1]), ABSORBED),
         (100, c(1, 0, [2]), ABSORBED),
         (999, c(0, 0, [1], flags=RT), drop(DropReason.DUPLICATE)),  # 999 µs after the first: still open
-        # 1000 µs: the re-read itself releases the round, then is answered.
-        (1000, rr(1, 0), resent([3], round=0, contributors=0b11, n_contrib=2, strategy=QUORUM, param=3)),
-        (1001, c(0, 0, [1], flags=RT), resent([3], round=0)),
+        # 1000 µs: the re-read itself releases the round; its answer announces it to the group.
+        (1000, rr(1, 0), released([3], round=0, contributors=0b11, n_contrib=2, strategy=QUORUM, param=3)),
+        (1001, c(0, 0, [1], flags=RT), resent([3], round=0)),    # from then on, re-sends
         (1002, c(2, 0, [4]), resent([3], round=0)),              # late: round 1 opens for it
         (1003, c(0, 1, [10]), ABSORBED),
         (2001, c(1, 1, [20]), ABSORBED),                         # round 1 opened at 1002
         (2002, c(0, 1, [1], chunk=1), ABSORBED),                 # another key of the slot expires it
-        (2003, rr(2, 1), resent([34], round=1, contributors=0b011, n_contrib=3,
-                                flags=Flag.CARRIED | Flag.REREAD)),
-    ), counters=dict(timeouts=2, released=2, rereads=4, contributions=6, carried=1)),
+        (2003, rr(2, 1), released([34], round=1, contributors=0b011, n_contrib=3, flags=Flag.CARRIED)),
+        (2004, rr(2, 1), resent([34], round=1, flags=Flag.CARRIED | Flag.REREAD)),
+    ), counters=dict(timeouts=2, released=2, rereads=3, contributions=6, carried=1)),
 
     "ssp:2 opens rounds r+1 and r+2 while r is open; r+3 is busy":
     Scenario((entry("ssp:2"),), (
@@ -189,20 +189,25 @@ SCENARIOS: dict[str, Scenario] = {
         (15, rr(1, 0), drop(DropReason.STALE)),
     ), counters=dict(released=2, contributions=11)),
 
-    "async answers every contribution with the running sum; all banks open force-releases the oldest":
+    "async answers every contribution with the running sum; at most 3 rounds open":
     Scenario((entry("async"),), (
         (0, c(0, 0, [1]), partial([1], round=0, contributors=0b1, n_contrib=1, strategy=ASYNC)),
         (1, c(1, 0, [2]), partial([3], contributors=0b11, n_contrib=2)),
         (2, c(1, 0, [2], flags=RT), drop(DropReason.DUPLICATE)),
         (3, c(2, 0, [4]), partial([7], contributors=0b111, n_contrib=3)),
         (4, c(3, 0, [8]), released([15], contributors=0b1111, n_contrib=4, strategy=ASYNC)),
-        *[(4 + r, c(0, r, [1]), partial([1], round=r)) for r in (1, 2, 3, 4)],   # round 4 takes round 0's bank
-        (9, rr(1, 0), drop(DropReason.STALE)),
-        (10, c(0, 5, [1]), partial([1], round=5)),               # every bank open: round 1 is force-released
-        # Round 1 is gone: carried into round 2; no released result of the chunk is left to answer with.
-        (11, c(1, 1, [2]), ABSORBED),
-        (12, c(1, 2, [2]), partial([5], round=2, contributors=0b11, n_contrib=3, flags=Flag.CARRIED)),
-    ), counters=dict(released=2, partials=9, carried=1, rereads=0)),
+        *[(4 + r, c(0, r, [1]), partial([1], round=r)) for r in (1, 2, 3)],
+        (8, c(0, 4, [1]), drop(DropReason.BUSY)),               # three open: round 0's result stays
+        (9, rr(1, 0), resent([15], round=0)),
+        (10, c(1, 1, [2]), partial([3], round=1)),
+        (11, c(2, 1, [4]), partial([7], round=1)),
+        (12, c(3, 1, [8]), released([15], round=1)),
+        (13, c(0, 4, [1]), partial([1], round=4)),               # takes round 0's bank
+        (14, rr(1, 0), drop(DropReason.STALE)),
+        # A first transmission for a round the slot no longer holds: carried into round 2.
+        (15, c(1, 0, [2]), resent([15], round=1)),
+        (16, c(1, 2, [2]), partial([5], round=2, contributors=0b11, n_contrib=3, flags=Flag.CARRIED)),
+    ), counters=dict(released=2, partials=10, carried=1, rereads=2)),
 
     "wbsp takes several steps of a fast member into one round; the slowest member releases it":
     Scenario((entry("wbsp"),), (
@@ -217,11 +222,36 @@ SCENARIOS: dict[str, Scenario] = {
         (8, c(0, 0, [1], step=3), resent([1123], round=0, n_contrib=7)),   # after the release: carried
         (9, c(0, 0, [1], step=3, flags=RT), resent([1123], round=0)),      # not carried twice
         (10, c(0, 0, [1], step=1, flags=RT), resent([1123], round=0)),
-        (11, c(1, 1, [10]), ABSORBED),
-        (12, c(0, 1, [1]), ABSORBED),
-        (13, c(2, 1, [100]), ABSORBED),
-        (14, c(3, 1, [1000]), released([1112], round=1, n_contrib=5, contributors=0b1111, flags=Flag.CARRIED)),
-    ), counters=dict(released=2, contributions=12, carried=1, rereads=3)),
+        (11, c(0, 0, [1], step=4), resent([1123], round=0)),               # another new step: carried
+        (12, c(1, 1, [10]), ABSORBED),
+        (13, c(0, 1, [1]), ABSORBED),
+        (14, c(2, 1, [100]), ABSORBED),
+        (15, c(3, 1, [1000]), released([1113], round=1, n_contrib=6, contributors=0b1111, flags=Flag.CARRIED)),
+    ), counters=dict(released=2, contributions=13, carried=2, rereads=4)),
+
+    "wbsp steps 0..7 are deduplicated one by one; a lost step may arrive late":
+    Scenario((entry("wbsp"),), (
+        (0, c(0, 0, [1], step=2), ABSORBED),
+        (1, c(0, 0, [1], step=0), ABSORBED),                     # a step lost and retransmitted later
+        (2, c(0, 0, [1], step=2, flags=RT), drop(DropReason.DUPLICATE)),
+        (3, c(0, 0, [1], step=8), drop(DropReason.DUPLICATE)),   # beyond the 8 steps of a round
+        (4, c(0, 0, [1], step=7), ABSORBED),
+        (5, c(1, 0, [10], step=5), released([13], contributors=0b11, n_contrib=4, strategy=WBSP)),
+        (6, c(0, 0, [1], step=300), resent([13], round=0)),
+    ), world=2, counters=dict(contributions=4, released=1, rereads=1)),
+
+    "every strategy deduplicates by (member, step): a wbsp step reaching a sync round is summed":
+    Scenario((entry("sync"),), (
+        (0, c(0, 0, [1], step=0), ABSORBED),
+        (1, c(0, 0, [1], step=1), ABSORBED),                     # a second step of the same member
+        (2, c(0, 0, [1], step=1, flags=RT), drop(DropReason.DUPLICATE)),
+        (3, c(1, 0, [10]), released([12], contributors=0b11, n_contrib=3)),
+        (4, c(0, 0, [1], step=1, flags=RT), resent([12], round=0)),
+        (5, c(0, 0, [1], step=2), resent([12], round=0)),        # after the release: late, carried
+        (6, c(0, 0, [1], step=2, flags=RT), resent([12], round=0)),
+        (7, c(0, 1, [2]), ABSORBED),
+        (8, c(1, 1, [20]), released([23], round=1, n_contrib=3, contributors=0b11, flags=Flag.CARRIED)),
+    ), world=2, counters=dict(contributions=6, carried=1, released=2, rereads=3)),
 
     "hot swap: sync governs rounds 0-4, quorum:3 from round 5":
     Scenario((entry("sync"), entry("quorum:3:10ms", 1, 5)), (
@@ -255,7 +285,30 @@ SCENARIOS: dict[str, Scenario] = {
         (32, c(0, 10, [1]), drop(DropReason.BUSY)),
     ), counters=dict(released=3)),
 
-    "two chunks share a slot: carries go to the late chunk's next round, keys only grow":
+    "a carry whose new round takes the origin's bank: no late bit, answered only by a released result":
+    Scenario((entry("quorum:1:10ms"),), (
+        *[(ch, c(0, 0, [1], chunk=ch), released([1], round=0, chunk=ch)) for ch in range(4)],
+        # (1, 0) opens for the carry in the released bank with the smallest key: (0, 0) itself.
+        (4, c(1, 0, [10], chunk=0), ABSORBED),
+        (5, c(1, 0, [10], chunk=0, flags=RT), drop(DropReason.STALE)),
+        (6, c(0, 1, [2], chunk=0), released([12], round=1, chunk=0, n_contrib=2, contributors=0b1,
+                                            flags=Flag.CARRIED)),
+    ), max_chunks=8, counters=dict(carried=1, released=5, rereads=0)),
+
+    "governing row: before every row the oldest one; on equal from_round the newest version":
+    Scenario((TableEntry(1, 10, SSP, 2, 0), TableEntry(2, 20, SYNC, 0, 0)), (
+        (0, c(0, 5, [1]), ABSORBED),                            # round 5 precedes every row: ssp:2
+        (1, c(0, 6, [1]), ABSORBED),
+        *[(2 + r, c(r, 5, [1]), ABSORBED if r < 3 else
+           released([4], round=5, strategy_version=1, strategy=SSP, param=2)) for r in (1, 2, 3)],
+        Swap((TableEntry(2, 20, SYNC, 0, 0), TableEntry(3, 30, ASYNC, 0, 0),
+              TableEntry(4, 30, QUORUM, 2, 10_000))),
+        (10, c(0, 30, [1], chunk=1), ABSORBED),                 # quorum:2 (version 4), not async
+        (11, c(1, 30, [1], chunk=1), released([2], round=30, chunk=1, strategy_version=4, strategy=QUORUM,
+                                              param=2)),
+    ), slots=2, counters=dict(released=2, partials=0)),
+
+    "two chunks share a slot: carries go to the next round of the late chunk; refused ones later":
     Scenario((Q3,), (
         *[(r, c(r, 0, [1], chunk=0), ABSORBED if r < 2 else released([3], round=0, chunk=0)) for r in range(3)],
         *[(5 + r, c(r, 0, [2], chunk=1), ABSORBED if r < 2 else released([6], round=0, chunk=1)) for r in range(3)],
@@ -267,11 +320,17 @@ SCENARIOS: dict[str, Scenario] = {
         (15, c(3, 0, [7], chunk=0), drop(DropReason.BUSY)),       # (2, 0) must wait for (1, 1)
         *[(20 + r, c(r, 1, [4], chunk=1), ABSORBED if r < 2 else
            released([17], round=1, chunk=1, n_contrib=4, flags=Flag.CARRIED)) for r in range(3)],
-        (30, c(0, 2, [1], chunk=1), ABSORBED),                    # (2, 1) takes (0, 0)'s bank
-        (31, c(3, 0, [7], chunk=0, flags=RT), drop(DropReason.STALE)),
-        (32, c(3, 1, [7], chunk=0), drop(DropReason.BUSY)),       # (2, 0) would not exceed (2, 1)
-        (33, rr(3, 1, chunk=0), resent([9], round=1, chunk=0)),
-    ), counters=dict(released=4, carried=1)),
+        (30, c(0, 2, [1], chunk=0), ABSORBED),                    # (2, 0) takes (0, 0)'s bank
+        # (0, 0) is in no bank now, but this retransmission was refused busy before (step 15):
+        # not stale, carried into (2, 0).
+        (31, c(3, 0, [7], chunk=0, flags=RT), resent([9], round=1, chunk=0)),
+        (32, c(3, 0, [7], chunk=0, flags=RT), drop(DropReason.STALE)),  # a copy of one counted now
+        (33, c(1, 2, [1], chunk=0), ABSORBED),
+        (34, c(2, 2, [1], chunk=0), released([10], round=2, chunk=0, n_contrib=4, flags=Flag.CARRIED)),
+        (35, rr(3, 1, chunk=0), resent([9], round=1, chunk=0)),
+        (36, c(3, 1, [7], chunk=1), resent([17], round=1, chunk=1, flags=Flag.CARRIED | Flag.REREAD)),
+        (37, c(0, 2, [1], chunk=1), ABSORBED),
+    ), counters=dict(released=5, carried=3)),
 }
 
 
@@ -365,26 +424,17 @@ def test_strategy_tables_are_checked():
         check_table([TableEntry(0, 0, QUORUM, 3, 2**32)])
 
 
-def test_wbsp_step_numbers_do_not_wrap():
-    m = scenario_model(Scenario((entry("wbsp"),), (), world=2))
-    assert m.process(c(0, 0, step=0xFFFF).build(E), addr(0)).action == "drop"
-    assert m.process(c(0, 0, step=0xFFFF, flags=RT).build(E), addr(0)).reason == DropReason.DUPLICATE
-    assert m.process(c(0, 0, step=0).build(E), addr(0)).reason == DropReason.DUPLICATE
-    assert m.process(c(1, 0, step=300).build(E), addr(1)).dest == "group"
-
-
 def test_release_observer_and_slot_layout():
-    m = scenario_model(SCENARIOS["async answers every contribution with the running sum; all banks open "
-                                 "force-releases the oldest"])
+    sc = SCENARIOS["quorum timeout releases a round with fewer than k on the next packet to the slot"]
+    m = scenario_model(sc)
     seen = []
-    m.on_release = lambda job, bank, cause: seen.append((job, bank.key, cause))
-    for r in range(4):
-        m.process(c(r, 0).build(E), addr(r))
-    for rnd in range(1, 6):
-        m.process(c(0, rnd).build(E), addr(0))
-    assert seen == [(JOB, (0, 0), "complete"), (JOB, (1, 0), "force")]
+    m.on_release = lambda job, bank, cause: seen.append((job, bank.key, bank.n_contrib, cause))
+    for t_us, p, _ in sc.steps:
+        m.process(p.build(E), addr(p.rank), T0_NS + t_us * 1000)
+    assert seen == [(JOB, (0, 0), 2, "timeout"), (JOB, (1, 0), 3, "timeout")]
     banks = m.jobs[JOB].slots[0].banks
-    assert len(banks) == BANKS and all(b.state == BankState.OPEN for b in banks)
+    assert len(banks) == BANKS
+    assert [b.state for b in banks] == [BankState.RELEASED, BankState.RELEASED, BankState.OPEN, BankState.EMPTY]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,8 +465,6 @@ class Sent:
 class Traffic:
     """A job's members, driven by ops. Keys are numbered ``round * chunks + chunk``.
 
-    ``legacy``: only traffic that today's two-bank sync-only XDP program answers like the model
-    (sync, window <= slots, nothing older than ``slots`` keys, no late or early contributions).
     ``exact``: exponent 0 and small values only, so sums are exact (the conservation property).
     ``junk``: contributions sometimes carry junk in the header fields the aggregator ignores.
 
@@ -426,12 +474,11 @@ class Traffic:
     """
 
     def __init__(self, *, world: int, slots: int, chunks: int, max_chunks: int, window: int,
-                 elements: int, addr_of: Callable[[int], tuple[str, int]] = addr, legacy: bool = False,
+                 elements: int, addr_of: Callable[[int], tuple[str, int]] = addr,
                  exact: bool = False, noise: bool = True, junk: bool = False) -> None:
-        assert not legacy or (window <= slots and chunks % slots == 0)
         self.world, self.slots, self.chunks, self.max_chunks = world, slots, chunks, max_chunks
         self.window, self.elements, self.addr_of = window, elements, addr_of
-        self.legacy, self.exact, self.noise, self.junk = legacy, exact, noise, junk
+        self.exact, self.noise, self.junk = exact, noise, junk
         self.done: list[set[int]] = [set() for _ in range(world)]
         self.sent: list[dict[int, int]] = [{} for _ in range(world)]   # key -> highest step sent
         self.lo = [0] * world
@@ -449,12 +496,10 @@ class Traffic:
         action, a = (op >> 2) & 15, (op >> 6) & 7
         self.now_us += DT_US[(op >> 9) & 3 | (op >> 18) & 4]
         now = T0_NS + self.now_us * 1000
-        if self.legacy and action in (11, 12, 13):
-            action = 0
         if action == 14 and self.noise:
             return self._noise(op, a, now)
         lo, w = self.lo[rank], self.window
-        back = self.slots if self.legacy else 3 * self.chunks
+        back = 3 * self.chunks
         sent = self.sent[rank]
         recent = [k for k in range(max(0, lo - back), lo + w) if k in sent]
         flags, step, typ = 0, 0, MsgType.CONTRIB
@@ -511,6 +556,9 @@ class Traffic:
                      chunk=self.lo[rank] % self.chunks, count=self.elements)
         payload = SMALL[(op >> 21) % 64, :self.elements].astype("<i4").tobytes()
         src = self.addr_of(rank)
+        if self.junk and (op >> 21) % 2:     # NACKs must zero what they do not echo
+            hdr.strategy_version, hdr.strategy, hdr.param, hdr.reserved = 0xBEEF, 0xA5, 0x5A, 0x1234
+            hdr.contributors, hdr.n_contrib, hdr.step, hdr.exponent = 0xDEADBEEF, 77, 9, -3
         if a == 0:
             data = (hdr.pack() + payload)[:sub * 5]                          # too short
         elif a == 1:
@@ -654,8 +702,8 @@ def test_property_every_packet_counted_once(ops, text):
             assert d["to_userspace"] == 1 and drops == 0
         elif v.action == "drop":
             assert d["contributions"] == 1 and drops == 0                    # absorbed
-        elif v.dest == "group":
-            assert d["released"] - d["timeouts"] >= 1 and d["rereads"] == 0
+        elif v.dest == "group":            # a release, or the announcement of a deadline release
+            assert d["rereads"] == d["partials"] == 0 and not v.header.flags & Flag.REREAD
         elif v.header.flags & Flag.REREAD:
             assert d["rereads"] == 1 and d["partials"] == 0
         else:

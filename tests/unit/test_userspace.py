@@ -81,7 +81,7 @@ def test_model_with_kernels_gives_identical_verdicts():
         data = hdr.pack() + values.tobytes()
         assert a.process(data, members[rank]) == b.process(data, members[rank])
     assert a.counters(3).tolist() == b.counters(3).tolist()
-    assert a.counters(3)[Counter.RELEASED] >= 10 and a.counters(3)[Counter.OVERFLOWS] > 0
+    assert a.counters(3)[Counter.RELEASED] >= 5 and a.counters(3)[Counter.OVERFLOWS] > 0
 
 
 @pytest.mark.parametrize("text", ["sync", "quorum:3:10ms", "ssp:2", "async", "wbsp"])
@@ -285,5 +285,5 @@ def test_strategies_over_udp(server, workers):
                       + bytes(4 * E), server.address)
     hdr, payload = decode(workers[0].recvfrom(65536)[0])
     assert (hdr.round, hdr.n_contrib, hdr.strategy, hdr.param) == (3, 1, 1, 3)
-    assert hdr.flags == Flag.USERSPACE | Flag.REREAD
+    assert hdr.flags == Flag.USERSPACE        # the deadline release is announced to the group
     assert server.stats()["jobs"][5]["counters"]["timeouts"] == 1
