@@ -52,9 +52,9 @@ Slot rules (numbers as in docs/protocol.md)
 * Counted test: every strategy deduplicates contributions by (member, step): each bank keeps a
   bitmask of steps 0..7 per member (``steps[X]``); step ``s`` is counted when ``s >= 8`` or bit
   ``s`` is set. Rule 1 drops a counted one as ``duplicate``, otherwise adds it (sets X in the
-  bitmap and bit ``s``); rule 2 re-sends to a counted one, otherwise it is late. ``B.late`` is kept
-  (and reported) but decides nothing: carrying from B sets bit ``s`` of ``B.steps[X]`` as well, so
-  the retransmission of a carried step is answered, and a later step of X to B is still carried.
+  bitmap and bit ``s``); rule 2 re-sends when it is counted or X is in ``B.late``, otherwise it is
+  late. (So once one contribution of X was carried from B, any later step of X to B is answered,
+  not carried: under wbsp that step is lost.)
 * Rule 3 order: the chunk order (when the slot holds banks of K's chunk, K.round must be their
   largest round + 1), admission of the entry governing K.round, then the bank: the first empty one,
   else the released one with the smallest key; any refusal is ``busy``. The bank records version,
@@ -70,8 +70,8 @@ Slot rules (numbers as in docs/protocol.md)
   newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
   A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
   target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
-  holds K -- the new round may have taken it -- sets X in B.late and bit ``step`` of
-  ``B.steps[X]``. The answer is chosen *after* the carry: the released bank of that chunk with the
+  holds K -- the new round may have taken it -- sets X in B.late. The answer is chosen *after* the
+  carry: the released bank of that chunk with the
   largest round, sent to X as a re-send; with no such bank the packet is absorbed (XDP_DROP,
   nothing counted but the contribution).
 * Re-read: K released -> re-send (whoever asks); K open, or newer than the newest key, or the slot
@@ -252,8 +252,8 @@ class Bank:
         self.steps = [0] * MAX_MEMBERS
 
     def counted(self, rank: int, step: int) -> bool:
-        """Has this contribution, (member, step), already been taken by this round (added, or
-        carried from it)? Every strategy deduplicates so; only wbsp clients send steps > 0."""
+        """Has this contribution, (member, step), already been added to this round? Every
+        strategy deduplicates so; only wbsp clients send steps > 0."""
         return step >= STEPS or bool(self.steps[rank] >> step & 1)
 
     def complete(self, world: int) -> bool:
@@ -499,7 +499,7 @@ class AggregatorModel:
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
             return self._contribute(job, bank, hdr, values, src, fresh=False)
         if bank is not None:                                                     # rule 2
-            if bank.counted(hdr.rank, hdr.step):
+            if bank.counted(hdr.rank, hdr.step) or bank.late >> hdr.rank & 1:
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
         if newest is None or key > newest:                                       # rule 3
@@ -563,7 +563,6 @@ class AggregatorModel:
         job.count("carried")
         if origin is not None and origin.state != BankState.EMPTY and origin.key == key:
             origin.late |= 1 << hdr.rank
-            origin.steps[hdr.rank] |= 1 << hdr.step
         answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
         if answer is None:
             return Verdict("drop", job=job.cfg.job)

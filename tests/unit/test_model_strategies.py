@@ -222,12 +222,12 @@ SCENARIOS: dict[str, Scenario] = {
         (8, c(0, 0, [1], step=3), resent([1123], round=0, n_contrib=7)),   # after the release: carried
         (9, c(0, 0, [1], step=3, flags=RT), resent([1123], round=0)),      # not carried twice
         (10, c(0, 0, [1], step=1, flags=RT), resent([1123], round=0)),
-        (11, c(0, 0, [1], step=4), resent([1123], round=0)),               # another new step: carried
+        (11, c(0, 0, [1], step=4), resent([1123], round=0)),     # X is in round 0's late: answered only
         (12, c(1, 1, [10]), ABSORBED),
         (13, c(0, 1, [1]), ABSORBED),
         (14, c(2, 1, [100]), ABSORBED),
-        (15, c(3, 1, [1000]), released([1113], round=1, n_contrib=6, contributors=0b1111, flags=Flag.CARRIED)),
-    ), counters=dict(released=2, contributions=13, carried=2, rereads=4)),
+        (15, c(3, 1, [1000]), released([1112], round=1, n_contrib=5, contributors=0b1111, flags=Flag.CARRIED)),
+    ), counters=dict(released=2, contributions=12, carried=1, rereads=4)),
 
     "wbsp steps 0..7 are deduplicated one by one; a lost step may arrive late":
     Scenario((entry("wbsp"),), (
