@@ -149,12 +149,17 @@ def bench_swap(workers, swaps, steps, delay, as_json):
         dp.install_job(job.config(lab))
         table = strat.StrategyTable(strat.SYNC)
         run = StrategyRun(lab, job, workers, steps=steps, delay=delay, jitter=1.0).start()
-        time.sleep(1.0)  # workers import and start
+        while run.running() and (dp.max_round(1) or 0) < 10:  # workers import and get going
+            time.sleep(0.01)
         for i in range(swaps):
             if not run.running():
                 break
             t0 = time.monotonic()
-            version, first = swap(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
+            try:
+                version, first = swap(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
+            except strat.StrategyError:  # the table is full until older versions retire
+                time.sleep(0.05)
+                continue
             requests.append((version, first, cycle[i % len(cycle)], t0))
             time.sleep(0.3)
         records, releases, errors = run.finish(timeout=600)
