@@ -27,9 +27,29 @@ def status(as_json):
     if not s["jobs"]:
         click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
         return
-    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL", "USERSPACE"),
+    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL", "USERSPACE", "STRAGGLERS"),
           [(j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
-            j["userspace_slots"]) for j in s["jobs"]])
+            j["userspace_slots"], _stragglers(j.get("policy"))) for j in s["jobs"]])
+    for j in s["jobs"]:
+        _decision_lines(j["name"], j.get("policy"), last_only=True)
+
+
+def _stragglers(p: dict | None) -> str | None:
+    if not p:
+        return None
+    return ",".join(str(r) for r in p.get("stragglers_now") or []) or "none"
+
+
+def _decision_lines(job: str, p: dict | None, last_only: bool = False) -> None:
+    """The policy's switches of ``job`` (aggd/policy.py), newest last, with their reasons."""
+    if not p:
+        return
+    shown = p["decisions"][-1:] if last_only else p["decisions"]
+    for d in shown:
+        click.echo(f"{job}: {ago(d['time'])} policy switched {d['from']} -> {d['strategy']} from round "
+                   f"{d['from_round']}: {d['reason']}")
+    if p.get("note"):
+        click.echo(f"{job}: policy: {p['note']}")
 
 
 @click.command()
@@ -42,6 +62,14 @@ def workers(job, as_json):
         echo_json(w)
         return
     click.echo(f"job {w['job']} ({w['id']}), round {'-' if w['round'] is None else w['round']}")
-    table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG"),
+    p = w.get("policy")
+    if p:
+        click.echo(f"policy: {'switching' if p['auto_switch'] and p['managed'] else 'watching only'}; "
+                   f"strategy {p.get('in_force', '-')} (its own: {p.get('own', '-')})")
+    table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG ms", "SLOWDOWN", "WAITED s", "STRAGGLER"),
           [(r["rank"], f"{r['address'][0]}:{r['address'][1]}" if r["address"] else "not joined",
-            ago(r["joined_at"]), r["last_round"], r["lag"]) for r in w["workers"]])
+            ago(r["joined_at"]), r["last_round"], r["lag"],
+            None if r.get("slowdown") is None else f"{r['slowdown']:.2f}x",
+            None if r.get("wait_s") is None else f"{r['wait_s']:.1f}",
+            None if r.get("straggler") is None else ("yes" if r["straggler"] else "no")) for r in w["workers"]])
+    _decision_lines(w["job"], p)
