@@ -202,8 +202,10 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
 
 
 def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
-        *, on_record: Callable[[int, dict], None] | None = None, tag: str = "") -> RunResult:
-    """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line."""
+        *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
+        tag: str = "") -> RunResult:
+    """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
+    ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -222,6 +224,8 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
             name = f"{DYNAMIC_PREFIX if strategy == 'dynamic' else 'st'}-{scenario.name}-{strategy}" \
                    f"{tag}-{secrets.token_hex(2)}"
             job = daemon.call("jobs.create", name=name, world=world, strategy=text)
+            if on_job:
+                on_job(job)
             extra = lambda rank: ["--server", f"{lab.agg_ip}:{job['port']}",  # noqa: E731
                                   "--bind", f"{lab.worker_ip(rank)}:41000", "--job", job["name"],
                                   "--token", job["token"]]
