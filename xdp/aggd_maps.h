@@ -77,9 +77,9 @@ struct bank {
  * results here instead of in registers lets the verifier merge the paths through the scan (values
  * read back from map memory are not tracked precisely), which keeps it far below its limits. */
 struct scratch {
-	__s32 ik, ifree, irel_old, itarget, irel_chunk;
+	__s32 ik, ifree, irel_old, itarget, irel_chunk, irel_chunk2;
 	__u32 used, nopen, min_open_round, have_chunk, timeouts;
-	__u64 newest, rel_old_key, target_key, rel_chunk_key, chunk_newest;
+	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released, overflowed, written;
 };
@@ -92,7 +92,7 @@ struct slot {
 	 * when its retransmission arrives after its round's bank is gone, this tells it apart from a
 	 * copy of one already counted (which is stale). */
 	__u64 busy_key[AGGD_MAX_MEMBERS];
-	__u8 busy_step[AGGD_MAX_MEMBERS];
+	__u16 busy_step[AGGD_MAX_MEMBERS];
 	struct bank bank[NBANKS];
 };
 

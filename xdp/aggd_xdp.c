@@ -65,6 +65,8 @@ static __always_inline int nack(struct xdp_md *ctx, __u8 code)
 	h->contributors = 0;
 	h->n_contrib = 0;
 	h->step = 0;
+	h->strategy = 0;
+	h->param = 0;
 	h->reserved = 0;
 	address_to_sender(eth, ip, udp);
 	return XDP_TX;
@@ -73,14 +75,22 @@ static __always_inline int nack(struct xdp_md *ctx, __u8 code)
 /* The strategy entry governing `round`: the newest valid one whose from_round has been reached. */
 static __always_inline struct strategy_entry *strategy_for(struct job_cfg *cfg, __u32 round)
 {
-	struct strategy_entry *best = 0;
+	/* The newest row whose from_round has been reached (ties: the higher version); before any
+	 * row's from_round, the earliest row (as aggd.strategy.StrategyTable.governing). */
+	struct strategy_entry *best = 0, *first = 0;
 #pragma unroll
 	for (int i = 0; i < AGGD_STRATEGY_VERSIONS; i++) {
 		struct strategy_entry *e = &cfg->strategy[i];
-		if (e->valid && e->from_round <= round && (!best || e->from_round >= best->from_round))
+		if (!e->valid)
+			continue;
+		if (e->from_round <= round &&
+		    (!best || e->from_round > best->from_round ||
+		     (e->from_round == best->from_round && e->version > best->version)))
 			best = e;
+		if (!first || e->from_round < first->from_round)
+			first = e;
 	}
-	return best;
+	return best ? best : first;
 }
 
 static __always_inline __u64 clock_now(void)
@@ -218,10 +228,10 @@ int aggd_xdp(struct xdp_md *ctx)
 
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
-	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = -1;
+	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = -1;
 	sc->used = sc->nopen = sc->have_chunk = sc->timeouts = 0;
 	sc->min_open_round = 0xffffffff;
-	sc->newest = sc->rel_chunk_key = sc->chunk_newest = 0;
+	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
 	sc->rel_old_key = sc->target_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
@@ -263,9 +273,16 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->rel_old_key = k;
 				sc->irel_old = i;
 			}
-			if ((__u32)k == chunk && (sc->irel_chunk < 0 || k > sc->rel_chunk_key)) {
-				sc->rel_chunk_key = k;
-				sc->irel_chunk = i;
+			if ((__u32)k == chunk) {
+				if (sc->irel_chunk < 0 || k > sc->rel_chunk_key) {
+					sc->rel_chunk2_key = sc->rel_chunk_key;
+					sc->irel_chunk2 = sc->irel_chunk;
+					sc->rel_chunk_key = k;
+					sc->irel_chunk = i;
+				} else if (sc->irel_chunk2 < 0 || k > sc->rel_chunk2_key) {
+					sc->rel_chunk2_key = k;
+					sc->irel_chunk2 = i;
+				}
 			}
 		}
 	}
@@ -332,9 +349,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (sc->add >= 0) {
 			sc->add_carried = 1;
 			s->busy_key[mi] = 0;
-			if (ik >= 0)
+			if (ik >= 0 && ik != sc->add) /* B still exists (the carry may have reused it) */
 				s->bank[ik & (NBANKS - 1)].late |= bit;
-			sc->out = sc->irel_chunk; /* the newest released result of this chunk answers */
+			/* the newest released result of this chunk answers, not a bank just reopened */
+			sc->out = (sc->add_fresh && sc->add == sc->irel_chunk) ? sc->irel_chunk2 : sc->irel_chunk;
 		}
 	}
 
