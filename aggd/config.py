@@ -226,6 +226,8 @@ class PolicyConfig:
     interval_ms: int = _setting(200, _int_range(10, 60_000), "how often the per-member counters are read")
     slow_factor: float = _setting(1.5, _number_above(1.0), "a member is slow when its steps take this "
                                   "many times the median member's", _NUMBER)
+    even_factor: float = _setting(1.25, _number_above(1.0), "a switched job's members are even again below "
+                                  "this many times the median (at most slow_factor)", _NUMBER)
     slow_rounds: int = _setting(8, _int_range(0, 1 << 20), "rounds a member must stay slow before a switch")
     switch_to: str = _setting("quorum:n-s", _switch_template, "the strategy while members straggle "
                               "(n: world size, s: stragglers)")
@@ -303,6 +305,9 @@ def parse(data: dict, source: str | None = None) -> Config:
             problems.append(f"dataplane.userspace_port: must differ from dataplane.port ({dp.port})")
         if sections["jobs"].result_port == dp.port:
             problems.append(f"jobs.result_port: must differ from dataplane.port ({dp.port})")
+        pol = sections["policy"]
+        if pol.even_factor > pol.slow_factor:
+            problems.append(f"policy.even_factor: must be at most policy.slow_factor ({pol.slow_factor:g})")
     if problems:
         raise ConfigError(problems, source)
     return Config(**sections, source=source)

@@ -16,8 +16,9 @@ The rules (defaults in brackets, all in the config):
   least one], switches to ``switch_to`` [``quorum:n-s``: releases without the ``s`` stragglers,
   whose late gradients are carried into the next round; ``n`` is the world size]. More slow members
   than that is a slow job, not a straggler: nothing changes;
-* a job the policy switched goes back to its own strategy once every member has been even for
-  ``even_rounds`` [30] rounds, and follows a change in the number of stragglers (``quorum:n-s``
+* a job the policy switched goes back to its own strategy once every member has been even (below
+  ``even_factor`` [1.25] times the median: hysteresis, so an estimate near ``slow_factor`` does not
+  flap the job) for ``even_rounds`` [30] rounds, and follows a change in the number of stragglers (``quorum:n-s``
   names another quorum) once that holds for ``slow_rounds``;
 * no two switches of a job less than ``min_rounds_between`` [20] rounds or ``min_seconds_between``
   [2] seconds apart, and ``settle_rounds`` [4] rounds after a switch takes effect are not judged
@@ -72,6 +73,7 @@ def fill(template: str, world: int, stragglers: int) -> str:
 class PolicyRules:
     """The declarative policy (see the module docstring); ``from_mapping`` checks a config's dict."""
     slow_factor: float = 1.5
+    even_factor: float = 1.25
     slow_rounds: int = 8
     switch_to: str = "quorum:n-s"
     even_rounds: int = 30
@@ -85,6 +87,8 @@ class PolicyRules:
         problems = []
         if not self.slow_factor > 1.0:
             problems.append(f"slow_factor must be above 1, not {self.slow_factor}")
+        if not 1.0 < self.even_factor <= self.slow_factor:
+            problems.append(f"even_factor must be above 1 and at most slow_factor, not {self.even_factor}")
         for name in ("slow_rounds", "even_rounds", "min_rounds_between", "settle_rounds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative, not {getattr(self, name)}")
@@ -179,12 +183,15 @@ class JobPolicy:
             self._reset_tracking()  # the new strategy is not in force long enough to be judged
             return None
         slow = set(obs.stragglers)
+        # hysteresis: while switched, a member is even again only below even_factor (an estimate
+        # hovering around slow_factor must not flap the job between strategies)
+        uneven = {w.rank for w in obs.workers if w.slowdown >= r.even_factor} if self.switched else slow
         for rank in list(self.slow_since):
             if rank not in slow:
                 del self.slow_since[rank]
         for rank in slow:
             self.slow_since.setdefault(rank, obs.round - obs.rounds)
-        if slow:
+        if uneven:
             self.even_since = None
         elif self.even_since is None:
             self.even_since = obs.round - obs.rounds
@@ -206,9 +213,9 @@ class JobPolicy:
             why = (f"{slowdown_text(obs, confirmed)} slower than {r.slow_factor:g}x the median for "
                    f"{rounds} rounds")
         else:
-            if not slow and obs.round - self.even_since >= r.even_rounds:
+            if not uneven and obs.round - self.even_since >= r.even_rounds:
                 target, back = self.own, True
-                why = (f"every member within {r.slow_factor:g}x of the median for "
+                why = (f"every member within {r.even_factor:g}x of the median for "
                        f"{obs.round - self.even_since} rounds")
             elif confirmed and len(slow) <= allowed and set(confirmed) != set(self.stragglers):
                 target = fill(r.switch_to, world, len(confirmed))
