@@ -226,7 +226,7 @@ class PolicyConfig:
     interval_ms: int = _setting(200, _int_range(10, 60_000), "how often the per-member counters are read")
     slow_factor: float = _setting(1.5, _number_above(1.0), "a member is slow when its steps take this "
                                   "many times the median member's", _NUMBER)
-    even_factor: float = _setting(1.25, _number_above(1.0), "a switched job's members are even again below "
+    even_factor: float = _setting(1.35, _number_above(1.0), "a switched job's members are even again below "
                                   "this many times the median (at most slow_factor)", _NUMBER)
     slow_rounds: int = _setting(8, _int_range(0, 1 << 20), "rounds a member must stay slow before a switch")
     switch_to: str = _setting("quorum:n-s", _switch_template, "the strategy while members straggle "

@@ -17,7 +17,7 @@ The rules (defaults in brackets, all in the config):
   whose late gradients are carried into the next round; ``n`` is the world size]. More slow members
   than that is a slow job, not a straggler: nothing changes;
 * a job the policy switched goes back to its own strategy once every member has been even (below
-  ``even_factor`` [1.25] times the median: hysteresis, so an estimate near ``slow_factor`` does not
+  ``even_factor`` [1.35] times the median: hysteresis, so an estimate near ``slow_factor`` does not
   flap the job) for ``even_rounds`` [30] rounds, and follows a change in the number of stragglers (``quorum:n-s``
   names another quorum) once that holds for ``slow_rounds``;
 * no two switches of a job less than ``min_rounds_between`` [20] rounds or ``min_seconds_between``
@@ -73,7 +73,7 @@ def fill(template: str, world: int, stragglers: int) -> str:
 class PolicyRules:
     """The declarative policy (see the module docstring); ``from_mapping`` checks a config's dict."""
     slow_factor: float = 1.5
-    even_factor: float = 1.25
+    even_factor: float = 1.35
     slow_rounds: int = 8
     switch_to: str = "quorum:n-s"
     even_rounds: int = 30

@@ -1,25 +1,27 @@
-"""A data-parallel training loop in numpy that works under every aggd strategy.
+"""A data-parallel training loop in numpy that is right under every aggd strategy.
 
 Each worker holds a replica of the model, takes an SGD step on a mini-batch of its own shard and
-allreduces the *stepped model* with ``op="mean"``: the aggregator sums the members' models and the
-client divides each chunk by the number of contributions its result holds (``n_contrib``). For
-members in step this is exactly gradient averaging by the true contribution count,
-``mean_i(p - lr * g_i) = p - lr * sum_i(g_i) / n``, and it is what makes the loop right under the
-strategies that do not wait for everybody:
+allreduces, with ``op="mean"`` (each chunk divided by the number of contributions its result holds,
+``n_contrib``), one tensor with two parts, each starting on a packet boundary: ``P``, the model its
+step started from, and ``U = -lr * g``, the step. Then:
 
-* ``sync``, ``quorum``: wait for each round's result and take it as the model. A straggler under
-  ``quorum`` gets a newer round's result than the one it contributed to (its late contribution is
-  carried into the next round and counts there): taking the result as the model puts it back in
-  step at once, where averaging gradients would leave it behind by every update it missed.
-* ``ssp:s``, ``async``: keep going while up to ``s + 1`` (3) rounds are outstanding; a result
-  replaces the model, plus the local steps taken since the contribution it answers (``S - S_sent``).
-* ``wbsp``: while the round waits for its slowest member, fast members keep taking local steps and
-  push them into the same round; the result averages every contribution (``n_contrib`` of them).
+* in step (the result answers the round right after the last one it applied): ``model += mean U``,
+  the steps of the round's contributions averaged by their true count (``sync``: the world;
+  ``quorum:k``: k plus any late contribution carried in; ``wbsp``: every local step pushed in);
+  under ``sync`` this is plain synchronous SGD and every replica is bit-identical;
+* out of step (a straggler under ``quorum`` is answered by a newer round than the one it sent to),
+  an ``async`` running sum, and every ``resync_every`` rounds for everybody:
+  ``model = mean P + mean U``, the members' mean model, which puts a straggler back in step at once
+  (averaging gradients alone would leave it behind by every update it missed);
+* ``ssp:s``, ``async``, ``wbsp``: a member keeps stepping while the strategy admits (``must_wait``
+  is false); a result replaces the model, plus its own steps not answered yet. Accuracy is measured
+  on the model the results define (``G``), not on a member's unanswered local steps.
 
-The exchange is anything with ``allreduce_async(x, op)``, ``must_wait()`` and ``round`` (an
-``aggd_client.AggClient``, or :class:`GlooExchange` for the baseline). Compute is simulated by a
-sleep of ``compute_s`` a step (times the worker's slowdown) on top of the real forward/backward, so
-a benchmark controls the compute/communication ratio on a 2-core machine.
+The gloo baseline (:class:`GlooExchange`, always in step) sends ``U`` only. The exchange is anything
+with ``allreduce_async(x, op)``, ``must_wait()``, ``round`` and ``strategy`` (an
+``aggd_client.AggClient``, or :class:`GlooExchange`). Compute is simulated by a sleep of
+``compute_s`` a step (times the worker's slowdown) on top of the real forward/backward, so a
+benchmark controls the compute/communication ratio on a 2-core machine.
 """
 from __future__ import annotations
 
