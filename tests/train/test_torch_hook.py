@@ -12,13 +12,12 @@ import threading
 
 import numpy as np
 import pytest
+import torch  # a dev requirement (requirements-dev.txt): never skipped
 
-torch = pytest.importorskip("torch")
+from aggd_client import AggClient, quant
+from aggd_client.torch_hook import AggdHookState, reduce_tensor
 
-from aggd_client import AggClient, quant  # noqa: E402
-from aggd_client.torch_hook import AggdHookState, reduce_tensor  # noqa: E402
-
-from . import ddp_run  # noqa: E402
+from . import ddp_run
 
 E = 256
 MANTISSA = {"float32": 23, "float16": 10, "bfloat16": 7}
