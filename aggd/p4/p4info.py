@@ -62,7 +62,9 @@ def registers() -> dict[str, tuple[int, int]]:
             L.REG_CLOCK: (48, 1), L.REG_SLOT_LOCK: (1, SLOTS)}
     for name, bits in L.BANK_REGISTERS.items():
         regs[f"{L.PIPE}.{name}"] = (bits, cells)
-    regs[f"{L.PIPE}.bank_steps"] = (32, cells * MAX_MEMBERS)
+    regs[f"{L.PIPE}.bank_steps"] = (8, cells * MAX_MEMBERS)
+    for name, bits in L.SLOT_MEMBER_REGISTERS.items():
+        regs[f"{L.PIPE}.{name}"] = (bits, SLOTS * MAX_MEMBERS)
     for i in range(LANES):
         regs[L.lane_register(i)] = (32, cells * PASSES)
     return regs

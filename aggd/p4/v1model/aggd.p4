@@ -105,8 +105,16 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     register<bit<8>>(AGGD_BANK_CELLS) bank_param;
     register<bit<32>>(AGGD_BANK_CELLS) bank_timeout;
     register<bit<48>>(AGGD_BANK_CELLS) bank_t_first;
-    /* wbsp: the next step expected from each member, index bank * 64 + rank (not wrapped). */
-    register<bit<32>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
+    /* 1: released by its deadline, not yet announced: the first answer from it goes to the group */
+    register<bit<8>>(AGGD_BANK_CELLS) bank_unannounced;
+    /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
+     * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
+    register<bit<8>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
+    /* Per member of a slot (index slot * 64 + rank): the late contribution (key, step) last refused
+     * busy by rule 4, whose retransmission is carried even when its round's bank is gone. */
+    register<bit<8>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_valid;
+    register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_key;
+    register<bit<16>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_step;
     /* The values: one register per lane (SwitchML), index bank * AGGD_PASSES + pass. */
 #define AGGD_LANE_REGISTER(i) register<bit<32>>(AGGD_LANE_CELLS) lane_##i;
     AGGD_FOR_LANES(AGGD_LANE_REGISTER)
@@ -299,7 +307,13 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<16> b_version;
         bit<32> b_round;
         bit<32> b_chunk;
-        bit<32> b_steps;
+        bit<8> b_steps;
+        bit<8> b_unannounced;
+        bit<8> r_valid;
+        bit<64> r_key;
+        bit<16> r_step;
+        bit<1> refused_before = 0;
+        bit<32> ridx;
         bit<64> b_bitmap;
         bit<64> b_late;
         bit<32> base;
@@ -436,6 +450,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 now - tf##i >= (bit<48>)to##i) { \
                 st##i = BANK_RELEASED; \
                 bank_state.write(base + i, BANK_RELEASED); \
+                bank_unannounced.write(base + i, 1); \
                 timeouts = timeouts + 1; \
             } \
             if (st##i == BANK_EMPTY) { \
@@ -479,10 +494,12 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_bitmap.read(b_bitmap, base + (bit<32>)ik);
                 bank_late.read(b_late, base + (bit<32>)ik);
                 bank_steps.read(b_steps, (base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank);
-                if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
-                    counted = (bit<32>)hdr.aggd.step < b_steps ? 1w1 : 1w0;
-                } else {
-                    counted = ((b_bitmap | b_late) & bit_x) != 0 ? 1w1 : 1w0;
+                /* (member, step) taken: step >= 8, or its bit in the member's step mask */
+                counted = 0;
+                if (hdr.aggd.step >= 8) {
+                    counted = 1;
+                } else if (((b_steps >> (bit<8>)hdr.aggd.step) & 1) == 1) {
+                    counted = 1;
                 }
             }
 
@@ -501,7 +518,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     } else {
                         add = ik;
                     }
-                } else if (counted == 1) {                                /* rule 2 */
+                } else if (counted == 1 || (b_late & bit_x) != 0) {     /* rule 2 */
                     out = ik;
                 } else {
                     late = 1;
@@ -514,7 +531,14 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             }
 
             if (late == 1) {
-                if (ik == NO_BANK && (hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0) {
+                ridx = meta.slot * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank;
+                refused_valid.read(r_valid, ridx);
+                refused_key.read(r_key, ridx);
+                refused_step.read(r_step, ridx);
+                if (r_valid == 1 && r_key == key && r_step == hdr.aggd.step) {
+                    refused_before = 1;
+                }
+                if (ik == NO_BANK && (hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0 && refused_before == 0) {
                     reason = AGGD_DROP_REASON_STALE;
                 } else {
                     carried = 1;
@@ -528,6 +552,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         }
                         if (open_round == 0xFFFFFFFF || (open_round + 1) ++ hdr.aggd.chunk <= newest) {
                             reason = AGGD_DROP_REASON_BUSY;
+                            refused_valid.write(ridx, 1);       /* remembered: its retransmission is carried */
+                            refused_key.write(ridx, key);
+                            refused_step.write(ridx, hdr.aggd.step);
                         } else {
                             open_round = open_round + 1;
                             want_open = 1;
@@ -541,6 +568,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 meta.s_round = open_round;
                 strategy.apply();
                 bit<1> admitted = 0;
+                /* a round of a chunk opens only as the next round of that chunk */
+                bit<1> in_order = 1;
+                if (have_chunk == 1 && (bit<33>)open_round != (bit<33>)chunk_newest[63:32] + 1) {
+                    in_order = 0;
+                }
                 if (meta.s_kind == AGGD_STRATEGY_KIND_ASYNC) {
                     /* docs/protocol.md: while fewer than 3 banks are open (one released bank is
                      * kept for re-reads); the XDP program does the same. */
@@ -554,8 +586,13 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 } else if (nopen == 0) {
                     admitted = 1;
                 }
-                if (admitted == 0 || pick == NO_BANK) {
+                if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
+                    if (carried == 1) {
+                        refused_valid.write(ridx, 1);   /* remembered: its retransmission is carried */
+                        refused_key.write(ridx, key);
+                        refused_step.write(ridx, hdr.aggd.step);
+                    }
                     carried = 0;
                 } else {
                     bank_state.write(base + (bit<32>)pick, BANK_OPEN);
@@ -571,7 +608,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_param.write(base + (bit<32>)pick, meta.s_param);
                     bank_timeout.write(base + (bit<32>)pick, meta.s_timeout);
                     bank_t_first.write(base + (bit<32>)pick, now);
-                    /* wbsp steps of the new round start at 0 (64 cells; only a wbsp bank reads them) */
+                    bank_unannounced.write(base + (bit<32>)pick, 0);
+                    /* the step masks of the new round start empty (64 cells) */
 #define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
                     AGGD_LANES_64(CLEAR_STEP)
                     add = pick;
@@ -582,12 +620,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             /* The carried contribution's origin remembers it (if the new round did not take it),
              * and the answer is the newest released result of the chunk, chosen after the carry. */
             if (carried == 1 && add != NO_BANK) {
+                refused_valid.write(ridx, 0);
                 if (ik != NO_BANK && !(fresh == 1 && pick == ik)) {
                     bank_late.write(base + (bit<32>)ik, b_late | bit_x);
-                    if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
-                        bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
-                                         (bit<32>)hdr.aggd.step + 1);
-                    }
                 }
                 out = irel_chunk;
                 if (fresh == 1 && pick == irel_chunk) {
@@ -606,10 +641,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (carried == 0) {
                     b_bitmap = b_bitmap | bit_x;
                     bank_bitmap.write(base + (bit<32>)add, b_bitmap);
-                    if (b_kind == AGGD_STRATEGY_KIND_WBSP) {
-                        bank_steps.write((base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
-                                         (bit<32>)hdr.aggd.step + 1);
-                    }
+                    bank_steps.read(b_steps, (base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank);
+                    bank_steps.write((base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                     b_steps | ((bit<8>)1 << (bit<8>)hdr.aggd.step));
                     if (b_kind == AGGD_STRATEGY_KIND_QUORUM) {
                         /* popcount of the bitmap (SWAR) against k */
                         bit<64> p = b_bitmap - ((b_bitmap >> 1) & 0x5555555555555555);
@@ -690,8 +724,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_kind.read(b_kind, base + (bit<32>)out);
                 bank_param.read(b_param, base + (bit<32>)out);
                 if (meta.to_group == 0 && partial == 0) {
-                    BUMP(AGGD_COUNTER_REREADS, 1)
-                    b_flags = b_flags | AGGD_FLAG_REREAD;
+                    bank_unannounced.read(b_unannounced, base + (bit<32>)out);
+                    if (b_unannounced == 1) {
+                        /* the first answer from a deadline release announces it to the group */
+                        bank_unannounced.write(base + (bit<32>)out, 0);
+                        meta.to_group = 1;
+                    } else {
+                        BUMP(AGGD_COUNTER_REREADS, 1)
+                        b_flags = b_flags | AGGD_FLAG_REREAD;
+                    }
                 }
                 hdr.aggd.type = AGGD_MSG_TYPE_RESULT;
                 hdr.aggd.rank = 0xFFFF;
