@@ -87,7 +87,8 @@ static __always_inline struct strategy_entry *strategy_for(struct job_cfg *cfg, 
 		    (!best || e->from_round > best->from_round ||
 		     (e->from_round == best->from_round && e->version > best->version)))
 			best = e;
-		if (!first || e->from_round < first->from_round)
+		if (!first || e->from_round < first->from_round ||
+		    (e->from_round == first->from_round && e->version > first->version))
 			first = e;
 	}
 	return best ? best : first;

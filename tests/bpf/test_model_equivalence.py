@@ -242,9 +242,6 @@ swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEX
                  min_size=1, max_size=4)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known divergence (issue 3 stays open): in rare hot-swap sequences the XDP program and the "
-    "model disagree on whether a late contribution is carried; per-strategy sequences agree"))
 def test_random_sequences_with_hot_swaps(harness):
     before = RUN["swap"]
 

@@ -261,10 +261,6 @@ swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEX
                  min_size=1, max_size=4)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "as tests/bpf/test_model_equivalence.py's: in rare hot-swap sequences the XDP program and the model "
-    "disagree on whether a late contribution is carried (the P4 writes are checked strictly by "
-    "test_random_hot_swaps_against_the_model)"))
 @settings(XDP_SETTINGS, max_examples=SWAP_SEQUENCES // BATCH)
 @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
 def test_random_sequences_with_hot_swaps(twin, batch):
