@@ -7,6 +7,7 @@ import json
 import selectors
 import subprocess
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass, field
@@ -120,6 +121,24 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
     return runs
 
 
+class _Lines:
+    """Every line a process writes to ``stream``, read by a thread as it comes: a child blocked on
+    a full pipe (a busy observer, a chatty worker) would stall or lose what it should record."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def join(self, timeout: float | None = None) -> list[str]:
+        self._thread.join(timeout)
+        return self.lines
+
+
 class StrategyRun:
     """Workers of ``aggd.labstrategy`` plus an observer of the job's group, in a lab.
 
@@ -133,6 +152,7 @@ class StrategyRun:
         self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
                          give_up_after=give_up_after)
         self.procs: list[subprocess.Popen] = []
+        self.outs: list[tuple[_Lines, _Lines]] = []
         self.observer: subprocess.Popen | None = None
 
     def start(self) -> "StrategyRun":
@@ -142,6 +162,7 @@ class StrategyRun:
             "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert json.loads(self.observer.stdout.readline()).get("ready")
+        self.observed = (_Lines(self.observer.stdout), _Lines(self.observer.stderr))
         for rank, w in enumerate(job.workers):
             argv = [sys.executable, "-m", "aggd.labstrategy", "worker",
                     "--server", f"{lab.agg_ip}:{proto.DEFAULT_PORT}", "--group", f"{job.group[0]}:{job.group[1]}",
@@ -151,8 +172,9 @@ class StrategyRun:
                     "--give-up-after", str(a["give_up_after"])]
             if a["slow_steps"] and rank in a["slow"]:
                 argv += ["--slow-steps", a["slow_steps"]]
-            self.procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+            p = lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.procs.append(p)
+            self.outs.append((_Lines(p.stdout), _Lines(p.stderr)))
         return self
 
     def running(self) -> bool:
@@ -163,10 +185,11 @@ class StrategyRun:
         deadline = time.monotonic() + timeout
         try:
             for rank, p in enumerate(self.procs):
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                records[rank] = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                out, err = (lines.join(10) for lines in self.outs[rank])
+                records[rank] = [json.loads(x) for x in out if x.startswith("{")]
                 if p.returncode != 0:
-                    errors[rank] = err[-3000:]
+                    errors[rank] = "".join(err)[-3000:]
             time.sleep(0.3)  # let the last releases reach the observer
         finally:
             for p in self.procs:
@@ -174,6 +197,7 @@ class StrategyRun:
                     p.kill()
                     p.wait()
             self.observer.terminate()
-            out, _ = self.observer.communicate(timeout=10)
-        releases = [json.loads(x) for x in out.splitlines() if x.startswith("{") and "round" in x]
+            self.observer.wait(timeout=10)
+        out = self.observed[0].join(10)
+        releases = [json.loads(x) for x in out if x.startswith("{") and "round" in x]
         return records, releases, errors

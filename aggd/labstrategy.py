@@ -93,8 +93,9 @@ def worker(argv=None) -> int:
             step += 1
         while pending:
             report(*pending.popleft())
+        stats = dict(client.stats)
     print(json.dumps({"rank": args.rank, "final": True, "sent_sum": float(sent.sum()),
-                      "max_outstanding": max_outstanding}), flush=True)
+                      "max_outstanding": max_outstanding, "client": stats}), flush=True)
     return 0
 
 

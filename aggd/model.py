@@ -51,10 +51,10 @@ Slot rules (numbers as in docs/protocol.md)
   as a plain result (no REREAD flag, not counted in REREADS): every member sees the release once.
 * Counted test: every strategy deduplicates contributions by (member, step): each bank keeps a
   bitmask of steps 0..7 per member (``steps[X]``); step ``s`` is counted when ``s >= 8`` or bit
-  ``s`` is set. Rule 1 drops a counted one as ``duplicate``, otherwise adds it (sets X in the
-  bitmap and bit ``s``); rule 2 re-sends when it is counted or X is in ``B.late``, otherwise it is
-  late. (So once one contribution of X was carried from B, any later step of X to B is answered,
-  not carried: under wbsp that step is lost.)
+  ``s`` is set. Rule 1 drops a counted one as ``duplicate``, otherwise adds it (sets bit ``s``, and X in
+  the bitmap when ``s`` is 0); rule 2 re-sends when it is counted, otherwise it is late. A carry
+  marks the (member, step) counted in its origin B too, so its retransmission is answered and a
+  later wbsp step of the same member to B is carried as well.
 * Rule 3 order: the chunk order (when the slot holds banks of K's chunk, K.round must be their
   largest round + 1), admission of the entry governing K.round, then the bank: the first empty one,
   else the released one with the smallest key; any refusal is ``busy``. The bank records version,
@@ -70,7 +70,7 @@ Slot rules (numbers as in docs/protocol.md)
   newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
   A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
   target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
-  holds K -- the new round may have taken it -- sets X in B.late. The answer is chosen *after* the
+  holds K -- the new round may have taken it -- sets X in B.late and bit ``s`` in B.steps[X]. The answer is chosen *after* the
   carry: the released bank of that chunk with the
   largest round, sent to X as a re-send; with no such bank the packet is absorbed (XDP_DROP,
   nothing counted but the contribution).
@@ -499,7 +499,7 @@ class AggregatorModel:
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
             return self._contribute(job, bank, hdr, values, src, fresh=False)
         if bank is not None:                                                     # rule 2
-            if bank.counted(hdr.rank, hdr.step) or bank.late >> hdr.rank & 1:
+            if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
         if newest is None or key > newest:                                       # rule 3
@@ -528,7 +528,8 @@ class AggregatorModel:
                     fresh: bool) -> Verdict:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
-        bank.bitmap |= 1 << hdr.rank
+        if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
+            bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
         if bank.complete(job.cfg.world):
             self._release(job, bank, "complete")
@@ -563,6 +564,8 @@ class AggregatorModel:
         job.count("carried")
         if origin is not None and origin.state != BankState.EMPTY and origin.key == key:
             origin.late |= 1 << hdr.rank
+            # per (member, step): its retransmission is answered; a later wbsp step is carried too
+            origin.steps[hdr.rank] |= 1 << hdr.step
         answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
         if answer is None:
             return Verdict("drop", job=job.cfg.job)

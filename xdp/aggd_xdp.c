@@ -307,7 +307,7 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->reason = AGGD_DROP_REASON_DUPLICATE;
 			else
 				sc->add = ik;
-		else if (counted || (b->late & bit))
+		else if (counted) /* a carried (member, step) is marked counted in its origin too */
 			sc->out = ik; /* the sender lost the result */
 		else
 			sc->late = 1; /* released without this contribution */
@@ -350,8 +350,13 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (sc->add >= 0) {
 			sc->add_carried = 1;
 			s->busy_key[mi] = 0;
-			if (ik >= 0 && ik != sc->add) /* B still exists (the carry may have reused it) */
-				s->bank[ik & (NBANKS - 1)].late |= bit;
+			if (ik >= 0 && ik != sc->add) { /* B still exists (the carry may have reused it) */
+				struct bank *origin = &s->bank[ik & (NBANKS - 1)];
+				origin->late |= bit;
+				/* per (member, step): a retransmission of this one is answered, a later wbsp
+				 * step of the same member is carried too */
+				origin->steps[mi] |= 1 << (step & 7);
+			}
 			/* the newest released result of this chunk answers, not a bank just reopened */
 			sc->out = (sc->add_fresh && sc->add == sc->irel_chunk) ? sc->irel_chunk2 : sc->irel_chunk;
 		}
@@ -363,7 +368,9 @@ int aggd_xdp(struct xdp_md *ctx)
 		struct bank *b = &s->bank[add & (NBANKS - 1)];
 		lag_ns = now - b->t_first;
 		if (!sc->add_carried) {
-			__u64 bm = b->bitmap | bit;
+			/* the bitmap lists members whose step 0 is in: a later wbsp step (or one sent
+			 * before a swap made the round non-wbsp) must not stand in for it */
+			__u64 bm = b->bitmap | (step ? 0 : bit);
 			int release;
 			if (b->kind == AGGD_STRATEGY_KIND_QUORUM)
 				release = __builtin_popcountll(bm) >= b->param;

@@ -847,6 +847,12 @@ class AggClient:
             now = time.monotonic()
             for s in rnd.sends:  # their remaining answers are waited for give_up_after from now
                 s.last_ack = now
+                if s.step > 0:
+                    # A later wbsp step is acknowledged only by an answer sent to us; ask at once,
+                    # while the round's bank still exists (it re-sends, or carries a step that
+                    # came too late), rather than after a timeout, when the bank may be reused
+                    # and the retransmission can only be dropped as stale.
+                    s.hurry()
 
     def _nacks(self, h: np.ndarray) -> None:
         for rec in h:
@@ -1086,6 +1092,11 @@ class _Send:
             self.inflight -= n
             self.last_ack = now
         return n
+
+    def hurry(self) -> None:
+        """Make every packet still in flight due for retransmission now."""
+        inflight = self.state[:self.next] == _INFLIGHT
+        self.sent_at[:self.next][inflight] = -np.inf
 
     def retransmit_due(self, now: float, cap: float) -> None:
         open_ = np.flatnonzero(self.state[self.lo:self.next] != _DONE)

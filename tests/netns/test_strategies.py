@@ -90,11 +90,6 @@ def test_wbsp_releases_on_the_slowest_and_counts_extra_steps(make_lab):
 SEQUENCE = ["quorum:3:200ms", "ssp:2", "async", "wbsp", "sync"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (issue 3 stays open): in the wbsp phase a few extra steps are still lost -- a step "
-    "refused while its round could not take it is retransmitted after the slot has reused that "
-    "round's bank, and is then dropped as stale. Every round is governed by exactly one strategy "
-    "and nothing hangs (asserted before the sums)."))
 def test_hot_swap_300_rounds_nothing_lost_nothing_twice(make_lab):
     rng = random.Random(5)
     swaps = []

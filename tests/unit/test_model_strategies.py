@@ -222,12 +222,13 @@ SCENARIOS: dict[str, Scenario] = {
         (8, c(0, 0, [1], step=3), resent([1123], round=0, n_contrib=7)),   # after the release: carried
         (9, c(0, 0, [1], step=3, flags=RT), resent([1123], round=0)),      # not carried twice
         (10, c(0, 0, [1], step=1, flags=RT), resent([1123], round=0)),
-        (11, c(0, 0, [1], step=4), resent([1123], round=0)),     # X is in round 0's late: answered only
-        (12, c(1, 1, [10]), ABSORBED),
-        (13, c(0, 1, [1]), ABSORBED),
-        (14, c(2, 1, [100]), ABSORBED),
-        (15, c(3, 1, [1000]), released([1112], round=1, n_contrib=5, contributors=0b1111, flags=Flag.CARRIED)),
-    ), counters=dict(released=2, contributions=12, carried=1, rereads=4)),
+        (11, c(0, 0, [1], step=4), resent([1123], round=0)),     # another late step: carried as well
+        (12, c(0, 0, [1], step=4, flags=RT), resent([1123], round=0)),     # not carried twice
+        (13, c(1, 1, [10]), ABSORBED),
+        (14, c(0, 1, [1]), ABSORBED),
+        (15, c(2, 1, [100]), ABSORBED),
+        (16, c(3, 1, [1000]), released([1113], round=1, n_contrib=6, contributors=0b1111, flags=Flag.CARRIED)),
+    ), counters=dict(released=2, contributions=13, carried=2, rereads=5)),
 
     "wbsp steps 0..7 are deduplicated one by one; a lost step may arrive late":
     Scenario((entry("wbsp"),), (
@@ -236,9 +237,10 @@ SCENARIOS: dict[str, Scenario] = {
         (2, c(0, 0, [1], step=2, flags=RT), drop(DropReason.DUPLICATE)),
         (3, c(0, 0, [1], step=8), drop(DropReason.DUPLICATE)),   # beyond the 8 steps of a round
         (4, c(0, 0, [1], step=7), ABSORBED),
-        (5, c(1, 0, [10], step=5), released([13], contributors=0b11, n_contrib=4, strategy=WBSP)),
-        (6, c(0, 0, [1], step=300), resent([13], round=0)),
-    ), world=2, counters=dict(contributions=4, released=1, rereads=1)),
+        (5, c(1, 0, [10], step=5), ABSORBED),                    # counted, but not member 1's step 0:
+        (6, c(1, 0, [100], step=0), released([113], contributors=0b11, n_contrib=5, strategy=WBSP)),
+        (7, c(0, 0, [1], step=300), resent([113], round=0)),
+    ), world=2, counters=dict(contributions=5, released=1, rereads=1)),
 
     "every strategy deduplicates by (member, step): a wbsp step reaching a sync round is summed":
     Scenario((entry("sync"),), (

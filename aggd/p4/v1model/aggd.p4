@@ -518,7 +518,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     } else {
                         add = ik;
                     }
-                } else if (counted == 1 || (b_late & bit_x) != 0) {     /* rule 2 */
+                } else if (counted == 1) {     /* rule 2 (a carried step is marked counted too) */
                     out = ik;
                 } else {
                     late = 1;
@@ -623,6 +623,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 refused_valid.write(ridx, 0);
                 if (ik != NO_BANK && !(fresh == 1 && pick == ik)) {
                     bank_late.write(base + (bit<32>)ik, b_late | bit_x);
+                    /* per (member, step): a later wbsp step of the member is carried too */
+                    bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                     b_steps | ((bit<8>)1 << (bit<8>)hdr.aggd.step));
                 }
                 out = irel_chunk;
                 if (fresh == 1 && pick == irel_chunk) {
@@ -639,7 +642,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_exp.read(b_exp, base + (bit<32>)add);
                 bank_flags.read(b_flags, base + (bit<32>)add);
                 if (carried == 0) {
-                    b_bitmap = b_bitmap | bit_x;
+                    if (hdr.aggd.step == 0) {   /* a later step must not stand in for step 0 */
+                        b_bitmap = b_bitmap | bit_x;
+                    }
                     bank_bitmap.write(base + (bit<32>)add, b_bitmap);
                     bank_steps.read(b_steps, (base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank);
                     bank_steps.write((base + (bit<32>)add) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
