@@ -138,13 +138,18 @@ def _size(v: Any) -> int:
 
 
 def _setting(default, check: Callable | None = None, doc: str = "", types: tuple = ()):
-    return field(default=default, metadata={"check": check, "doc": doc, "types": types})
+    meta = {"check": check, "doc": doc, "types": types or (type(default),)}
+    if isinstance(default, dict):  # a mutable default: each config gets its own copy
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
 
 
 # -- sections ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class DataplaneConfig:
+    kind: str = _setting("xdp", _one_of("xdp", "p4"), "which data plane aggregates: the XDP program on "
+                         "this host, or the aggd P4 program on a switch ([p4])")
     interface: str = _setting("eth0", _ifname, "interface the XDP program attaches to")
     netns: str = _setting("", None, "named network namespace (/run/netns/NAME) of the interface; "
                                     "empty: the daemon's own")
@@ -159,6 +164,75 @@ class DataplaneConfig:
     kernel_memory: int = _setting(64 << 20, _size, "bytes of kernel memory for slots", (int, str))
     pin_dir: str = _setting("/sys/fs/bpf/aggd", _abs_path, "where maps are pinned (bpffs)")
     unpin_on_stop: bool = _setting(False, None, "remove the pinned maps on a clean stop")
+
+
+#: Switch ports are bit<9> in v1model (aggd.dataplane.p4_layout.MAX_PORT); Tofino's are as wide.
+MAX_SWITCH_PORT = (1 << 9) - 1
+_MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$", re.IGNORECASE)
+
+
+def _grpc_target(v: str) -> str:
+    if v.startswith("unix:"):
+        if not v.removeprefix("unix:").removeprefix("//").startswith("/"):
+            raise ValueError(f'must be "HOST:PORT" or "unix:/absolute/path", not {v!r}')
+        return v
+    try:
+        return _host_port(v)
+    except ValueError:
+        raise ValueError(f'must be "HOST:PORT" or "unix:/absolute/path", not {v!r}') from None
+
+
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``check`` for a non-empty value; "" keeps its documented meaning (a default chosen later)."""
+    return lambda v: check(v) if v != "" else v
+
+
+def _switch_hosts(v: dict) -> dict:
+    """``{ip: [mac, port]}`` -> ``{ip: (mac, port)}``: every problem of every host in one reason."""
+    hosts, bad = {}, []
+    for ip, entry in v.items():
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            bad.append(f"{ip!r} is not an IPv4 address")
+            continue
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+                and isinstance(entry[1], int) and not isinstance(entry[1], bool)):
+            bad.append(f'{ip}: must be ["MAC", PORT], not {entry!r}')
+            continue
+        mac, port = entry
+        if not _MAC.match(mac):
+            bad.append(f"{ip}: {mac!r} is not a MAC address (aa:bb:cc:dd:ee:ff)")
+        elif not 0 <= port <= MAX_SWITCH_PORT:
+            bad.append(f"{ip}: switch port must be between 0 and {MAX_SWITCH_PORT}, not {port}")
+        else:
+            hosts[ip] = (mac.lower(), port)
+    if bad:
+        raise ValueError("; ".join(bad))
+    return hosts
+
+
+@dataclass(frozen=True)
+class P4Config:
+    # The switch, when dataplane.kind = "p4" (docs/p4.md). Read only at start: changes need a restart.
+    target: str = _setting("bmv2", _one_of("bmv2", "tofino"), "BMv2 simple_switch_grpc (every strategy) or "
+                           "a Tofino (sync and quorum)")
+    grpc: str = _setting("127.0.0.1:9559", _grpc_target, "the switch's P4Runtime server")
+    device_id: int = _setting(0, _int_range(0, (1 << 63) - 1), "P4Runtime device id")
+    election_id: int = _setting(1, _int_range(1, (1 << 63) - 1), "P4Runtime election id (the highest "
+                                "connected controller is the primary)")
+    registers: str = _setting("", _optional(_host_port), "registers and counters: BMv2's Thrift server "
+                              "(bmv2; empty: 127.0.0.1:9090) or BF Runtime (tofino; empty: 127.0.0.1:50052)")
+    program: str = _setting("aggd", None, "the program name BF Runtime binds (tofino)")
+    p4info: str = _setting("", _optional(_abs_path), "the program's P4Info (text); empty: the one shipped "
+                           "for the target")
+    device_config: str = _setting("", _optional(_abs_path), "compiled program pushed at start (BMv2 JSON, "
+                                  "Tofino binary); empty: keep the program the switch runs")
+    slots: int = _setting(0, _int_range(0, 1 << 24), "switch slots aggd may use; 0: all of the program's")
+    hosts: dict = _setting({}, _switch_hosts, 'hosts behind the switch: { "IP" = ["MAC", PORT] }, the '
+                           "daemon host among them", (dict,))
+    timeout: float = _setting(10.0, lambda v: _number_above(0.0)(v), "seconds to wait for the switch",
+                              (int, float))
 
 
 @dataclass(frozen=True)
@@ -252,6 +326,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    p4: P4Config = field(default_factory=P4Config)
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -305,6 +380,9 @@ def parse(data: dict, source: str | None = None) -> Config:
             problems.append(f"dataplane.userspace_port: must differ from dataplane.port ({dp.port})")
         if sections["jobs"].result_port == dp.port:
             problems.append(f"jobs.result_port: must differ from dataplane.port ({dp.port})")
+        if dp.kind == "p4" and not sections["p4"].hosts:
+            problems.append('p4.hosts: the switch needs its hosts ({ "IP" = ["MAC", PORT] }, the daemon host '
+                            'among them) when dataplane.kind is "p4"')
         pol = sections["policy"]
         if pol.even_factor > pol.slow_factor:
             problems.append(f"policy.even_factor: must be at most policy.slow_factor ({pol.slow_factor:g})")
@@ -323,12 +401,12 @@ def _parse_section(name: str, factory, raw: dict, problems: list[str]):
         if f is None:
             problems.append(f"{path}: unknown key (known: {', '.join(known)})")
             continue
-        types = f.metadata["types"] or (type(f.default),)
+        types = f.metadata["types"]
         # bool is an int in Python; a TOML `true` where a number belongs is still a mistake.
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             want = "a number" if float in types else \
-                " or ".join({"str": "a string", "int": "an integer", "bool": "true or false"}[t.__name__]
-                            for t in types)
+                " or ".join({"str": "a string", "int": "an integer", "bool": "true or false",
+                             "dict": "a table"}[t.__name__] for t in types)
             problems.append(f"{path}: must be {want}, not {value!r}")
             continue
         check = f.metadata["check"]

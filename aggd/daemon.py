@@ -31,7 +31,10 @@ log = logging.getLogger("aggd")
 
 
 def _quiet_libraries(record: logging.LogRecord) -> bool:
-    # pyroute2's and asyncio's chatter below WARNING would drown the daemon's own messages
+    # pyroute2's and asyncio's chatter below WARNING would drown the daemon's own messages; thrift
+    # logs a failed connect with a traceback, which aggd.dataplane.p4_thrift reports in one line itself
+    if record.name.startswith("thrift"):
+        return record.levelno >= logging.CRITICAL
     return record.levelno >= logging.WARNING or not record.name.startswith(("pyroute2", "asyncio"))
 
 
@@ -100,7 +103,9 @@ class Daemon:
 
     def _run(self, wake_r: socket.socket) -> int:
         try:
-            self.notifier.status("starting: loading the XDP program")
+            kind = self.service.config.dataplane.kind
+            self.notifier.status("starting: " + ("connecting to the P4 switch" if kind == "p4" else
+                                                 "loading the XDP program"))
             self.service.start()
             cfg = self.service.config
             from .metrics import serve as serve_metrics
@@ -119,7 +124,8 @@ class Daemon:
         try:
             self._loop(wake_r)
         finally:
-            self.notifier.stopping("stopping: detaching XDP")
+            self.notifier.stopping("stopping: " + ("leaving the P4 switch" if self.service.config.dataplane.kind == "p4"
+                                                   else "detaching XDP"))
             log.info("stopping")
             self.control.close()
             self.metrics.close()

@@ -21,7 +21,8 @@ Names follow the Prometheus conventions: one ``aggd_`` prefix, base units (secon
 ``_total`` on counters, ``_info`` for the strategy in force. Labels are only ``aggd_job`` (the
 job's name: ``job`` itself is the label Prometheus gives every scraped series, and an exported
 ``job`` would be renamed ``exported_job``), ``rank``, ``reason``, ``strategy`` (a strategy kind)
-and ``path`` (``kernel`` or ``user``). Cardinality is bounded: jobs beyond ``max_jobs`` (by id) and
+and ``path`` (``kernel`` or ``user``; with ``[dataplane] kind = "p4"``, ``kernel`` is the switch).
+Cardinality is bounded: jobs beyond ``max_jobs`` (by id) and
 ranks beyond ``max_ranks`` are left out and counted in ``aggd_metrics_truncated_total``.
 docs/observability.md lists every metric.
 
@@ -118,8 +119,8 @@ class StrategyState:
 
 @dataclass(frozen=True)
 class SlotUsage:
-    budget_bytes: int
-    slot_bytes: int
+    budget_bytes: int | None      #: None: not kernel memory (switch slots, dataplane.kind = "p4")
+    slot_bytes: int | None
     capacity: int         #: kernel slots the budget holds
     array_slots: int      #: kernel slots the loaded array holds (allocated at load)
     allocated: int        #: kernel slots allocated to jobs
@@ -154,10 +155,11 @@ class PolicyState:
 
 @dataclass(frozen=True)
 class Health:
-    xdp_attached: bool
+    xdp_attached: bool | None     #: None: no XDP program (dataplane.kind = "p4")
     userspace_alive: bool
     userspace_errors: int = 0
     userspace_send_errors: int = 0
+    p4_connected: bool | None = None   #: the switch's P4Runtime session, with dataplane.kind = "p4"
 
 
 class Reader(Protocol):
@@ -295,6 +297,8 @@ class AggdCollector:
             for path in PATHS:
                 s = stats[path]
                 for c, m in per_counter.items():
+                    if c not in s.counters:
+                        continue
                     if c == "released":
                         for kind, n in self._attribute(job, path, s.counters.get(c, 0), st.kind).items():
                             m.add_metric([name, path, kind], n)
@@ -302,7 +306,8 @@ class AggdCollector:
                         m.add_metric([name, path], s.counters.get(c, 0))
                 for reason, n in s.drops.items():
                     drops.add_metric([name, path, reason], n)
-            handoffs.add_metric([name], stats["kernel"].counters.get("to_userspace", 0))
+            if "to_userspace" in stats["kernel"].counters:
+                handoffs.add_metric([name], stats["kernel"].counters["to_userspace"])
             info.add_metric([name], {"strategy": st.kind})
             version.add_metric([name], st.version)
             param.add_metric([name], st.param)
@@ -341,18 +346,23 @@ class AggdCollector:
             if job_id in by_id:
                 for path, n in paths.items():
                     busy.add_metric([by_id[job_id], path], n)
-        gauge("aggd_kernel_memory_budget_bytes", "Kernel memory budget for slots ([dataplane] kernel_memory)"
-              ).add_metric([], usage.budget_bytes)
-        gauge("aggd_kernel_memory_bytes", "Kernel memory the loaded slot array takes (allocated at load)"
-              ).add_metric([], usage.array_slots * usage.slot_bytes)
-        gauge("aggd_kernel_memory_allocated_bytes", "Kernel slot memory allocated to jobs"
-              ).add_metric([], usage.allocated * usage.slot_bytes)
-        gauge("aggd_kernel_slot_bytes", "Bytes of one kernel slot").add_metric([], usage.slot_bytes)
+        if usage.slot_bytes is not None:
+            gauge("aggd_kernel_memory_budget_bytes", "Kernel memory budget for slots ([dataplane] kernel_memory)"
+                  ).add_metric([], usage.budget_bytes)
+            gauge("aggd_kernel_memory_bytes", "Kernel memory the loaded slot array takes (allocated at load)"
+                  ).add_metric([], usage.array_slots * usage.slot_bytes)
+            gauge("aggd_kernel_memory_allocated_bytes", "Kernel slot memory allocated to jobs"
+                  ).add_metric([], usage.allocated * usage.slot_bytes)
+            gauge("aggd_kernel_slot_bytes", "Bytes of one kernel slot").add_metric([], usage.slot_bytes)
         gauge("aggd_kernel_slots_capacity", "Kernel slots the budget holds").add_metric([], usage.capacity)
         gauge("aggd_kernel_slots_allocated", "Kernel slots allocated to jobs").add_metric([], usage.allocated)
 
         h = r.health()
-        gauge("aggd_xdp_attached", "1 if the XDP program is attached").add_metric([], int(h.xdp_attached))
+        if h.xdp_attached is not None:
+            gauge("aggd_xdp_attached", "1 if the XDP program is attached").add_metric([], int(h.xdp_attached))
+        if h.p4_connected is not None:
+            gauge("aggd_p4_connected", "1 while the daemon holds its P4Runtime session with the switch "
+                                       "(dataplane.kind = \"p4\")").add_metric([], int(h.p4_connected))
         gauge("aggd_userspace_path_up", "1 if the user-space path is serving").add_metric([], int(h.userspace_alive))
         counter("aggd_userspace_errors", "Packets whose handling in user space raised", []
                 ).add_metric([], h.userspace_errors)
@@ -374,8 +384,10 @@ class AggdCollector:
         s = self.reader.job_stats(job, path)
         # every reason always present: a series that appears only with its first drop would make
         # increase() miss that drop
-        return JobStats({c.name.lower(): int(s.counters.get(c.name.lower(), 0)) for c in Counter},
-                        {d.name.lower(): int(s.drops.get(d.name.lower(), 0)) for d in DropReason})
+        # (counters a data plane does not keep stay absent: a P4 target without them)
+        return JobStats({c.name.lower(): int(s.counters.get(c.name.lower(), 0)) for c in Counter
+                         if c.name.lower() not in s.untracked},
+                        {d.name.lower(): int(s.drops.get(d.name.lower(), 0)) for d in DropReason}, s.untracked)
 
     def _count_decisions(self, job: JobInfo, pol: PolicyState) -> dict[str, int]:
         """Decisions by the strategy chosen: the service remembers its last few, with their times;
@@ -512,8 +524,6 @@ class ServiceReader:
         return strategy_in_force(job, round_)
 
     def slot_usage(self, jobs: list[JobInfo]) -> SlotUsage:
-        import ctypes
-
         svc = self.service
         with svc.lock:
             budget_slots = svc.registry.limits.kernel_budget
@@ -523,17 +533,17 @@ class ServiceReader:
             counts = {}
             if job.kernel_slots and scanned + job.kernel_slots <= SLOT_SCAN_LIMIT:
                 scanned += job.kernel_slots
-                n = 0
-                for i in range(job.kernel_base, job.kernel_base + job.kernel_slots):
-                    slot = svc.dp.slots[ctypes.c_uint32(i)]
-                    n += any(b.state == 1 for b in slot.bank)  # BANK_OPEN
-                counts["kernel"] = n
+                n = svc.dp.open_slots(job.kernel_base, job.kernel_slots)
+                if n is not None:  # None: the data plane cannot tell (a Tofino)
+                    counts["kernel"] = n
             elif not job.kernel_slots:
                 counts["kernel"] = 0
             user = self._user_busy(job)
             if user is not None:
                 counts["user"] = user
             busy[job.id] = counts
+        if svc.config.dataplane.kind == "p4":  # switch slots: no kernel memory to speak of
+            return SlotUsage(None, None, budget_slots, svc.kernel_capacity, allocated, busy)
         return SlotUsage(svc.config.dataplane.kernel_memory, svc.slot_bytes, budget_slots,
                          max(1, svc.kernel_capacity), allocated, busy)
 
@@ -569,7 +579,12 @@ class ServiceReader:
     def health(self) -> Health:
         svc = self.service
         us = svc.us
-        return Health(bool(svc.dp is not None and getattr(svc.dp, "_attached", False)),
+        attached = bool(svc.dp is not None and svc.dp.attached)
+        if svc.config.dataplane.kind == "p4":
+            return Health(None, bool(us is not None and us.is_alive()),
+                          us.errors if us is not None else 0, us.send_errors if us is not None else 0,
+                          p4_connected=attached)
+        return Health(attached,
                       bool(us is not None and us.is_alive()),
                       us.errors if us is not None else 0, us.send_errors if us is not None else 0)
 

@@ -1,7 +1,8 @@
 """The daemon's core: the registry applied to the data planes, persisted, and served to aggctl.
 
-``Service`` owns the job registry (``aggd.registry``), the XDP data plane (kernel slots, pinned
-maps), the user-space path (``aggd.userspace``: chunks and jobs the kernel cannot hold, and JOINs),
+``Service`` owns the job registry (``aggd.registry``), the fast data plane (``[dataplane] kind``:
+the XDP program with its kernel slots and pinned maps, or the aggd P4 program on a switch, driven
+over P4Runtime: ``aggd.dataplane``), the user-space path (``aggd.userspace``: chunks and jobs the kernel cannot hold, and JOINs),
 and the state file. Every change goes registry -> data planes -> state file, under one lock (JOINs
 arrive on the user-space thread, aggctl requests on the main thread).
 
@@ -10,7 +11,11 @@ where the old one left them; state.json (rewritten atomically on every change) h
 do not: names, tokens, strategies. A job whose kernel entry still matches the registry keeps its
 slots; one that does not (maps removed, e.g. after a reboot) is installed afresh. User-space slots
 live in the daemon's memory: after a restart they start empty, and the workers' retransmissions of
-unanswered chunks refill them (a round already released there is not served again).
+unanswered chunks refill them (a round already released there is not served again). With a P4
+switch every job is installed afresh at start (its switch slots start empty).
+
+"Kernel" in the registry and in aggctl's JSON means the fast data plane's slots: the switch's with
+``kind = "p4"``.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from aggd_client.protocol import Header
 from . import xdp_ops
 from .config import Config, changed_keys, RELOADABLE
 from .control import ControlError
+from .dataplane import DataPlaneError
 from .model import JobConfig
 from .registry import Job, Limits, Registry, RegistryError, answer_join
 
@@ -112,20 +118,23 @@ class Service:
         self.reset_kernel_state = reset_kernel_state
         self.lock = threading.RLock()
         self.started_at = time.time()
-        self.dp = None          # XdpDataPlane
+        self.dp = None          # aggd.dataplane.DataPlane: XdpDataPlane or P4DataPlane
         self.us = None          # UserspaceAggregator
         self.policy = None      # aggd.policy.PolicyRunner: straggler detector and policy, a thread
         self.address: str | None = None
         # The kernel's slot array is sized once, at load, from the budget and the slot size of the
         # program being loaded; a reload may lower the budget for new jobs but not grow the array.
         self.slot_bytes = config.slot_bytes  # estimate until start() measures it
-        self.kernel_capacity = config.kernel_slots
+        # (a switch's slots are known once its P4Info is read, at start)
+        self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
         self.registry = Registry(self._limits(config))
         self.state_path = Path(config.state.dir) / STATE_FILE
 
     def _limits(self, cfg: Config) -> Limits:
         dp, jobs = cfg.dataplane, cfg.jobs
-        return Limits(kernel_budget=min(cfg.dataplane.kernel_memory // self.slot_bytes, self.kernel_capacity),
+        budget = self.kernel_capacity if dp.kind == "p4" else \
+            min(cfg.dataplane.kernel_memory // self.slot_bytes, self.kernel_capacity)
+        return Limits(kernel_budget=budget,
                       elements=dp.elements_per_packet,
                       port=dp.port, userspace_port=dp.userspace_port, result_port=jobs.result_port,
                       group_base=jobs.group_base, default_slots=jobs.default_slots, max_chunks=jobs.max_chunks,
@@ -133,13 +142,67 @@ class Service:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        from .dataplane.xdp import XdpDataPlane, XdpError, remove_pinned
         from .userspace import UserspaceAggregator
 
         cfg, dpc = self.config, self.config.dataplane
         netns = dpc.netns or None
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = dpc.address or interface_address(dpc.interface, netns)
+        if dpc.kind == "p4":
+            self._start_p4()
+        else:
+            self._start_xdp()
+        with _netns(netns):  # sockets stay in the namespace they were made in
+            self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
+                                          extra_binds=((self.address, dpc.userspace_port),),
+                                          handlers={int(proto.MsgType.JOIN): self._on_join})
+        self._restore()
+        self.us.start()
+        from .policy import PolicyRunner
+        self.policy = PolicyRunner(self).start()
+        if dpc.kind == "p4":
+            p4 = cfg.p4
+            log.info("serving on %s:%d (P4 %s switch at %s), user-space port %d, %d switch slots",
+                     self.address, dpc.port, p4.target, p4.grpc, dpc.userspace_port,
+                     self.registry.limits.kernel_budget)
+        else:
+            log.info("serving on %s:%d (%s XDP on %s%s), user-space port %d, kernel budget %d slots",
+                     self.address, dpc.port, dpc.mode, dpc.interface, f" in {netns}" if netns else "",
+                     dpc.userspace_port, self.registry.limits.kernel_budget)
+
+    def _start_p4(self) -> None:
+        """Connect to the switch (P4Runtime, and its registers), push the program if configured,
+        write the switch-wide entries. Any failure is a ServiceError naming the address."""
+        from google.protobuf.message import Error as ProtobufError
+
+        from .dataplane.p4 import P4INFO, TNA_P4INFO, P4DataPlane
+        cfg, p4 = self.config, self.config.p4
+        tofino = p4.target == "tofino"
+        reg_address = p4.registers or ("127.0.0.1:50052" if tofino else "127.0.0.1:9090")
+        where = f"the P4 switch at {p4.grpc} (registers at {reg_address})"
+        registers = None
+        try:
+            if tofino:  # BMv2's Thrift registers P4DataPlane opens itself (thrift_address)
+                from .dataplane.p4_bfrt import BfrtRegisters
+                registers = BfrtRegisters(reg_address, program=p4.program, device_id=p4.device_id)
+            self.dp = P4DataPlane(
+                p4.grpc, address=self.address, port=cfg.dataplane.port, hosts=p4.hosts,
+                elements=cfg.dataplane.elements_per_packet, total_slots=p4.slots or None,
+                registers=registers, own_registers=True, thrift_address=reg_address,
+                p4info=p4.p4info or (TNA_P4INFO if tofino else P4INFO), device_config=p4.device_config or None,
+                device_id=p4.device_id, election_id=p4.election_id, target=p4.target, timeout=p4.timeout)
+        except (DataPlaneError, OSError, ProtobufError) as exc:
+            if registers is not None and self.dp is None:
+                registers.close()
+            raise ServiceError(f"{where}: {exc}") from None
+        self.kernel_capacity = self.dp.total_slots
+        self.registry.with_limits(self._limits(cfg))
+
+    def _start_xdp(self) -> None:
+        from .dataplane.xdp import XdpDataPlane, XdpError, remove_pinned
+
+        cfg, dpc = self.config, self.config.dataplane
+        netns = dpc.netns or None
         ensure_bpffs(dpc.pin_dir)
         sizes = xdp_ops.probe_value_sizes(dpc.elements_per_packet)
         self.slot_bytes = sizes["slots"]
@@ -169,20 +232,10 @@ class Service:
         if xdp_ops.slot_size(self.dp) != self.slot_bytes:
             raise ServiceError(f"a kernel slot takes {xdp_ops.slot_size(self.dp)} bytes, the probe said "
                                f"{self.slot_bytes}: the budget would be wrong")
-        with _netns(netns):  # sockets stay in the namespace they were made in
-            self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
-                                          extra_binds=((self.address, dpc.userspace_port),),
-                                          handlers={int(proto.MsgType.JOIN): self._on_join})
-        self._restore()
-        self.us.start()
-        from .policy import PolicyRunner
-        self.policy = PolicyRunner(self).start()
-        log.info("serving on %s:%d (%s XDP on %s%s), user-space port %d, kernel budget %d slots",
-                 self.address, dpc.port, dpc.mode, dpc.interface, f" in {netns}" if netns else "",
-                 dpc.userspace_port, self.registry.limits.kernel_budget)
 
     def stop(self) -> None:
-        """Detach XDP and stop serving; the pinned maps stay unless configured otherwise."""
+        """Detach XDP (or leave the switch) and stop serving; the pinned maps stay unless configured
+        otherwise."""
         if self.policy is not None:
             self.policy.stop()
             self.policy = None
@@ -191,11 +244,8 @@ class Service:
             self.us = None
         if self.dp is not None:
             try:
-                self.dp.close()
+                self.dp.stop(unpin=self.config.dataplane.unpin_on_stop)
             finally:
-                if self.config.dataplane.unpin_on_stop:
-                    log.info("removing pinned maps in %s (dataplane.unpin_on_stop)", self.config.dataplane.pin_dir)
-                    self.dp.unpin()
                 self.dp = None
 
     def healthy(self) -> bool:
@@ -223,9 +273,7 @@ class Service:
         self._save()
 
     def _kernel_matches(self, job: Job) -> bool:
-        j = self.dp.jobs[ctypes.c_uint32(job.id)]
-        return (int(j.world), int(j.n_slots), int(j.slot_base), int(j.kernel_slots)) == \
-            (job.world, job.slots, job.kernel_base, job.kernel_slots)
+        return self.dp.installed(job.id) == (job.world, job.slots, job.kernel_base, job.kernel_slots)
 
     # -- applying the registry to the data planes --------------------------------------------------
     def _apply(self, job: Job, keep_kernel: bool = False) -> None:
@@ -233,11 +281,12 @@ class Service:
         members = {r: m.address for r, m in job.members.items()}
         if keep_kernel:
             for rank in range(proto.MAX_MEMBERS):
-                xdp_ops.set_member(self.dp, job.id, rank, members.get(rank))
+                self.dp.set_member(job.id, rank, members.get(rank))
         else:
             cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
-                                        members=members, group=job.group)
-            base, count = xdp_ops.install_job(self.dp, cfg, job.kernel_slots)
+                                        members=members, group=job.group, kernel_slots=job.kernel_slots)
+            self.dp.install_job(cfg)
+            base, count = self.dp.allocation(job.id)
             if (base, count) != (job.kernel_base, job.kernel_slots):
                 log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
                             job.name, base, count, job.kernel_base, job.kernel_slots)
@@ -266,6 +315,7 @@ class Service:
         if missing:
             raise ControlError("unsupported", f"job {job.name}: the user-space path cannot run "
                                               f"{', '.join(missing)} yet")
+        self.dp.check_strategies(entries)  # DataPlaneError: refused before anything changed
         try:
             self.us.set_strategy(job.id, entries)
         except (ValueError, NotImplementedError) as exc:
@@ -283,7 +333,7 @@ class Service:
                 log.warning("join refused (%s) from %s:%d: %s", outcome.code.name, src[0], src[1], outcome.message)
             elif outcome.changed:
                 job, rank = outcome.job, Header.unpack(data).rank
-                xdp_ops.set_member(self.dp, job.id, rank, src)
+                self.dp.set_member(job.id, rank, src)
                 self.us.set_member(job.id, rank, src)
                 self._save()
                 log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
@@ -297,7 +347,7 @@ class Service:
             self.config = new
             self.registry.with_limits(self._limits(new))
             wanted = new.dataplane.kernel_memory // self.slot_bytes
-            if wanted > self.kernel_capacity:
+            if new.dataplane.kind == "xdp" and wanted > self.kernel_capacity:
                 log.warning("dataplane.kernel_memory grew to %d slots; the kernel array holds %d until a "
                             "restart with --reset-kernel-state", wanted, self.kernel_capacity)
             return sorted(changed - RELOADABLE)
@@ -312,6 +362,8 @@ class Service:
                 return handler(**args)
             except RegistryError as exc:
                 raise ControlError(exc.kind, str(exc)) from None
+            except DataPlaneError as exc:  # refused by the XDP program or the switch
+                raise ControlError("dataplane", str(exc)) from None
             except TypeError as exc:
                 raise ControlError("bad_request", f"{cmd}: {exc}") from None
 
@@ -319,7 +371,7 @@ class Service:
         return self.registry.get(job)
 
     def _rounds(self, job: Job) -> tuple[int | None, dict[int, int]]:
-        top_k, per_k = xdp_ops.job_rounds(self.dp, job.id) if job.kernel_slots else (None, {})
+        top_k, per_k = self.dp.job_rounds(job.id) if job.kernel_slots else (None, {})
         top_u, per_u = self.us.job_rounds(job.id)
         tops = [t for t in (top_k, top_u) if t is not None]
         per = dict(per_k)
@@ -338,15 +390,23 @@ class Service:
         cfg, dpc = self.config, self.config.dataplane
         lim = self.registry.limits
         used = self.registry.kernel_used()
+        p4 = dpc.kind == "p4"
+        dataplane = {"kind": dpc.kind, "interface": dpc.interface, "netns": dpc.netns or None, "mode": dpc.mode,
+                     "address": self.address, "port": dpc.port, "userspace_port": dpc.userspace_port,
+                     "elements": dpc.elements_per_packet, "pin_dir": dpc.pin_dir,
+                     "attached": bool(self.dp and self.dp.attached)}
+        if p4:  # no XDP on this host: the switch, where it is and what it holds
+            dataplane.update(mode=None, pin_dir=None, p4={
+                "target": cfg.p4.target, "grpc": cfg.p4.grpc, "registers": cfg.p4.registers or None,
+                "device_id": cfg.p4.device_id, **(self.dp.describe() if self.dp else {})})
         return {
             "pid": os.getpid(), "started_at": self.started_at, "uptime": time.time() - self.started_at,
             "config": cfg.source,
-            "dataplane": {"interface": dpc.interface, "netns": dpc.netns or None, "mode": dpc.mode,
-                          "address": self.address, "port": dpc.port, "userspace_port": dpc.userspace_port,
-                          "elements": dpc.elements_per_packet, "pin_dir": dpc.pin_dir,
-                          "attached": bool(self.dp and self.dp._attached)},
-            "kernel": {"budget_bytes": dpc.kernel_memory, "slot_bytes": self.slot_bytes,
-                       "budget_slots": lim.kernel_budget, "array_slots": max(1, self.kernel_capacity),
+            "dataplane": dataplane,
+            # "kernel": the fast data plane's slots (the switch's with kind = "p4": no kernel memory)
+            "kernel": {"budget_bytes": None if p4 else dpc.kernel_memory, "slot_bytes": None if p4 else self.slot_bytes,
+                       "budget_slots": lim.kernel_budget,
+                       "array_slots": self.kernel_capacity if p4 else max(1, self.kernel_capacity),
                        "used_slots": used, "free_slots": max(0, lim.kernel_budget - used),
                        "largest_free_run": self.registry.largest_free_run()},
             "userspace": {"alive": bool(self.us and self.us.is_alive()), "errors": self.us.errors,

@@ -17,11 +17,19 @@ def status(as_json):
     dp, k, us = s["dataplane"], s["kernel"], s["userspace"]
     where = f" in netns {dp['netns']}" if dp["netns"] else ""
     click.echo(f"aggd pid {s['pid']}, up {duration(s['uptime'])}, config {s['config'] or '-'}")
-    click.echo(f"data plane: XDP {dp['mode']} on {dp['interface']}{where} "
-               f"({'attached' if dp['attached'] else 'DETACHED'}), {dp['address']}:{dp['port']}, "
-               f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
-    click.echo(f"kernel memory: {k['budget_bytes']} bytes = {k['budget_slots']} slots of {k['slot_bytes']} B; "
-               f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
+    if dp.get("kind") == "p4":
+        p4 = dp["p4"]
+        click.echo(f"data plane: P4 {p4['target']} switch at {p4['grpc']} "
+                   f"({'connected' if dp['attached'] else 'DISCONNECTED'}), {dp['address']}:{dp['port']}, "
+                   f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
+        click.echo(f"switch slots: {k['budget_slots']} (of the program's {p4.get('program_slots', '-')}); "
+                   f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
+    else:
+        click.echo(f"data plane: XDP {dp['mode']} on {dp['interface']}{where} "
+                   f"({'attached' if dp['attached'] else 'DETACHED'}), {dp['address']}:{dp['port']}, "
+                   f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
+        click.echo(f"kernel memory: {k['budget_bytes']} bytes = {k['budget_slots']} slots of {k['slot_bytes']} B; "
+                   f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
     click.echo(f"user-space path: {'running' if us['alive'] else 'STOPPED'}, {us['errors']} errors, "
                f"{us['send_errors']} send errors")
     if not s["jobs"]:

@@ -1,6 +1,8 @@
-"""Data planes behind one interface: the XDP program, the user-space path, and (later) P4.
+"""Data planes behind one interface: the XDP program (``xdp``) and the P4 program on a switch (``p4``).
 
-The deciding logic (job registry, strategies, policies) talks only to :class:`DataPlane`.
+The deciding logic (job registry, strategies, policies, metrics) talks only to :class:`DataPlane`;
+``aggd.service`` picks the implementation from ``[dataplane] kind``. What one data plane cannot
+tell (a P4 target without per-member counters, say) reads as ``None``: absent, never made up.
 """
 from __future__ import annotations
 
@@ -8,11 +10,17 @@ import abc
 from dataclasses import dataclass, field
 
 
+class DataPlaneError(RuntimeError):
+    """A data plane refused or failed an operation (XdpError, P4Error)."""
+
+
 @dataclass
 class JobStats:
-    """A job's data-plane counters, keyed by protocol ``Counter`` and ``DropReason`` names."""
+    """A job's data-plane counters, keyed by protocol ``Counter`` and ``DropReason`` names.
+    ``untracked``: counters this data plane does not keep (absent, not zero)."""
     counters: dict[str, int] = field(default_factory=dict)
     drops: dict[str, int] = field(default_factory=dict)
+    untracked: frozenset = frozenset()
 
 
 class DataPlane(abc.ABC):
@@ -20,15 +28,71 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     def install_job(self, cfg) -> None:
-        """Install (or replace) a job: its config, members and a fresh slot pool."""
+        """Install (or replace) a job from ``job, world, slots, max_chunks, members, group`` and
+        optionally ``kernel_slots`` (the slots this data plane holds; 0: none, every chunk goes to
+        the user-space path) and ``strategy``."""
 
     @abc.abstractmethod
     def remove_job(self, job: int) -> None:
         """Remove a job and free its slots."""
 
     @abc.abstractmethod
+    def active_jobs(self) -> list[int]:
+        """Ids of the installed jobs."""
+
+    @abc.abstractmethod
+    def allocation(self, job: int) -> tuple[int, int]:
+        """(first slot, slots) the data plane holds for an installed job; (0, 0) otherwise."""
+
+    @abc.abstractmethod
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
+        """Register (None: clear) the address rank ``rank`` of ``job`` sends from."""
+
+    @abc.abstractmethod
+    def set_strategy(self, job: int, entries) -> None:
+        """Install a job's strategy table (``aggd.strategy.TableEntry`` rows, newest last)."""
+
+    def check_strategies(self, entries) -> None:
+        """Raise DataPlaneError if this data plane cannot run these strategy rows (checked before
+        anything changes anywhere)."""
+
+    @abc.abstractmethod
     def job_stats(self, job: int | None) -> JobStats:
         """Counters of a job; ``None`` for packets that never reached a job."""
+
+    @abc.abstractmethod
+    def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
+        """(highest round a slot of ``job`` holds, {rank: highest round it contributed to})."""
+
+    def installed(self, job: int) -> tuple[int, int, int, int] | None:
+        """(world, slots, first slot, slots held) of a job this data plane kept from an earlier
+        daemon (pinned state), to decide whether it still matches the registry; None if unknown."""
+        return None
+
+    def max_round(self, job: int) -> int | None:
+        """The highest round any member of ``job`` has sent, or None (also when not kept)."""
+        return None
+
+    def member_stats(self, job: int, world: int) -> list[dict] | None:
+        """Per rank: contributions, lag_ns_sum, late, last_round, last_ns; None when not kept."""
+        return None
+
+    def open_slots(self, base: int, count: int) -> int | None:
+        """How many of slots ``[base, base + count)`` hold an open round; None when not readable."""
+        return None
+
+    @property
+    def attached(self) -> bool:
+        """Whether packets reach the program (XDP attached, switch connected)."""
+        return True
+
+    def describe(self) -> dict:
+        """What ``aggctl status`` shows of the data plane beyond the config."""
+        return {}
+
+    def stop(self, unpin: bool = False) -> None:
+        """Stop (detach); ``unpin``: also drop state kept for a restart (the XDP pinned maps)."""
+        self.close()
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, JobStats
+from . import DataPlane, DataPlaneError, JobStats
 from . import p4_layout as L
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ PRIO_SETTLED, PRIO_NEW = 1, 2
 TOFINO_KINDS = {proto.StrategyKind.SYNC, proto.StrategyKind.QUORUM}
 
 
-class P4Error(RuntimeError):
+class P4Error(DataPlaneError):
     pass
 
 
@@ -430,6 +430,7 @@ class P4DataPlane(DataPlane):
     hosts behind the switch, ``{ip: (mac, port)}``: L2 forwarding entries, and the replication ports
     of each job's members. ``device_config``: the compiled program (BMv2 JSON) to push; None leaves
     the program the switch was started with. ``target``: "bmv2" or "tofino" (sync and quorum only).
+    ``own_registers``: close the given ``registers`` with the data plane (those it opens itself always are).
     """
 
     def __init__(self, grpc_address: str = "127.0.0.1:9559", *, address: str, port: int = proto.DEFAULT_PORT,
@@ -437,7 +438,8 @@ class P4DataPlane(DataPlane):
                  total_slots: int | None = None, registers: RegisterAccess | None = None,
                  thrift_address: str = "127.0.0.1:9090", p4info: str | Path | P4Info = P4INFO,
                  device_config: str | Path | bytes | None = None, device_id: int = 0, election_id: int = 1,
-                 target: str = "bmv2", client: P4RuntimeClient | None = None, timeout: float = 10.0) -> None:
+                 target: str = "bmv2", client: P4RuntimeClient | None = None, timeout: float = 10.0,
+                 own_registers: bool = False) -> None:
         from .xdp import SlotAllocator  # plain Python; bcc is imported only by XdpDataPlane itself
 
         if target not in ("bmv2", "tofino"):
@@ -459,7 +461,8 @@ class P4DataPlane(DataPlane):
             if not 0 <= p <= L.MAX_PORT:
                 raise P4Error(f"host {ip}: port {p} outside 0..{L.MAX_PORT}")
         self.jobs: dict[int, _Job] = {}
-        self._owned: list = []
+        self.client = None
+        self._owned: list = [] if registers is None or not own_registers else [registers]
         try:
             if client is None:
                 client = P4RuntimeClient(grpc_address, device_id=device_id, election_id=election_id, timeout=timeout)
@@ -473,6 +476,7 @@ class P4DataPlane(DataPlane):
                 registers = Bmv2Registers(thrift_address)
                 self._owned.append(registers)
             self.registers = registers
+            self._clear_switch()
             self._install_switch()
         except BaseException:
             self.close()
@@ -514,6 +518,37 @@ class P4DataPlane(DataPlane):
         if problems:
             raise P4Error(f"the P4 program lacks or differs in: {', '.join(problems)}")
 
+    def _clear_switch(self) -> None:
+        """Delete what an earlier controller (this daemon before a restart) left in the tables and
+        multicast groups the backend writes, so that the INSERTs that follow find them empty: the
+        daemon owns them, and reinstalls its registry's jobs afresh. (A pushed device_config has
+        emptied them already.) Groups are not read back (not every P4Runtime server serves PRE
+        reads): the job groups of the jobs found, and the flood group with the service entry."""
+        from .p4_proto import p4runtime_pb2 as p
+        names = list(L.TABLES) + (list(L.TABLES_TNA) if self.target == "tofino" else [])
+        found = self.client.read([p.Entity(table_entry=p.TableEntry(table_id=self.info.table(n).preamble.id))
+                                  for n in names])
+        if not found:
+            return
+        jobs, groups = set(), set()
+        for ent in found:
+            table, match, *_ = self.info.read_entry(ent.table_entry)
+            if "hdr.aggd.job" in match:
+                jobs.add(match["hdr.aggd.job"])
+            if table == L.SERVICE:
+                groups.add(L.FLOOD_GROUP)
+        groups |= {L.job_group(j) for j in jobs}
+        # the jobs entries first: from then on those jobs' packets are unknown_job
+        order = sorted(found, key=lambda e: self.info.by_id(e.table_entry.table_id).preamble.name != L.JOBS)
+        self.client.write([update("DELETE", table_entry=e.table_entry) for e in order])
+        for g in sorted(groups):
+            try:
+                self.client.write([update("DELETE", packet_replication_engine_entry=multicast_group(g, ()))])
+            except P4Error:
+                pass  # the group was not there (a job half installed, or removed by hand)
+        log.warning("removed %d table entries of %d job(s) an earlier controller left on the switch",
+                    len(found), len(jobs))
+
     def _install_switch(self) -> None:
         """The aggd service address, L2 forwarding of the hosts, and the flood group."""
         ups = [update("INSERT", table_entry=self.info.table_entry(
@@ -533,6 +568,9 @@ class P4DataPlane(DataPlane):
         self.client.write(ups)
 
     # -- jobs -----------------------------------------------------------------------------------------
+    def check_strategies(self, entries) -> None:
+        self._check_kinds(entries)
+
     def _check_kinds(self, entries: Iterable[TableEntry]) -> None:
         if self.target == "tofino":
             bad = sorted({proto.StrategyKind(e.kind).name.lower() for e in entries} -
@@ -709,17 +747,19 @@ class P4DataPlane(DataPlane):
 
     def job_stats(self, job: int | None) -> JobStats:
         """Counters of a job (None: the no-job bucket). On Tofino only the per-packet counters of
-        TNA_COUNTED are kept (the others read 0)."""
+        TNA_COUNTED are kept: the others are absent (``untracked``)."""
         bucket = L.NO_JOB if job is None else job
+        untracked = frozenset()
         if self.target == "tofino":
-            counters = {c.name.lower(): (self.registers.read_counter(L.TNA_CTR_EVENTS, L.counter_index(bucket, c))
-                                         if c.name in L.TNA_COUNTED else 0) for c in proto.Counter}
+            counters = {c.name.lower(): self.registers.read_counter(L.TNA_CTR_EVENTS, L.counter_index(bucket, c))
+                        for c in proto.Counter if c.name in L.TNA_COUNTED}
+            untracked = frozenset(c.name.lower() for c in proto.Counter if c.name not in L.TNA_COUNTED)
         else:
             counters = {c.name.lower(): self.registers.read(L.REG_JOB_COUNTERS, L.counter_index(bucket, c))
                         for c in proto.Counter}
         drops = {r.name.lower(): self.registers.read_counter(L.CTR_DROPS, L.drop_index(bucket, r))
                  for r in proto.DropReason}
-        return JobStats(counters, drops)
+        return JobStats(counters, drops, untracked)
 
     def allocation(self, job: int) -> tuple[int, int]:
         """(first switch slot, switch slots) of an installed job; (0, 0) otherwise."""
@@ -748,6 +788,23 @@ class P4DataPlane(DataPlane):
                     rank += 1
         return top, per_rank
 
+    def open_slots(self, base: int, count: int) -> int | None:
+        """Slots of ``[base, base + count)`` with an open bank (BMv2; None on Tofino, whose banks
+        keep only a round and a released flag)."""
+        if self.target == "tofino":
+            return None
+        return sum(any(self.registers.read(L.REG_BANK_STATE, L.bank_index(s, b)) == L.BANK_OPEN
+                       for b in range(L.BANKS)) for s in range(base, base + count))
+
+    @property
+    def attached(self) -> bool:
+        """Connected to the switch's P4Runtime server (the gRPC channel not shut down)."""
+        return self.client is not None and not getattr(self, "_closed", False)
+
+    def describe(self) -> dict:
+        return {"target": self.target, "program_slots": self.info.slots, "slots": self.total_slots,
+                "hosts": len(self.hosts), "p4info": str(self.info.path) if self.info.path else None}
+
     def max_round(self, job: int) -> int | None:
         """The highest round any member of ``job`` has sent to the switch, or None (always None
         on Tofino, whose program does not keep it: the daemon's user-space rounds decide there)."""
@@ -764,6 +821,7 @@ class P4DataPlane(DataPlane):
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def close(self) -> None:
+        self._closed = True
         for owned in reversed(getattr(self, "_owned", [])):
             try:
                 owned.close()

@@ -19,7 +19,7 @@ import numpy as np
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, JobStats
+from . import DataPlane, DataPlaneError, JobStats
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ NO_JOB = proto.MAX_JOBS
 LAYOUT_DIR = Path("/run/aggd")
 
 
-class XdpError(RuntimeError):
+class XdpError(DataPlaneError):
     pass
 
 
@@ -246,8 +246,8 @@ class XdpDataPlane(DataPlane):
             raise XdpError(f"job {job}: world must be 1..{proto.MAX_MEMBERS}, not {world}")
         if cfg.group is None:
             raise XdpError(f"job {job}: the XDP data plane needs a multicast group for results")
-        kernel_slots = int(getattr(cfg, "kernel_slots", None) or cfg.slots)
-        kernel_slots = min(kernel_slots, int(cfg.slots))
+        wanted = getattr(cfg, "kernel_slots", None)   # None: all of them; 0: none (user space only)
+        kernel_slots = min(int(cfg.slots if wanted is None else wanted), int(cfg.slots))
         self.remove_job(job)
         base = self.allocator.allocate(job, kernel_slots) if kernel_slots else 0
         self._clear_slots(base, kernel_slots)
@@ -291,6 +291,61 @@ class XdpDataPlane(DataPlane):
                 continue
             dst.from_round, dst.version, dst.kind = e.from_round, e.version, e.kind
             dst.param, dst.timeout_us, dst.valid = e.param, e.timeout_us, 1
+
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
+        """Register (None: clear) the member address of ``rank``: from then on the program accepts
+        that rank's packets only from ``addr``."""
+        m = self.members.Leaf()
+        if addr is not None:
+            m.ip, m.port, m.valid = _be32_of(addr[0]), _be16_of(int(addr[1])), 1
+        self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
+
+    def allocation(self, job: int) -> tuple[int, int]:
+        """(first slot in the kernel's array, kernel slots) of an installed job."""
+        j = self.jobs[ctypes.c_uint32(job)]
+        return (int(j.slot_base), int(j.kernel_slots)) if j.active else (0, 0)
+
+    def installed(self, job: int) -> tuple[int, int, int, int] | None:
+        j = self.jobs[ctypes.c_uint32(job)]
+        return (int(j.world), int(j.n_slots), int(j.slot_base), int(j.kernel_slots)) if j.active else None
+
+    def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
+        """(highest round any kernel slot of ``job`` has seen, {rank: highest round it contributed
+        to}), read from the slots' bank keys and bitmaps: one map lookup per kernel slot."""
+        base, count = self.allocation(job)
+        top, per_rank = None, {}
+        for i in range(base, base + count):
+            for bank in self.slots[ctypes.c_uint32(i)].bank:
+                if bank.state == 0:  # BANK_EMPTY
+                    continue
+                rnd = int(bank.key) >> 32
+                top = rnd if top is None else max(top, rnd)
+                bits, rank = int(bank.bitmap), 0
+                while bits:
+                    if bits & 1:
+                        per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
+                    bits >>= 1
+                    rank += 1
+        return top, per_rank
+
+    def open_slots(self, base: int, count: int) -> int:
+        return sum(any(b.state == 1 for b in self.slots[ctypes.c_uint32(i)].bank)  # BANK_OPEN
+                   for i in range(base, base + count))
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def describe(self) -> dict:
+        return {"slot_bytes": ctypes.sizeof(self.slots.Leaf), "array_slots": self.total_slots}
+
+    def stop(self, unpin: bool = False) -> None:
+        try:
+            self.close()
+        finally:
+            if unpin:
+                log.info("removing pinned maps in %s", self.pin_dir)
+                self.unpin()
 
     def set_strategy(self, job: int, entries) -> None:
         """Install a job's strategy table (``aggd.strategy.TableEntry`` rows, newest last)."""

@@ -527,3 +527,64 @@ class SimSwitch:
         ipb[8] = 64
         udp[6:8] = b"\0\0"
         return Output("tx", bytes(eth + _with_checksum(ipb) + udp) + v.out, ports, v, data, src)
+
+
+# ---------------------------------------------------------------------------------------------
+# BMv2's Thrift register API over a register file, for a daemon in another process.
+
+def _i64(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
+
+
+class ThriftRegisterServer:
+    """The register and counter calls of BMv2's Thrift "standard" service (the ones
+    ``aggd.dataplane.p4_thrift.Bmv2Registers`` makes), served on 127.0.0.1 from ``registers``
+    (a MemoryRegisters: bounds and widths as the P4Info says). An unknown name or index fails the
+    call as BMv2 does (InvalidRegisterOperation / InvalidCounterOperation)."""
+
+    def __init__(self, registers: RegisterAccess) -> None:
+        from bm_runtime.standard import Standard
+        from bm_runtime.standard.ttypes import (BmCounterValue, InvalidCounterOperation,
+                                                InvalidRegisterOperation)
+        from thrift.protocol import TBinaryProtocol
+        from thrift.server import TServer
+        from thrift.TMultiplexedProcessor import TMultiplexedProcessor
+        from thrift.transport import TSocket, TTransport
+
+        regs, lock = registers, threading.Lock()
+        self.calls = 0
+
+        def guarded(error, fn):
+            @staticmethod
+            def call(*args):
+                with lock:
+                    self.calls += 1
+                    try:
+                        return fn(*args)
+                    except (KeyError, IndexError):
+                        raise error(code=1) from None
+            return call
+
+        class Handler:
+            bm_register_read = guarded(InvalidRegisterOperation, lambda cxt, name, i: _i64(regs.read(name, i)))
+            bm_register_write = guarded(InvalidRegisterOperation, lambda cxt, name, i, v: regs.write(name, i, v))
+            bm_register_write_range = guarded(InvalidRegisterOperation,
+                                              lambda cxt, name, a, b, v: regs.write_range(name, a, b, v))
+            bm_counter_read = guarded(InvalidCounterOperation, lambda cxt, name, i: BmCounterValue(
+                bytes=0, packets=regs.read_counter(name, i)))
+            bm_counter_write = guarded(InvalidCounterOperation,
+                                       lambda cxt, name, i, v: regs.write_counter(name, i, v.packets))
+
+        mux = TMultiplexedProcessor()
+        mux.registerProcessor("standard", Standard.Processor(Handler()))
+        self._sock = TSocket.TServerSocket(host="127.0.0.1", port=0)
+        server = TServer.TThreadedServer(mux, self._sock, TTransport.TBufferedTransportFactory(),
+                                         TBinaryProtocol.TBinaryProtocolFactory(), daemon=True)
+        self._sock.listen()
+        self.address = f"127.0.0.1:{self._sock.handle.getsockname()[1]}"
+        self._sock.listen = lambda: None          # already listening: serve() must not bind again
+        threading.Thread(target=server.serve, name="fake-bmv2-thrift", daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()

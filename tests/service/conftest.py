@@ -7,6 +7,7 @@ Every daemon runs under ``setpriv`` with exactly the capability bounding set of
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -33,6 +34,21 @@ UNIT = ROOT / "systemd" / "aggd.service"
 def unit_capabilities() -> list[str]:
     m = re.search(r"^CapabilityBoundingSet=(.*)$", UNIT.read_text(), re.M)
     return m.group(1).split()
+
+
+def toml_value(v) -> str:
+    """A TOML value: strings, booleans, numbers, arrays and inline tables (``[p4] hosts``)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(toml_value, v)) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"no TOML for {v!r}")
 
 
 class Notifications:
@@ -104,8 +120,7 @@ class Daemon:
         for section, values in self.settings.items():
             lines.append(f"[{section}]")
             for k, v in values.items():
-                lines.append(f"{k} = {v!r}".replace("'", '"') if not isinstance(v, bool)
-                             else f"{k} = {str(v).lower()}")
+                lines.append(f"{k} = {toml_value(v)}")
         self.config_path.write_text("\n".join(lines) + "\n")
 
     def start(self, *extra: str, wait: bool = True, env: dict | None = None) -> None:
