@@ -173,13 +173,14 @@ class Service:
     def _start_p4(self) -> None:
         """Connect to the switch (P4Runtime, and its registers), push the program if configured,
         write the switch-wide entries. Any failure is a ServiceError naming the address."""
-        from google.protobuf.message import Error as ProtobufError
-
         from .dataplane.p4 import P4INFO, TNA_P4INFO, P4DataPlane
         cfg, p4 = self.config, self.config.p4
         tofino = p4.target == "tofino"
         reg_address = p4.registers or ("127.0.0.1:50052" if tofino else "127.0.0.1:9090")
         where = f"the P4 switch at {p4.grpc} (registers at {reg_address})"
+        if self.address not in p4.hosts:
+            raise ServiceError(f"p4.hosts has no entry for this host, {self.address} (the daemon's address): "
+                               f"the switch could not pass it what it does not aggregate, nor JOINs")
         registers = None
         try:
             if tofino:  # BMv2's Thrift registers P4DataPlane opens itself (thrift_address)
@@ -191,7 +192,7 @@ class Service:
                 registers=registers, own_registers=True, thrift_address=reg_address,
                 p4info=p4.p4info or (TNA_P4INFO if tofino else P4INFO), device_config=p4.device_config or None,
                 device_id=p4.device_id, election_id=p4.election_id, target=p4.target, timeout=p4.timeout)
-        except (DataPlaneError, OSError, ProtobufError) as exc:
+        except DataPlaneError as exc:  # P4Error: gRPC, Thrift / BF Runtime, P4Info, the program's sizes
             if registers is not None and self.dp is None:
                 registers.close()
             raise ServiceError(f"{where}: {exc}") from None

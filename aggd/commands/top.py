@@ -153,11 +153,12 @@ def view(prev: Samples, cur: Samples, dt: float, job: str | None = None) -> dict
             w[f] = None if v is None else (bool(v) if f == "straggler" else int(v) if f == "rounds_behind" else v)
         workers.append(w)
     one = lambda name: next(iter(g(name).values()), None)  # noqa: E731
-    daemon = {"xdp_attached": one("aggd_xdp_attached"), "userspace_path_up": one("aggd_userspace_path_up"),
+    daemon = {"xdp_attached": one("aggd_xdp_attached"), "p4_connected": one("aggd_p4_connected"),
+              "userspace_path_up": one("aggd_userspace_path_up"),
               "jobs": one("aggd_jobs"), "kernel_slots_allocated": one("aggd_kernel_slots_allocated"),
               "kernel_slots_capacity": one("aggd_kernel_slots_capacity"),
               "kernel_memory_bytes": one("aggd_kernel_memory_bytes")}
-    daemon = {k: (None if v is None else bool(v) if k in ("xdp_attached", "userspace_path_up") else int(v))
+    daemon = {k: (None if v is None else bool(v) if k in ("xdp_attached", "p4_connected", "userspace_path_up") else int(v))
               for k, v in daemon.items()}
     return {"interval": dt, "daemon": daemon, "jobs": jobs, "workers": workers}
 
@@ -188,9 +189,11 @@ def _table(headers: tuple, rows: list[tuple]) -> list[str]:
 def render(v: dict, source: str) -> list[str]:
     d = v["daemon"]
     slots = "-" if d["kernel_slots_capacity"] is None else f"{d['kernel_slots_allocated']}/{d['kernel_slots_capacity']}"
-    lines = [f"aggd top - {source} - every {v['interval']:.1f}s - "
-             f"XDP {'attached' if d['xdp_attached'] else 'DETACHED'}, "
-             f"user-space path {'up' if d['userspace_path_up'] else 'DOWN'}, kernel slots {slots}", ""]
+    fast = (f"P4 switch {'connected' if d['p4_connected'] else 'DISCONNECTED'}" if d.get("p4_connected") is not None
+            else f"XDP {'attached' if d['xdp_attached'] else 'DETACHED'}")
+    lines = [f"aggd top - {source} - every {v['interval']:.1f}s - {fast}, "
+             f"user-space path {'up' if d['userspace_path_up'] else 'DOWN'}, "
+             f"{'switch' if d.get('p4_connected') is not None else 'kernel'} slots {slots}", ""]
     if not v["jobs"]:
         return lines + ["no jobs"]
     lines += _table(("JOB", "STRATEGY", "VER", "MEMBERS", "ROUNDS/S", "ELEMENTS/S", "BYTES/S", "KERNEL",

@@ -89,7 +89,12 @@ class P4Info:
 
         from .p4_proto import p4info_pb2
         if isinstance(source, (str, Path)):
-            self.msg = text_format.Parse(Path(source).read_text(), p4info_pb2.P4Info())
+            try:
+                self.msg = text_format.Parse(Path(source).read_text(), p4info_pb2.P4Info())
+            except OSError as exc:
+                raise P4Error(f"cannot read the P4Info {source}: {exc.strerror or exc}") from None
+            except text_format.ParseError as exc:
+                raise P4Error(f"{source} is not a P4Info in text format: {exc}") from None
             self.path = Path(source)
         else:
             self.msg, self.path = source, None
@@ -469,7 +474,10 @@ class P4DataPlane(DataPlane):
                 self._owned.append(client)
             self.client = client
             if device_config is not None:
-                data = device_config if isinstance(device_config, bytes) else Path(device_config).read_bytes()
+                try:
+                    data = device_config if isinstance(device_config, bytes) else Path(device_config).read_bytes()
+                except OSError as exc:
+                    raise P4Error(f"cannot read the device config {device_config}: {exc.strerror or exc}") from None
                 self.client.set_pipeline(self.info.msg, data)
             if registers is None:
                 from .p4_thrift import Bmv2Registers

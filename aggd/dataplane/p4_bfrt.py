@@ -26,9 +26,12 @@ class BfrtRegisters(RegisterAccess):
                               "add the SDE's Python path (docs/p4.md, 'Tofino')") from None
         self.gc = client
         self.pipeline = pipeline
-        self.interface = client.ClientInterface(address, client_id=client_id, device_id=device_id)
-        self.interface.bind_pipeline_config(program)
-        self.info = self.interface.bfrt_info_get(program)
+        try:
+            self.interface = client.ClientInterface(address, client_id=client_id, device_id=device_id)
+            self.interface.bind_pipeline_config(program)
+            self.info = self.interface.bfrt_info_get(program)
+        except Exception as exc:  # the SDE raises its own (BfruntimeRpcException, grpc errors)
+            raise P4Error(f"BF Runtime at {address} (program {program!r}): {exc}") from None
         self.target = client.Target(device_id=device_id, pipe_id=0xFFFF)
         self._tables: dict[str, object] = {}
 

@@ -432,3 +432,47 @@ def test_sim_switch_is_what_the_tests_say(info):
         assert s.fake.tables == {} and s.model.jobs == {}
     finally:
         s.close()
+
+
+def test_restarted_controller_clears_what_it_left(p4dp, sim):
+    """A daemon restarted against a running switch finds its old entries and groups: a new
+    P4DataPlane removes them (jobs entries first) and writes the switch entries afresh, so its
+    INSERTs do not meet ALREADY_EXISTS; an empty switch is left alone (no write at all)."""
+    p4dp.install_job(cfg(strategy=parse("quorum:2:20ms")))
+    p4dp.install_job(cfg(job=2, world=2, members={}))
+    p4dp.set_strategy(1, [to_entry(parse("quorum:2:20ms"), 0, 0), to_entry(parse("sync"), 1, 4)])
+    start_tables = {k: v for k, v in sim.fake.tables.items() if v.table in (L.SERVICE, L.FORWARD)}
+    n = len(sim.fake.requests)
+    again = P4DataPlane(sim.address, address=AGG_IP, hosts=HOSTS, registers=sim.registers, elements=256)
+    try:
+        first_delete = sim.fake.requests[n].updates[0].entity.table_entry
+        assert sim.fake.info.by_id(first_delete.table_id).preamble.name == L.JOBS
+        assert sim.fake.tables == start_tables
+        assert set(sim.fake.groups) == {L.FLOOD_GROUP}
+        again.install_job(cfg(strategy=parse("quorum:2:20ms")))
+        assert switch_config(sim.fake, HOSTS)[1].rows == [to_entry(parse("quorum:2:20ms"), 0, 0)]
+    finally:
+        again.close()
+    assert not again.attached and p4dp.attached
+
+
+def test_open_slots_read_the_bank_states(p4dp, sim):
+    p4dp.install_job(cfg(slots=4))
+    base, count = p4dp.allocation(1)
+    assert p4dp.open_slots(base, count) == 0
+    sim.registers.write(L.REG_BANK_STATE, L.bank_index(base + 1, 2), L.BANK_OPEN)
+    sim.registers.write(L.REG_BANK_STATE, L.bank_index(base + 2, 0), L.BANK_RELEASED)
+    assert p4dp.open_slots(base, count) == 1
+    assert p4dp.describe()["slots"] == p4dp.total_slots and p4dp.member_stats(1, 3) is None
+
+
+def test_unreadable_p4info_and_device_config(tmp_path, sim):
+    bad = tmp_path / "x.txtpb"
+    bad.write_text("tables { nonsense: 1 }")
+    with pytest.raises(P4Error, match="is not a P4Info in text format"):
+        P4Info(bad)
+    with pytest.raises(P4Error, match="cannot read the P4Info"):
+        P4Info(tmp_path / "missing.txtpb")
+    with pytest.raises(P4Error, match="cannot read the device config"):
+        P4DataPlane(sim.address, address=AGG_IP, hosts=HOSTS, registers=sim.registers, elements=256,
+                    device_config=tmp_path / "missing.json")

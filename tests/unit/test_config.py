@@ -105,3 +105,101 @@ def test_aggctl_config_check(tmp_path):
     assert "dataplane.whatever: unknown key" in res.output
     res = runner.invoke(aggctl, ["config", "check", "--json", str(bad)])
     assert res.exit_code == 1 and '"ok": false' in res.output
+
+
+# -- [dataplane] kind and [p4] ---------------------------------------------------------------------
+
+HOSTS = {"10.77.0.1": ["02:77:00:00:00:01", 100], "10.77.0.10": ["02:77:00:00:00:0A", 1]}
+
+
+def test_p4_defaults_and_kind():
+    cfg = c.Config()
+    assert cfg.dataplane.kind == "xdp"
+    assert (cfg.p4.target, cfg.p4.grpc, cfg.p4.device_id, cfg.p4.election_id) == ("bmv2", "127.0.0.1:9559", 0, 1)
+    assert (cfg.p4.registers, cfg.p4.p4info, cfg.p4.device_config, cfg.p4.slots, cfg.p4.hosts) == ("", "", "", 0, {})
+    # the XDP keys keep working next to kind
+    old = c.parse({"dataplane": {"interface": "agg0", "mode": "generic", "kernel_memory": "1MiB"}})
+    assert old.dataplane.kind == "xdp" and old.dataplane.mode == "generic"
+
+
+def test_p4_section_is_typed():
+    cfg = c.parse({"dataplane": {"kind": "p4", "elements_per_packet": 32},
+                   "p4": {"target": "tofino", "grpc": "unix:/run/aggd/p4rt.sock", "device_id": 3, "election_id": 7,
+                          "registers": "10.0.0.2:50052", "p4info": "/usr/lib/aggd/p4/tna/aggd.p4info.txtpb",
+                          "device_config": "/usr/lib/aggd/p4/tna/build/tofino.bin", "slots": 512, "timeout": 2,
+                          "hosts": HOSTS}})
+    p4 = cfg.p4
+    assert (p4.target, p4.grpc, p4.device_id, p4.election_id, p4.registers) == \
+        ("tofino", "unix:/run/aggd/p4rt.sock", 3, 7, "10.0.0.2:50052")
+    assert p4.slots == 512 and p4.timeout == 2.0
+    assert p4.hosts == {"10.77.0.1": ("02:77:00:00:00:01", 100), "10.77.0.10": ("02:77:00:00:00:0a", 1)}
+    # a copy with changes goes through the same checks (the hosts' tuples included)
+    assert cfg.with_changes("log", level="debug").p4 == p4
+    assert c.changed_keys(cfg, cfg.with_changes("p4", slots=64)) - c.RELOADABLE == {"p4.slots"}
+
+
+def test_p4_table_form_of_hosts(tmp_path):
+    path = tmp_path / "p4.toml"
+    path.write_text('[dataplane]\nkind = "p4"\n[p4.hosts]\n"10.77.0.1" = ["02:77:00:00:00:01", 100]\n')
+    assert c.load(path).p4.hosts == {"10.77.0.1": ("02:77:00:00:00:01", 100)}
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"dataplane": {"kind": "tofino"}}, 'dataplane.kind: must be "xdp" or "p4", not "tofino"'),
+    ({"dataplane": {"kind": "p4"}}, "p4.hosts: the switch needs its hosts"),
+    ({"p4": {"target": "tna"}}, 'p4.target: must be "bmv2" or "tofino", not "tna"'),
+    ({"p4": {"grpc": "9559"}}, 'p4.grpc: must be "HOST:PORT" or "unix:/absolute/path"'),
+    ({"p4": {"grpc": "unix:p4rt.sock"}}, 'p4.grpc: must be "HOST:PORT" or "unix:/absolute/path"'),
+    ({"p4": {"registers": "thrift"}}, 'p4.registers: must be "HOST:PORT"'),
+    ({"p4": {"device_id": -1}}, "p4.device_id: must be between 0 and"),
+    ({"p4": {"election_id": 0}}, "p4.election_id: must be between 1 and"),
+    ({"p4": {"p4info": "aggd.p4info.txtpb"}}, "p4.p4info: must be an absolute path"),
+    ({"p4": {"device_config": "build/aggd.json"}}, "p4.device_config: must be an absolute path"),
+    ({"p4": {"slots": -1}}, "p4.slots: must be between 0 and"),
+    ({"p4": {"slots": "all"}}, "p4.slots: must be an integer"),
+    ({"p4": {"timeout": 0}}, "p4.timeout: must be above 0"),
+    ({"p4": {"hosts": ["10.0.0.1"]}}, "p4.hosts: must be a table"),
+    ({"p4": {"hosts": {"10.0.0": ["02:00:00:00:00:01", 1]}}}, "p4.hosts: '10.0.0' is not an IPv4 address"),
+    ({"p4": {"hosts": {"10.0.0.1": ["02:00:00:00:01", 1]}}}, "p4.hosts: 10.0.0.1: '02:00:00:00:01' is not a MAC"),
+    ({"p4": {"hosts": {"10.0.0.1": ["02:00:00:00:00:01", 512]}}},
+     "p4.hosts: 10.0.0.1: switch port must be between 0 and 511, not 512"),
+    ({"p4": {"hosts": {"10.0.0.1": "02:00:00:00:00:01"}}}, 'p4.hosts: 10.0.0.1: must be ["MAC", PORT]'),
+    ({"p4": {"thrift": "127.0.0.1:9090"}}, "p4.thrift: unknown key"),
+])
+def test_each_bad_p4_value_is_named(data, expected):
+    found = problems(data)
+    assert len(found) == 1 and found[0].startswith(expected), found
+
+
+def test_p4_hosts_problems_all_named():
+    (found,) = problems({"p4": {"hosts": {"x": ["02:00:00:00:00:01", 1], "10.0.0.2": ["02:00:00:00:00:02", 600]}}})
+    assert "'x' is not an IPv4 address" in found and "10.0.0.2: switch port must be between 0 and 511" in found
+
+
+def test_aggctl_config_check_p4(tmp_path):
+    path = tmp_path / "p4.toml"
+    path.write_text('[dataplane]\nkind = "p4"\n[p4]\ngrpc = "127.0.0.1"\n')
+    res = CliRunner().invoke(aggctl, ["config", "check", str(path)])
+    assert res.exit_code == 1
+    assert 'p4.grpc: must be "HOST:PORT"' in res.output and "p4.hosts: the switch needs its hosts" not in res.output
+
+
+def test_aggctl_config_check_p4_reads_the_p4info(tmp_path):
+    hosts = 'hosts = { "10.77.0.1" = ["02:77:00:00:00:01", 100] }\n'
+    good = tmp_path / "bmv2.toml"
+    good.write_text('[dataplane]\nkind = "p4"\n[p4]\n' + hosts)
+    res = CliRunner().invoke(aggctl, ["config", "check", str(good)])
+    assert res.exit_code == 0 and "P4 bmv2 switch at 127.0.0.1:9559" in res.output, res.output
+    # the Tofino program adds 32 values a packet, not the default 256; a device_config that is not there
+    tofino = tmp_path / "tofino.toml"
+    tofino.write_text('[dataplane]\nkind = "p4"\n[p4]\ntarget = "tofino"\ndevice_config = "/nonexistent/tofino.bin"\n'
+                      + hosts)
+    res = CliRunner().invoke(aggctl, ["config", "check", str(tofino)])
+    assert res.exit_code == 1
+    assert "dataplane.elements_per_packet: the P4 program adds 32 values a packet, not 256" in res.output
+    assert "p4.device_config: no file /nonexistent/tofino.bin" in res.output
+    bad = tmp_path / "bad.toml"
+    (tmp_path / "x.txtpb").write_text("not a p4info")
+    bad.write_text(f'[dataplane]\nkind = "p4"\n[p4]\np4info = "{tmp_path / "x.txtpb"}"\n' + hosts)
+    res = CliRunner().invoke(aggctl, ["config", "check", str(bad)])
+    assert res.exit_code == 1 and "p4.p4info: " in res.output

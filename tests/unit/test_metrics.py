@@ -287,17 +287,12 @@ def test_strategy_in_force():
 
 # -- the daemon's reader over fake data planes ------------------------------------------------------------
 
-class FakeSlots:
-    """The slots map: slot i holds an open bank if i is odd."""
-
-    def __getitem__(self, key):
-        state = 1 if key.value % 2 else 2
-        return types.SimpleNamespace(bank=[types.SimpleNamespace(state=state), types.SimpleNamespace(state=0)])
-
-
 class FakeDp:
-    _attached = True
-    slots = FakeSlots()
+    """The DataPlane calls the reader makes; slot i holds an open round if i is odd."""
+    attached = True
+
+    def open_slots(self, base, count):
+        return sum(i % 2 for i in range(base, base + count))
 
     def job_stats(self, job):
         return JobStats({"rx_packets": 5 if job is not None else 0}, {"bad_magic": 1} if job is None else {})
@@ -349,7 +344,7 @@ def test_service_reader_over_the_daemon_state():
                                    policies={j.id: types.SimpleNamespace(switched="quorum:2")},
                                    decisions={j.id: [{"time": 5.0, "strategy": "quorum:2:50ms"}]})
     svc = types.SimpleNamespace(lock=threading.RLock(), registry=reg, policy=runner, dp=FakeDp(), us=FakeUs(),
-                                config=types.SimpleNamespace(dataplane=types.SimpleNamespace(kernel_memory=1 << 20)),
+                                config=types.SimpleNamespace(dataplane=types.SimpleNamespace(kind="xdp", kernel_memory=1 << 20)),
                                 slot_bytes=4680, kernel_capacity=224)
     r = m.ServiceReader(svc, clock=lambda: 3000)
     (info,) = r.jobs()
@@ -437,3 +432,27 @@ def test_top_unreachable_exits_3():
                                                      ("quorum", 3, 0.05, "quorum:3:50ms")])
 def test_top_strategy_text(kind, param, timeout, text):
     assert top._strategy_text(kind, param, timeout) == text
+
+
+def test_a_p4_switch_exports_what_it_keeps_and_nothing_else():
+    """With kind = "p4": no kernel memory or XDP series, the switch's session instead; a Tofino's
+    counters it does not keep are absent (not 0), the ones it keeps are exported."""
+    untracked = frozenset({"rx_bytes", "elements", "retransmits"})
+    tofino = JobStats({"rx_packets": 9, "released": 4}, {"bad_magic": 1}, untracked)
+
+    class SwitchReader(FakeReader):
+        def slot_usage(self, jobs):
+            return m.SlotUsage(None, None, 1024, 1024, 8, {j.id: {"user": 0} for j in jobs})
+
+    r = SwitchReader([job()], {(1, "kernel"): tofino, (1, "user"): JobStats({"rx_bytes": 5})},
+                     health_=m.Health(None, True, p4_connected=True))
+    s = scrape(m.AggdCollector(r))
+    assert value(s, "aggd_packets_total", aggd_job="train", path="kernel") == 9
+    assert value(s, "aggd_bytes_total", aggd_job="train", path="user") == 5
+    assert not [lbl for lbl, _ in s.get("aggd_bytes_total", ()) if lbl.get("path") == "kernel"]
+    assert not [lbl for lbl, _ in s.get("aggd_elements_total", ()) if lbl.get("path") == "kernel"]
+    assert value(s, "aggd_drops_total", aggd_job="train", path="kernel", reason="bad_magic") == 1
+    assert value(s, "aggd_p4_connected") == 1 and value(s, "aggd_kernel_slots_capacity") == 1024
+    for absent in ("aggd_xdp_attached", "aggd_kernel_memory_bytes", "aggd_kernel_slot_bytes",
+                   "aggd_kernel_memory_budget_bytes"):
+        assert absent not in s, absent
