@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test test-unit test-bpf test-netns gen clean
+.PHONY: setup demo test test-unit test-bpf test-netns gen p4 p4info clean
 
 setup:
 	@bash scripts/setup.sh
@@ -21,6 +21,15 @@ test-unit: setup
 
 gen: setup
 	$(PY) -m aggd_client.protocol.codegen --write
+
+# The P4 programs (docs/p4.md): compiled by p4c-bm2-ss (BMv2) and/or bf-p4c (Tofino) where installed;
+# fails, saying where they come from, when neither is. P4FLAGS="-DAGGD_ELEMENTS=128" for other sizes.
+p4:
+	@bash aggd/p4/build.sh
+
+# The committed P4Info files, from the programs' declarations (no compiler needed).
+p4info: setup
+	$(PY) -m aggd.p4.p4info --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -226,3 +226,21 @@ def test_sources_are_balanced(path):
     text = _strip_comments(path.read_text())
     for o, c in ("{}", "()", "[]"):
         assert text.count(o) == text.count(c), (path.name, o)
+
+
+def test_make_p4_without_a_compiler_fails_saying_where_they_come_from(tmp_path):
+    """`make p4` (aggd/p4/build.sh) with neither p4c-bm2-ss nor bf-p4c on the PATH: exit 1, nothing
+    written, and the message names both compilers, where they come from, and `make p4info`."""
+    import shutil
+    import subprocess
+    path = "/usr/sbin:/usr/bin:/sbin:/bin"
+    if any(shutil.which(c, path=path) for c in ("p4c-bm2-ss", "bf-p4c")):
+        pytest.skip("a P4 compiler is installed: build.sh would compile (tests/p4/test_bmv2.py does)")
+    before = {p: p.read_bytes() for p in P4_DIR.rglob("*") if p.is_file()}
+    res = subprocess.run(["bash", str(P4_DIR / "build.sh")], capture_output=True, text=True,
+                         env={"PATH": path}, timeout=60)
+    assert res.returncode == 1
+    assert "p4c-bm2-ss not found" in res.stdout and "bf-p4c (Tofino SDE) not found" in res.stdout
+    assert "no P4 compiler found" in res.stderr and "github.com/p4lang/p4c" in res.stderr
+    assert "make p4info" in res.stderr
+    assert {p: p.read_bytes() for p in P4_DIR.rglob("*") if p.is_file()} == before
