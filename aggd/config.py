@@ -223,6 +223,9 @@ class P4Config:
                                 "connected controller is the primary)")
     registers: str = _setting("", _optional(_host_port), "registers and counters: BMv2's Thrift server "
                               "(bmv2; empty: 127.0.0.1:9090) or BF Runtime (tofino; empty: 127.0.0.1:50052)")
+    registers_netns: str = _setting("", None, "named network namespace (/run/netns/NAME) the register "
+                                    "server listens in (BMv2's Thrift has no Unix socket: a switch in a "
+                                    "lab's namespace); empty: the daemon's own")
     program: str = _setting("aggd", None, "the program name BF Runtime binds (tofino)")
     p4info: str = _setting("", _optional(_abs_path), "the program's P4Info (text); empty: the one shipped "
                            "for the target")

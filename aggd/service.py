@@ -177,19 +177,26 @@ class Service:
         cfg, p4 = self.config, self.config.p4
         tofino = p4.target == "tofino"
         reg_address = p4.registers or ("127.0.0.1:50052" if tofino else "127.0.0.1:9090")
-        where = f"the P4 switch at {p4.grpc} (registers at {reg_address})"
+        where = f"the P4 switch at {p4.grpc} (registers at {reg_address}" + \
+            (f" in netns {p4.registers_netns})" if p4.registers_netns else ")")
         if self.address not in p4.hosts:
             raise ServiceError(f"p4.hosts has no entry for this host, {self.address} (the daemon's address): "
                                f"the switch could not pass it what it does not aggregate, nor JOINs")
+        if p4.registers_netns and not Path("/run/netns", p4.registers_netns).exists():
+            raise ServiceError(f"p4.registers_netns: no network namespace {p4.registers_netns} (/run/netns)")
         registers = None
         try:
-            if tofino:  # BMv2's Thrift registers P4DataPlane opens itself (thrift_address)
-                from .dataplane.p4_bfrt import BfrtRegisters
-                registers = BfrtRegisters(reg_address, program=p4.program, device_id=p4.device_id)
+            with _netns(p4.registers_netns or None):  # the connection stays in the namespace it was made in
+                if tofino:
+                    from .dataplane.p4_bfrt import BfrtRegisters
+                    registers = BfrtRegisters(reg_address, program=p4.program, device_id=p4.device_id)
+                else:
+                    from .dataplane.p4_thrift import Bmv2Registers
+                    registers = Bmv2Registers(reg_address)
             self.dp = P4DataPlane(
                 p4.grpc, address=self.address, port=cfg.dataplane.port, hosts=p4.hosts,
                 elements=cfg.dataplane.elements_per_packet, total_slots=p4.slots or None,
-                registers=registers, own_registers=True, thrift_address=reg_address,
+                registers=registers, own_registers=True,
                 p4info=p4.p4info or (TNA_P4INFO if tofino else P4INFO), device_config=p4.device_config or None,
                 device_id=p4.device_id, election_id=p4.election_id, target=p4.target, timeout=p4.timeout)
         except DataPlaneError as exc:  # P4Error: gRPC, Thrift / BF Runtime, P4Info, the program's sizes

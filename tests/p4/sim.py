@@ -245,8 +245,9 @@ class FakeP4Runtime:
                     device_id=msg.arbitration.device_id, election_id=msg.arbitration.election_id,
                     status={"code": 0 if ok else 6}))
 
-    def serve(self) -> tuple[grpc.Server, str]:
-        """Start a gRPC server for this fake on 127.0.0.1 (a free port); returns (server, address)."""
+    def serve(self, address: str = "127.0.0.1:0") -> tuple[grpc.Server, str]:
+        """Start a gRPC server for this fake on ``address`` (default 127.0.0.1, a free port; or
+        "unix:/path"); returns (server, address)."""
         rpc = grpc.unary_unary_rpc_method_handler
         handlers = {
             "Write": rpc(self.Write, p.WriteRequest.FromString, p.WriteResponse.SerializeToString),
@@ -265,9 +266,9 @@ class FakeP4Runtime:
         }
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
+        port = server.add_insecure_port(address)
         server.start()
-        return server, f"127.0.0.1:{port}"
+        return server, address if address.startswith("unix:") else f"{address.rpartition(':')[0]}:{port}"
 
     # -- the switch's lookups ----------------------------------------------------------------------------
     def entries(self, table: str) -> list[Entry]:
@@ -539,11 +540,11 @@ def _i64(value: int) -> int:
 
 class ThriftRegisterServer:
     """The register and counter calls of BMv2's Thrift "standard" service (the ones
-    ``aggd.dataplane.p4_thrift.Bmv2Registers`` makes), served on 127.0.0.1 from ``registers``
+    ``aggd.dataplane.p4_thrift.Bmv2Registers`` makes), served on 127.0.0.1 (of ``netns``) from ``registers``
     (a MemoryRegisters: bounds and widths as the P4Info says). An unknown name or index fails the
     call as BMv2 does (InvalidRegisterOperation / InvalidCounterOperation)."""
 
-    def __init__(self, registers: RegisterAccess) -> None:
+    def __init__(self, registers: RegisterAccess, netns: str | None = None) -> None:
         from bm_runtime.standard import Standard
         from bm_runtime.standard.ttypes import (BmCounterValue, InvalidCounterOperation,
                                                 InvalidRegisterOperation)
@@ -581,7 +582,12 @@ class ThriftRegisterServer:
         self._sock = TSocket.TServerSocket(host="127.0.0.1", port=0)
         server = TServer.TThreadedServer(mux, self._sock, TTransport.TBufferedTransportFactory(),
                                          TBinaryProtocol.TBinaryProtocolFactory(), daemon=True)
-        self._sock.listen()
+        if netns:  # listening in that namespace (a switch's), as BMv2's Thrift server would
+            from aggd.lab import in_netns
+            with in_netns(netns):
+                self._sock.listen()
+        else:
+            self._sock.listen()
         self.address = f"127.0.0.1:{self._sock.handle.getsockname()[1]}"
         self._sock.listen = lambda: None          # already listening: serve() must not bind again
         threading.Thread(target=server.serve, name="fake-bmv2-thrift", daemon=True).start()

@@ -44,8 +44,8 @@ def switch():
     sim.close()
 
 
-def p4_daemon(make_daemon, lab, sim, thrift, **p4):
-    settings = {"grpc": sim.address, "registers": thrift.address, "timeout": 5,
+def p4_daemon(make_daemon, lab, grpc_address, thrift, **p4):
+    settings = {"grpc": grpc_address, "registers": thrift.address, "timeout": 5,
                 "hosts": {ip: list(v) for ip, v in hosts_of(lab).items()}, **p4}
     return make_daemon(lab, dataplane={"kind": "p4"}, p4=settings)
 
@@ -74,12 +74,27 @@ def sample(text: str, name: str, **labels) -> float | None:
     return None
 
 
-def test_daemon_drives_the_switch(make_lab, make_daemon, switch):
-    sim, thrift = switch
-    fake, regs = sim.fake, sim.registers
+def test_daemon_drives_the_switch(make_lab, make_daemon, tmp_path):
+    """As docs/p4.md sets up BMv2 in a lab: P4Runtime on a Unix socket, the Thrift register server
+    in the switch's namespace (p4.registers_netns), the daemon's user-space path in the
+    aggregator's (dataplane.netns)."""
+    from aggd.dataplane.p4 import P4Info
     lab = make_lab(2)
     hosts = hosts_of(lab)
-    d = p4_daemon(make_daemon, lab, sim, thrift)
+    sim = SimSwitch(P4Info(), {})
+    grpc_server, grpc_address = sim.fake.serve(f"unix:{tmp_path / 'p4rt.sock'}")
+    thrift = ThriftRegisterServer(sim.registers, netns=lab.switch_ns)
+    try:
+        run_daemon_against_the_switch(make_daemon, lab, hosts, sim, grpc_address, thrift)
+    finally:
+        thrift.close()
+        grpc_server.stop(None)
+        sim.close()
+
+
+def run_daemon_against_the_switch(make_daemon, lab, hosts, sim, grpc_address, thrift):
+    fake, regs = sim.fake, sim.registers
+    d = p4_daemon(make_daemon, lab, grpc_address, thrift, registers_netns=lab.switch_ns)
 
     # at start: the service address and the hosts' L2 entries, the flood group of every host port
     service = fake.entries(L.SERVICE)
@@ -87,9 +102,10 @@ def test_daemon_drives_the_switch(make_lab, make_daemon, switch):
         [(int.from_bytes(socket.inet_aton(lab.agg_ip), "big"), 47000)]
     assert len(fake.entries(L.FORWARD)) == len(hosts)
     assert fake.groups[L.FLOOD_GROUP] == (1, 2, AGG_PORT_NO)
+    assert f"serving on {lab.agg_ip}:47000 (P4 bmv2 switch at {grpc_address})" in d.log()
     status = d.aggctl("status")
     assert status.exit_code == 0, status.output
-    assert f"P4 bmv2 switch at {sim.address} (connected)" in status.output
+    assert f"P4 bmv2 switch at {grpc_address} (connected)" in status.output
     s = d.call("status")
     assert s["dataplane"]["kind"] == "p4" and s["kernel"]["budget_bytes"] is None
     assert s["kernel"]["budget_slots"] == s["dataplane"]["p4"]["program_slots"] > 0
@@ -209,5 +225,9 @@ def test_unreachable_switch_is_a_clear_error(make_lab, make_daemon, switch):
         d.start(wait=False)
         assert d.proc.wait(60) == 1
         assert f"no BMv2 Thrift server at {dead}" in d.log() and "Traceback" not in d.log()
+        d.configure(p4={"registers": thrift.address, "registers_netns": "no-such-ns"})
+        d.start(wait=False)
+        assert d.proc.wait(60) == 1
+        assert "p4.registers_netns: no network namespace no-such-ns" in d.log()
     finally:
         port.close()
