@@ -8,12 +8,14 @@ and /metrics. No switch runs the program here: what the program computes is test
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -186,20 +188,52 @@ def run_daemon_against_the_switch(make_daemon, lab, hosts, sim, grpc_address, th
     assert "left on the switch" in d.log()
 
 
-def test_tofino_without_bf_runtime_is_a_clear_error(make_lab, make_daemon):
-    """A Tofino's registers need BF Runtime's client (the SDE's bfrt_grpc, not installable here):
-    the daemon says so and exits, no traceback."""
+FAKE_SDE = Path(__file__).resolve().parents[1] / "p4" / "fake_sde"
+
+
+def test_tofino_target(make_lab, make_daemon):
+    """target = "tofino": the TNA program's P4Info, 32 values a packet, registers over BF Runtime
+    (the SDE's bfrt_grpc: a stand-in here, tests/p4/fake_sde). Sync and quorum run; ssp, async and
+    wbsp and slot counts that are not powers of two are refused by aggctl with the reason, and
+    nothing changes; counters the TNA program does not keep are absent. Without bfrt_grpc the
+    daemon does not start, saying so."""
     from aggd.dataplane.p4 import TNA_P4INFO, P4Info
     sim = SimSwitch(P4Info(TNA_P4INFO), {})
     lab = make_lab(1)
+    hosts = hosts_of(lab)
     try:
         d = make_daemon(lab, start=False, dataplane={"kind": "p4", "elements_per_packet": 32},
-                        p4={"target": "tofino", "grpc": sim.address, "timeout": 2,
-                            "hosts": {lab.agg_ip: [lab.agg_mac, AGG_PORT_NO]}})
+                        p4={"target": "tofino", "grpc": sim.address, "registers": "127.0.0.1:50052", "timeout": 2,
+                            "hosts": {ip: list(v) for ip, v in hosts.items()}})
         d.start(wait=False)
         assert d.proc.wait(60) == 1
         log = d.log()
-        assert "cannot start" in log and "bfrt_grpc" in log and "Traceback" not in log
+        assert "cannot start: the P4 switch at" in log and "bfrt_grpc" in log and "Traceback" not in log
+
+        d.start(env={"PYTHONPATH": f"{FAKE_SDE}:{os.environ.get('PYTHONPATH', '')}"})
+        assert len(sim.fake.entries(L.TNA_RANK_BITS)) == proto.MAX_MEMBERS
+        job = d.call("jobs.create", name="tna", world=2, slots=8, strategy="quorum:2:5ms")
+        view = switch_config(sim.fake, hosts)[job["id"]]
+        assert view.rows == [to_entry(parse("quorum:2:5ms"), 0, 0)] and view.params["switch_slots"] == 8
+        requests = len(sim.fake.requests)
+        for strategy in ("ssp:1", "async", "wbsp"):
+            res = d.aggctl("strategy", "set", "tna", strategy)
+            assert res.exit_code != 0 and "sync and quorum only" in res.output, res.output
+        res = d.aggctl("jobs", "create", "odd", "--world", "2", "--slots", "6")
+        assert res.exit_code != 0 and "slots must be a power of two" in res.output, res.output
+        assert len(sim.fake.requests) == requests                      # nothing written for any of them
+        assert [j["name"] for j in d.call("jobs.list")] == ["tna"]
+        assert [v["version"] for v in d.call("strategy.show", job="tna")["versions"]] == [0]
+        res = d.aggctl("strategy", "set", "tna", "sync")
+        assert res.exit_code == 0, res.output
+        assert settled_rows(sim.fake, job["id"])[-1].kind == proto.StrategyKind.SYNC
+        counters = d.call("jobs.show", job="tna")["paths"]["kernel"]["counters"]
+        assert set(counters) == {"rx_packets", "contributions", "released", "rereads", "to_userspace"}
+        text = scrape(lab)
+        assert sample(text, "aggd_packets_total", aggd_job="tna", path="kernel") == 0.0
+        assert sample(text, "aggd_bytes_total", aggd_job="tna", path="kernel") is None
+        status = d.aggctl("status")
+        assert "P4 tofino switch at" in status.output, status.output
     finally:
         sim.close()
 
