@@ -2,8 +2,8 @@
 
 ``Service`` owns the job registry (``aggd.registry``), the fast data plane (``[dataplane] kind``:
 the XDP program with its kernel slots and pinned maps, or the aggd P4 program on a switch, driven
-over P4Runtime: ``aggd.dataplane``), the user-space path (``aggd.userspace``: chunks and jobs the kernel cannot hold, and JOINs),
-and the state file. Every change goes registry -> data planes -> state file, under one lock (JOINs
+over P4Runtime: ``aggd.dataplane``), the user-space path (``aggd.userspace``: chunks and jobs the
+kernel cannot hold, and JOINs), and the state file. Every change goes registry -> data planes -> state file, under one lock (JOINs
 arrive on the user-space thread, aggctl requests on the main thread).
 
 Restart. The XDP maps are pinned, so a restarted daemon finds jobs, members and half-summed slots
