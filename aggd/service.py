@@ -463,6 +463,7 @@ class Service:
         j = self._job(job)
         d = j.describe()
         d["paths"] = self._paths(j)
+        d["dataplane"] = self.config.dataplane.kind    # the "kernel" path is the switch's with "p4"
         top, _ = self._rounds(j)
         d["round"] = top
         return d

@@ -88,13 +88,16 @@ def show(job, as_json):
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
                f"{j['elements']} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")
+    switch = j.get("dataplane") == "p4"        # the fast path is a P4 switch, not the kernel
     karray = p["kernel"]["array"]
-    click.echo(f"  kernel:     slots {slot_range(p['kernel']['slots'])}"
-               + (f" (kernel array {slot_range(karray)})" if karray else ""))
+    click.echo(f"  {'switch' if switch else 'kernel'}:     slots {slot_range(p['kernel']['slots'])}"
+               + (f" ({'switch' if switch else 'kernel'} array {slot_range(karray)})" if karray else ""))
     click.echo(f"  user space: slots {slot_range(p['userspace']['slots'])}")
     paths = j["paths"]
-    table(("COUNTER", "KERNEL", "USERSPACE"),
-          [(c, paths["kernel"]["counters"].get(c, 0), paths["userspace"]["counters"].get(c, 0)) for c in COUNTERS])
+    fast = paths["kernel"]["counters"]
+    # a counter the switch does not keep (a Tofino's) shows "-", not 0
+    table(("COUNTER", "SWITCH" if switch else "KERNEL", "USERSPACE"),
+          [(c, fast.get(c, None if switch else 0), paths["userspace"]["counters"].get(c, 0)) for c in COUNTERS])
     drops = {k: (paths["kernel"]["drops"].get(k, 0), paths["userspace"]["drops"].get(k, 0))
              for k in sorted(set(paths["kernel"]["drops"]) | set(paths["userspace"]["drops"]))}
     nonzero = [(f"dropped {k}", a, b) for k, (a, b) in drops.items() if a or b]

@@ -35,7 +35,8 @@ def status(as_json):
     if not s["jobs"]:
         click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
         return
-    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL", "USERSPACE", "STRAGGLERS"),
+    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "SWITCH" if dp.get("kind") == "p4" else "KERNEL",
+           "USERSPACE", "STRAGGLERS"),
           [(j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
             j["userspace_slots"], _stragglers(j.get("policy"))) for j in s["jobs"]])
     for j in s["jobs"]:

@@ -161,6 +161,10 @@ def run_daemon_against_the_switch(make_daemon, lab, hosts, sim, grpc_address, th
     regs.write_counter(L.CTR_DROPS, L.drop_index(job["id"], proto.DropReason.NOT_MEMBER), 3)
     paths = d.call("jobs.show", job="train")["paths"]["kernel"]
     assert paths["counters"]["contributions"] == 42 and paths["drops"]["not_member"] == 3
+    shown = d.aggctl("jobs", "show", "train")
+    assert shown.exit_code == 0, shown.output
+    assert "  switch:     slots 0..7" in shown.output
+    assert any(line.split() == ["contributions", "42", "0"] for line in shown.output.splitlines()), shown.output
     text = scrape(lab)
     assert sample(text, "aggd_p4_connected") == 1.0
     assert sample(text, "aggd_xdp_attached") is None and sample(text, "aggd_kernel_memory_bytes") is None
@@ -229,6 +233,8 @@ def test_tofino_target(make_lab, make_daemon):
         assert settled_rows(sim.fake, job["id"])[-1].kind == proto.StrategyKind.SYNC
         counters = d.call("jobs.show", job="tna")["paths"]["kernel"]["counters"]
         assert set(counters) == {"rx_packets", "contributions", "released", "rereads", "to_userspace"}
+        shown = d.aggctl("jobs", "show", "tna").output.splitlines()
+        assert any(line.split()[:2] == ["retransmits", "-"] for line in shown), shown    # not kept: not 0
         text = scrape(lab)
         assert sample(text, "aggd_packets_total", aggd_job="tna", path="kernel") == 0.0
         assert sample(text, "aggd_bytes_total", aggd_job="tna", path="kernel") is None
