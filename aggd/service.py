@@ -33,7 +33,7 @@ from pathlib import Path
 from aggd_client import protocol as proto
 from aggd_client.protocol import Header
 
-from . import xdp_ops
+from . import hotswap, xdp_ops
 from .config import Config, changed_keys, RELOADABLE
 from .control import ControlError
 from .dataplane import DataPlaneError
@@ -44,9 +44,6 @@ log = logging.getLogger("aggd")
 
 STATE_FILE = "state.json"
 BPF_FS_MAGIC = 0xCAFE4A11
-#: A strategy swap takes effect this many rounds after the highest round the data planes have seen,
-#: unless a round is given: workers may be one round ahead of what was observed.
-SWAP_MARGIN = 2
 
 
 class ServiceError(RuntimeError):
@@ -489,11 +486,14 @@ class Service:
     def cmd_strategy_set(self, job, strategy, from_round=None):
         j = self._job(job)
         top, _ = self._rounds(j)
-        if from_round is None:
-            from_round = max((top + SWAP_MARGIN) if top is not None else 0, j.strategies[-1][1] + 1)
-        elif top is not None and from_round <= top:
-            raise ControlError("bad_round", f"job {j.name} has reached round {top} already; "
-                                            f"a new strategy must start at a later round")
+        # the same margin and table-full guard as every other swap path (aggd.hotswap)
+        try:
+            from_round = hotswap.plan(j.strategy_table(), top, from_round)
+        except hotswap.RoundPast as exc:
+            raise ControlError("bad_round", f"job {j.name}: {exc}; a new strategy must start at a "
+                                            f"later round") from None
+        except hotswap.TableFull as exc:
+            raise ControlError("table_full", f"job {j.name}: {exc}") from None
         saved = list(j.strategies)
         _, table = self.registry.set_strategy(j.id, strategy, from_round)
         try:

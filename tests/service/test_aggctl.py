@@ -64,6 +64,11 @@ def test_every_command(make_lab, make_daemon, slot_bytes, tmp_path):
     out = ok(d.aggctl("strategy", "set", "tiny", "sync", "--from-round", "3"))
     assert "sync from round 3 (version 1)" in out
     assert json.loads(ok(d.aggctl("strategy", "set", "tiny", "sync", "--json")))["version"] == 2
+    assert json.loads(ok(d.aggctl("strategy", "set", "tiny", "async", "--json")))["version"] == 3
+    # four versions kept and the oldest may still govern open rounds: refused, nothing changed
+    res = d.aggctl("strategy", "set", "tiny", "sync")
+    assert res.exit_code == 1 and "table is full" in res.output, res.output
+    assert json.loads(ok(d.aggctl("strategy", "show", "tiny", "--json")))["version"] == 3
 
     # error paths: bad strategy text (caught before the daemon), invalid for the job, unknown job
     res = d.aggctl("strategy", "set", "resnet", "fastest")
