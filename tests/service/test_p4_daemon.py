@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from aggd.dataplane import p4_layout as L
+from aggd.hotswap import SWAP_MARGIN
 from aggd.strategy import parse, to_entry
 from aggd_client import protocol as proto
 from tests.p4.sim import SimSwitch, ThriftRegisterServer, settled_rows, switch_config
@@ -154,7 +155,7 @@ def run_daemon_against_the_switch(make_daemon, lab, hosts, sim, grpc_address, th
     res = d.aggctl("strategy", "set", "train", "quorum:1:5ms")
     assert res.exit_code == 0, res.output
     rows = settled_rows(fake, job["id"])
-    assert rows[-1] == to_entry(parse("quorum:1:5ms"), 2, 11)        # round 9 + the swap margin
+    assert rows[-1] == to_entry(parse("quorum:1:5ms"), 2, 9 + SWAP_MARGIN)  # round 9 + the margin
 
     # the switch's counters, as its registers hold them, through aggctl and /metrics
     regs.write(L.REG_JOB_COUNTERS, L.counter_index(job["id"], proto.Counter.CONTRIBUTIONS), 42)
