@@ -16,8 +16,9 @@ Header checks and counters
   Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are refused by the kernel.
 * Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
   RX_PACKETS, RX_BYTES (the UDP payload) and RETRANSMITS (Flag.RETRANSMIT) count every packet whose
-  job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) / OVERFLOWS count
-  every contribution added, carried ones included; CARRIED counts carried contributions; RELEASED
+  job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) count
+  every contribution added, carried ones included; OVERFLOWS every result sent with Flag.OVERFLOW
+  (re-sends and async running sums included); CARRIED counts carried contributions; RELEASED
   counts every bank that becomes released (complete or quorum deadline);
   TIMEOUTS the deadline releases; REREADS every result sent back to one sender as a re-send (flag
   REREAD: re-reads, retransmissions of counted contributions, answers to late contributions);
@@ -31,10 +32,15 @@ Results
 * A result carries the *bank's* key as ``round``/``chunk`` (the packet's own key except for the answer
   to a late contribution), the packet's ``count``, rank 0xFFFF, the bank's ``version``, ``kind`` (as
   ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
-  ``n_contrib``, and flags ``bank.flags`` (OVERFLOW, CARRIED) | REREAD for re-sends | served_flags.
+  ``n_contrib``, and flags ``bank.flags`` (CARRIED) | OVERFLOW when a value of the sum does not fit
+  int32 | REREAD for re-sends | served_flags.
   ``code``, ``step`` and ``reserved`` are 0. All ``elements`` values are sent (padding included).
 * The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
-  An int32 overflow stores the wrapped value (what C does) and sets Flag.OVERFLOW on the bank.
+  A bank holds exact sums (int64; the kernel keeps them biased in u64 lanes), so the order of
+  contributions never matters. Aligning to a smaller exponent shifts the sum right by at most 63 and
+  an int32 contribution by at most 31 (both exact floor divisions). Overflow is decided per result
+  sent: a sum outside int32 goes out as its low 32 bits with Flag.OVERFLOW; a later result of the
+  same bank is flagged only if its own values do not fit (an async running sum can come back).
 
 Strategy table
 * ``set_strategy`` takes 1..STRATEGY_VERSIONS rows in any order. A round is governed by the row with
@@ -101,7 +107,8 @@ RESULT_RANK = 0xFFFF
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
 U32_MAX = (1 << 32) - 1
-MAX_SHIFT = 31
+MAX_SHIFT = 31        #: an int32 contribution is shifted by at most this (its sign by then)
+MAX_SUM_SHIFT = 63    #: a bank's int64 sum is shifted by at most this
 #: Banks a slot holds (docs/protocol.md, "Slot state").
 BANKS = 4
 #: async opens a round only while fewer banks than this are open (one released bank stays).
@@ -125,34 +132,37 @@ STRATEGY_COUNTERS = ("carried", "timeouts", "partials")
 # Arithmetic: one interface, two implementations (numpy here, numba in aggd.kernels).
 
 def np_load(dst: np.ndarray, src: np.ndarray) -> None:
-    """First contribution of a key: copy, zero-padding a short payload, ignoring extra elements."""
+    """First contribution of a key: copy (into int64), zero-padding a short payload, ignoring
+    extra elements."""
     n = min(len(src), len(dst))
     dst[:n] = src[:n]
     dst[n:] = 0
 
 
-def np_accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> tuple[int, bool]:
-    """Add ``src`` into ``acc`` aligning to the smaller exponent; return (exponent, overflowed).
-
-    The finer operand is arithmetically shifted right by the exponent difference, clamped to 31 (an
-    int32 shifted by 31 is already its sign, so the clamp is exact). A sum outside int32 is stored
-    wrapped, as C stores it, and reported.
-    """
+def np_accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
+    """Add int32 ``src`` into the exact int64 sums ``acc`` aligning to the smaller exponent; return
+    the exponent. The finer operand is arithmetically shifted right by the exponent difference,
+    clamped to 63 for the sum and 31 for the int32 contribution (both exact floor divisions)."""
     exp = min(acc_exp, src_exp)
     n = min(len(src), len(acc))
-    total = acc.astype(np.int64) >> min(acc_exp - exp, MAX_SHIFT)
-    total[:n] += src[:n].astype(np.int64) >> min(src_exp - exp, MAX_SHIFT)
-    overflow = bool(((total > INT32_MAX) | (total < INT32_MIN)).any())
-    acc[:] = total.astype(np.int32)  # wraps modulo 2**32
-    return exp, overflow
+    acc >>= min(acc_exp - exp, MAX_SUM_SHIFT)
+    acc[:n] += src[:n].astype(np.int64) >> min(src_exp - exp, MAX_SHIFT)
+    return exp
+
+
+def np_narrow(values: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The int32 values a result carries: the sums' low 32 bits, and whether any did not fit."""
+    overflow = bool(len(values)) and bool(values.min() < INT32_MIN or values.max() > INT32_MAX)
+    return values.astype(PAYLOAD_DTYPE), overflow
 
 
 class Arithmetic(NamedTuple):
     load: Callable[[np.ndarray, np.ndarray], None]
-    accumulate: Callable[[np.ndarray, int, np.ndarray, int], tuple[int, bool]]
+    accumulate: Callable[[np.ndarray, int, np.ndarray, int], int]
+    narrow: Callable[[np.ndarray], tuple[np.ndarray, bool]]
 
 
-NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate)
+NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,14 +236,14 @@ class BankState(enum.IntEnum):
 
 @dataclass
 class Bank:
-    values: np.ndarray                 #: int32[elements], a view into the job's slot array
+    values: np.ndarray                 #: int64[elements] exact sums, a view into the job's slot array
     state: BankState = BankState.EMPTY
     key: Key = (0, 0)                  #: (round, chunk); meaningless while EMPTY
     bitmap: int = 0                    #: members whose own contribution was added
     late: int = 0                      #: members whose late contribution to this round was carried
     n_contrib: int = 0                 #: everything added (carried and wbsp steps included), u16
     exponent: int = ZERO_EXPONENT
-    flags: int = 0                     #: Flag bits the result carries (OVERFLOW, CARRIED)
+    flags: int = 0                     #: Flag bits every result of the bank carries (CARRIED)
     version: int = 0                   #: the governing table row, recorded when the bank opened
     kind: StrategyKind = StrategyKind.SYNC
     param: int = 0
@@ -389,7 +399,7 @@ class AggregatorModel:
                              f"the aggregator has {self.elements}")
         cfg = replace(cfg, members=dict(cfg.members))  # ours to mutate (set_member)
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
-        values = np.zeros((cfg.slots, BANKS, self.elements), np.int32)
+        values = np.zeros((cfg.slots, BANKS, self.elements), np.int64)
         slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
         self.jobs[cfg.job] = JobState(cfg, slots, table)
         self._drops[cfg.job] = _zero_drops()
@@ -533,10 +543,10 @@ class AggregatorModel:
         bank.steps[hdr.rank] |= 1 << hdr.step
         if bank.complete(job.cfg.world):
             self._release(job, bank, "complete")
-            return self._to_group(job, self._result(bank, hdr))
+            return self._to_group(job, self._result(job, bank, hdr))
         if bank.kind == StrategyKind.ASYNC:
             job.count("partials")
-            return self._to_sender(job, self._result(bank, hdr), src)
+            return self._to_sender(job, self._result(job, bank, hdr), src)
         return Verdict("drop", job=job.cfg.job)     # absorbed: counted as a contribution
 
     def _late(self, job: JobState, slot: Slot, origin: Bank | None, hdr: Header, values: np.ndarray,
@@ -578,10 +588,7 @@ class AggregatorModel:
             self.arith.load(bank.values, values)
             bank.exponent = hdr.exponent
         else:
-            bank.exponent, overflow = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
-            if overflow:
-                bank.flags |= Flag.OVERFLOW
-                job.count("overflows")
+            bank.exponent = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
         bank.n_contrib = (bank.n_contrib + 1) & 0xFFFF
         job.count("contributions")
         job.count("elements", hdr.count)
@@ -602,13 +609,17 @@ class AggregatorModel:
                      flags=self.served_flags, code=code).pack()
         return Verdict("tx", reason, out, "sender", (_addr(src),), bucket)
 
-    def _result(self, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
+    def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
+        values, overflow = self.arith.narrow(bank.values)
+        if overflow:
+            extra_flags |= Flag.OVERFLOW
+            job.count("overflows")
         out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
                      chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
                      exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
                      contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
                      param=bank.param)
-        return out.pack() + bank.values.astype(PAYLOAD_DTYPE, copy=False).tobytes()
+        return out.pack() + values.tobytes()
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
         cfg = job.cfg
@@ -623,9 +634,9 @@ class AggregatorModel:
         round released by its deadline, which announces it to the whole group."""
         if bank.unannounced:
             bank.unannounced = False
-            return self._to_group(job, self._result(bank, hdr))
+            return self._to_group(job, self._result(job, bank, hdr))
         job.count("rereads")
-        return self._to_sender(job, self._result(bank, hdr, Flag.REREAD), src)
+        return self._to_sender(job, self._result(job, bank, hdr, Flag.REREAD), src)
 
 
 def _zero_drops() -> np.ndarray:

@@ -70,7 +70,12 @@ struct bank {
 	__u8 unannounced;    /* released by its deadline: the next answer from it goes to the group */
 	__u8 _pad;
 	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
-	__s32 values[ELEMS];
+	/* Exact sums, kept biased so the hot loop needs no sign extension and no overflow test: every
+	 * contribution adds each int32 x as x - 2**31 (modulo 2**64), and `bias` holds 2**31 per
+	 * contribution added, so a lane's true sum is (__s64)(values[i] + bias). Whether it fits int32
+	 * is decided when a result is copied out (docs/protocol.md, "Overflow"). */
+	__u64 bias;
+	__u64 values[ELEMS];
 };
 
 /* Working memory of one packet's decision, used only under the slot's lock. Keeping the scan's
@@ -81,7 +86,7 @@ struct scratch {
 	__u32 used, nopen, min_open_round, have_chunk, timeouts;
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest;
 	__s32 add, out, reason;
-	__u32 add_fresh, add_carried, late, out_group, partial, released, overflowed, written;
+	__u32 add_fresh, add_carried, late, out_group, partial, released;
 };
 
 struct slot {

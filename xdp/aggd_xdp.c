@@ -221,7 +221,6 @@ int aggd_xdp(struct xdp_md *ctx)
 
 	/* The decision is taken under the lock and carried out by at most one adding loop and one
 	 * copying loop: `add` is the bank the payload goes into, `out` the bank sent back. */
-	__s32 ovf = 0;
 	__u64 out_key = 0, out_bitmap = 0;
 	__u16 out_n = 0, out_version = 0;
 	__s16 out_exp = 0;
@@ -236,7 +235,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->rel_old_key = sc->target_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
-	sc->partial = sc->released = sc->overflowed = sc->written = 0;
+	sc->partial = sc->released = 0;
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
@@ -389,45 +388,39 @@ int aggd_xdp(struct xdp_md *ctx)
 		} else {
 			b->flags |= AGGD_FLAG_CARRIED;
 		}
-		/* One loop for every case, branch-free inside: the first contribution (keep = 0) copies,
-		 * later ones align the finer operand (sa, sb) and add; when this bank is what goes back,
-		 * the new values are written into the packet as they are made (wmask). */
-		__s32 keep = -1, wmask = sc->out == add ? -1 : 0;
-		int sa = 0, sb = 0, se = b->exponent;
+		__u64 *v = b->values;
+		__u32 *p = (__u32 *)payload;
+		int se = b->exponent;
 		if (sc->add_fresh) {
-			keep = 0;
 			b->exponent = exp_in;
-		} else if (exp_in < se) {
-			sa = clamp_shift(se - exp_in);
-			b->exponent = exp_in;
-		} else {
-			sb = clamp_shift(exp_in - se);
-		}
-		__s32 *v = b->values;
-		if (sa == 0 && sb == 0 && keep) {
-			/* The common case (same exponent, not the first contribution): a plain add. */
+			b->bias = SUM_BIAS;
 			_Pragma("clang loop unroll_count(8)")
-			for (int i = 0; i < ELEMS; i++) {
-				__s32 x = v[i], y = payload[i];
-				__s32 z = (__s32)((__u32)x + (__u32)y);
-				ovf |= (x ^ z) & (y ^ z);
-				v[i] = z;
-				payload[i] = (z & wmask) | (y & ~wmask);
-			}
+			for (int i = 0; i < ELEMS; i++)
+				v[i] = p[i] ^ LANE_FLIP;
+		} else if (exp_in == se) {
+			/* The common case: one load, one xor, one add; no sign extension, no overflow test. */
+			b->bias += SUM_BIAS;
+			_Pragma("clang loop unroll_count(8)")
+			for (int i = 0; i < ELEMS; i++)
+				v[i] += p[i] ^ LANE_FLIP;
 		} else {
+			/* Align to the coarser scale (the smaller exponent): shift the finer operand's true
+			 * value right, the sum by at most 63, the int32 contribution by at most 31 (exact). */
+			int sa = 0, sb = 0;
+			if (exp_in < se) {
+				sa = clamp_shift(se - exp_in, 63);
+				b->exponent = exp_in;
+			} else {
+				sb = clamp_shift(exp_in - se, 31);
+			}
+			__u64 bias = b->bias;
+			b->bias = bias + SUM_BIAS;
 			_Pragma("clang loop unroll(disable)")
 			for (int i = 0; i < ELEMS; i++) {
-				__s32 x = (v[i] >> sa) & keep, y = payload[i] >> sb;
-				__s32 z = (__s32)((__u32)x + (__u32)y);
-				ovf |= (x ^ z) & (y ^ z);
-				v[i] = z;
-				payload[i] = (z & wmask) | (y & ~wmask);
+				__s64 sum = (__s64)(v[i] + bias) >> sa;
+				__s64 y = (__s64)(__s32)p[i] >> sb;
+				v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
 			}
-		}
-		sc->written = !!wmask;
-		if (ovf < 0) {
-			b->flags |= AGGD_FLAG_OVERFLOW;
-			sc->overflowed = 1;
 		}
 		b->n_contrib++;
 		if (sc->released)
@@ -442,23 +435,29 @@ int aggd_xdp(struct xdp_md *ctx)
 			r->unannounced = 0;
 			sc->out_group = 1;
 		}
-		if (!sc->written) {
-			__s32 *v = r->values;
-			_Pragma("clang loop unroll(disable)")
-			for (int i = 0; i < ELEMS; i++)
-				payload[i] = v[i];
+		/* t = true sum + 2**31 lies in [0, 2**32) exactly when the sum fits int32: OR every t
+		 * and test the high half once; the low half of t with its top bit flipped is the int32. */
+		__u64 *v = r->values, above = r->bias + SUM_BIAS, high = 0;
+		__u32 *p = (__u32 *)payload;
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS; i++) {
+			__u64 t = v[i] + above;
+			high |= t;
+			p[i] = (__u32)t ^ SIGN_BIT;
 		}
 		out_key = r->key;
 		out_bitmap = r->bitmap;
 		out_n = r->n_contrib;
 		out_exp = r->exponent;
 		out_flags = r->flags;
+		if (high >> 32)
+			out_flags |= AGGD_FLAG_OVERFLOW;
 		out_version = r->version;
 		out_kind = r->kind;
 		out_param = r->param;
 	}
 	int timeouts = sc->timeouts, reason = sc->reason, add_carried = sc->add_carried;
-	int overflowed = sc->overflowed, released = sc->released, partial = sc->partial;
+	int released = sc->released, partial = sc->partial;
 	int out_group = sc->out_group;
 	int was_late = sc->late;
 	bpf_spin_unlock(&s->lock);
@@ -486,8 +485,6 @@ int aggd_xdp(struct xdp_md *ctx)
 		jst->counter[AGGD_COUNTER_ELEMENTS] += n;
 		if (add_carried)
 			jst->counter[AGGD_COUNTER_CARRIED] += 1;
-		if (overflowed)
-			jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 		if (released)
 			jst->counter[AGGD_COUNTER_RELEASED] += 1;
 		if (partial)
@@ -495,6 +492,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 	if (out < 0)
 		return XDP_DROP; /* absorbed into the slot */
+	if (out_flags & AGGD_FLAG_OVERFLOW)
+		jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 	if (!out_group && !partial) {
 		jst->counter[AGGD_COUNTER_REREADS] += 1;
 		out_flags |= AGGD_FLAG_REREAD;

@@ -72,6 +72,12 @@ def remove_pinned(pin_dir: str | Path) -> None:
     layout_file(pin_dir).unlink(missing_ok=True)
 
 
+def bank_sums(bank) -> np.ndarray:
+    """A bank's exact sums (int64) from its biased u64 lanes (xdp/aggd_maps.h, struct bank)."""
+    lanes = np.ctypeslib.as_array(bank.values)
+    return (lanes + np.uint64(bank.bias)).view(np.int64)
+
+
 class SlotAllocator:
     """First-fit allocation of contiguous slot ranges in the kernel's slot array."""
 
@@ -383,7 +389,7 @@ class XdpDataPlane(DataPlane):
         for i in range(int(j.slot_base), int(j.slot_base) + int(j.kernel_slots)):
             for bank in self.slots[ctypes.c_uint32(i)].bank:
                 if bank.state == 1:  # BANK_OPEN
-                    values = np.ctypeslib.as_array(bank.values).astype(np.float64)
+                    values = bank_sums(bank).astype(np.float64)
                     total += float(np.ldexp(values, -int(bank.exponent)).sum())
         return total
 

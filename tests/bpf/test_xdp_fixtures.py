@@ -129,7 +129,19 @@ def test_int32_overflow_is_flagged(dp):
     run(dp, contrib(1, values=big))
     out = parse(run(dp, contrib(2, values=np.zeros(ELEMENTS, np.int32))).packet)
     assert out.hdr.flags & Flag.OVERFLOW
+    np.testing.assert_array_equal(out.payload, np.full(ELEMENTS, -2**31))  # 2**31, wrapped
     assert dp.job_stats(1).counters["overflows"] == 1
+
+
+def test_sums_are_exact_so_only_a_result_outside_int32_is_flagged(dp):
+    top = np.full(ELEMENTS, 2**31 - 1, np.int32)
+    run(dp, contrib(0, values=top))
+    run(dp, contrib(1, values=top))                         # 2**32 - 2 held exactly
+    assert dp.pending_sum(1) == ELEMENTS * (2**32 - 2)
+    out = parse(run(dp, contrib(2, values=np.full(ELEMENTS, -2**31, np.int32))).packet)
+    assert not out.hdr.flags & Flag.OVERFLOW
+    np.testing.assert_array_equal(out.payload, np.full(ELEMENTS, 2**31 - 2))
+    assert dp.job_stats(1).counters["overflows"] == 0
 
 
 def test_sixty_four_members(dp):

@@ -148,11 +148,21 @@ SCENARIOS: dict[str, list] = {
         (contrib(1, [-1, 1, 0], exponent=10), ABSORBED),
         (contrib(2, [0, 0, 0], exponent=10), released([-6, 5, 2**31 - 1], exponent=-100)),
     ],
-    "int32 overflow is flagged and stored wrapped": [
+    "a sum outside int32 is sent wrapped and flagged": [
         (contrib(0, [2**31 - 1, -2**31]), ABSORBED),
         (contrib(1, [1, -1]), ABSORBED),
         (contrib(2, [0, 0]), released([-2**31, 2**31 - 1], flags=Flag.OVERFLOW)),
         (reread(0), resent([-2**31], flags=Flag.OVERFLOW | Flag.REREAD)),
+    ],
+    "sums are exact: one that leaves int32 and comes back is not flagged": [
+        (contrib(0, [2**31 - 1, -2**31]), ABSORBED),
+        (contrib(1, [2**31 - 1, -1]), ABSORBED),
+        (contrib(2, [-2**31, 2**31 - 1]), released([2**31 - 2, -2], flags=0)),
+    ],
+    "a sum beyond int32 is shifted exactly when a finer exponent arrives": [
+        (contrib(0, [2**31 - 1, -2**31], exponent=4), ABSORBED),
+        (contrib(1, [2**31 - 1, -2**31], exponent=4), ABSORBED),
+        (contrib(2, [0, 0], exponent=3), released([2**31 - 1, -2**31], exponent=3, flags=0)),
     ],
 }
 
@@ -368,17 +378,16 @@ def test_strategy_table_versions():
 
 def sequential_sum(contribs: list[tuple[list[int], int]]) -> tuple[list[int], int, bool]:
     """The slot's arithmetic in plain Python ints, in arrival order (floors compose differently
-    from a one-shot alignment when exponents differ, so the order matters)."""
+    from a one-shot alignment when exponents differ, so the order matters): exact sums, shifted by
+    at most 63 (the sum) and 31 (an int32 contribution), wrapped and flagged only when sent."""
     acc, exp = list(contribs[0][0]), contribs[0][1]
-    overflow = False
     for values, e in contribs[1:]:
         new = min(exp, e)
-        a_sh, s_sh = min(exp - new, 31), min(e - new, 31)
+        a_sh, s_sh = min(exp - new, 63), min(e - new, 31)
         acc = [(a >> a_sh) + (v >> s_sh) for a, v in zip(acc, values)]
-        overflow |= any(not -2**31 <= x < 2**31 for x in acc)
-        acc = [(x + 2**31) % 2**32 - 2**31 for x in acc]
         exp = new
-    return acc, exp, overflow
+    overflow = any(not -2**31 <= x < 2**31 for x in acc)
+    return [(x + 2**31) % 2**32 - 2**31 for x in acc], exp, overflow
 
 
 int32s = st.integers(-2**31, 2**31 - 1)

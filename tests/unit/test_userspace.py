@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggd import kernels
-from aggd.model import NO_JOB, NUMPY_ARITHMETIC, AggregatorModel, JobConfig, np_accumulate, np_load
+from aggd.model import (NO_JOB, NUMPY_ARITHMETIC, AggregatorModel, JobConfig, np_accumulate, np_load,
+                        np_narrow)
 from aggd.userspace import UserspaceAggregator
 from aggd_client.protocol import (HEADER_SIZE, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
                                   MsgType, NackCode, decode)
@@ -23,41 +24,59 @@ int32_arrays = st.integers(0, 40).flatmap(
 exps = st.one_of(st.integers(-50, 50), st.sampled_from([ZERO_EXPONENT, -32768, 32767]))
 
 
+sums = st.integers(0, 40).flatmap(
+    lambda n: st.lists(st.integers(-2**40, 2**40), min_size=n, max_size=n))
+
+
 @settings(max_examples=300, deadline=None)
-@given(int32_arrays, exps, int32_arrays, exps)
+@given(sums, exps, int32_arrays, exps)
 def test_accumulate_kernel_matches_numpy(acc, acc_exp, src, src_exp):
-    a_np = np.array(acc, np.int32)
+    a_np = np.array(acc, np.int64)
     a_nb = a_np.copy()
     src_arr = np.array(src, np.int32)
     ref = np_accumulate(a_np, acc_exp, src_arr, src_exp)
     got = kernels.KERNEL_ARITHMETIC.accumulate(a_nb, acc_exp, src_arr, src_exp)
-    assert got == ref and type(got[0]) is int and type(got[1]) is bool
+    assert got == ref and type(got) is int
     assert a_nb.tolist() == a_np.tolist()
 
 
-def test_accumulate_kernel_overflow_and_shift_cases():
+@settings(max_examples=300, deadline=None)
+@given(sums)
+def test_narrow_kernel_matches_numpy(values):
+    arr = np.array(values, np.int64)
+    ref, ref_ovf = np_narrow(arr)
+    got, got_ovf = kernels.KERNEL_ARITHMETIC.narrow(arr)
+    assert got.tolist() == ref.tolist() and got_ovf is ref_ovf
+    assert ref_ovf == any(not -2**31 <= v < 2**31 for v in values)
+    assert got.tolist() == [(v + 2**31) % 2**32 - 2**31 for v in values]
+
+
+def test_accumulate_kernel_exact_sums_and_shift_cases():
     rng = np.random.default_rng(1)
-    for acc_exp, src_exp in [(0, 0), (3, 0), (0, 3), (0, 40), (40, 0), (-5, ZERO_EXPONENT)]:
-        acc = rng.integers(-2**31, 2**31, 512, dtype=np.int64).astype(np.int32)
+    for acc_exp, src_exp in [(0, 0), (3, 0), (0, 3), (0, 40), (40, 0), (70, 0), (-5, ZERO_EXPONENT)]:
+        acc = rng.integers(-2**40, 2**40, 512, dtype=np.int64)
         src = rng.integers(-2**31, 2**31, 512, dtype=np.int64).astype(np.int32)
         ref_acc, nb_acc = acc.copy(), acc.copy()
         ref = np_accumulate(ref_acc, acc_exp, src, src_exp)
         assert kernels.KERNEL_ARITHMETIC.accumulate(nb_acc, acc_exp, src, src_exp) == ref
         assert np.array_equal(ref_acc, nb_acc)
-    a = np.array([2**31 - 1, -2**31, 0], np.int32)
-    assert kernels.KERNEL_ARITHMETIC.accumulate(a, 0, np.array([1, -1, 1], np.int32), 0) == (0, True)
-    assert a.tolist() == [-2**31, 2**31 - 1, 1]
+    # sums leave int32 without wrapping; only what is sent is narrowed (and flagged)
+    a = np.array([2**31 - 1, -2**31, 0], np.int64)
+    assert kernels.KERNEL_ARITHMETIC.accumulate(a, 0, np.array([1, -1, 1], np.int32), 0) == 0
+    assert a.tolist() == [2**31, -2**31 - 1, 1]
+    out, overflow = kernels.KERNEL_ARITHMETIC.narrow(a)
+    assert overflow and out.tolist() == [-2**31, 2**31 - 1, 1]
     # read-only payloads straight from a received datagram, shorter than the slot
-    a = np.full(4, 8, np.int32)
+    a = np.full(4, 8, np.int64)
     src = np.frombuffer(np.array([16, -16], "<i4").tobytes(), "<i4")
-    assert kernels.KERNEL_ARITHMETIC.accumulate(a, 1, src, 2) == (1, False)
+    assert kernels.KERNEL_ARITHMETIC.accumulate(a, 1, src, 2) == 1
     assert a.tolist() == [16, 0, 8, 8]
 
 
 @given(int32_arrays, st.integers(0, 40))
 def test_load_kernel_matches_numpy(src, n):
     src_arr = np.array(src, np.int32)
-    a, b = np.full(n, 7, np.int32), np.full(n, 7, np.int32)
+    a, b = np.full(n, 7, np.int64), np.full(n, 7, np.int64)
     np_load(a, src_arr)
     kernels.load(b, src_arr)
     assert a.tolist() == b.tolist()
