@@ -77,7 +77,7 @@ COUNTER_METRICS: dict[str, tuple[str, str]] = {
     "rereads": ("aggd_rereads", "Results sent again to a worker that lost them (re-reads and late "
                                 "contributions answered)"),
     "retransmits": ("aggd_retransmits", "Contributions received with the retransmit flag"),
-    "overflows": ("aggd_sum_overflows", "Contributions whose addition overflowed int32 (results flagged)"),
+    "overflows": ("aggd_sum_overflows", "Results sent flagged overflow: a sum outside int32"),
     "to_userspace": ("aggd_userspace_handoffs", "Packets the XDP program handed to the user-space "
                                                 "(overflow) path: slots beyond the job's kernel slots, "
                                                 "or another packet size"),

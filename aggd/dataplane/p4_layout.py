@@ -86,9 +86,10 @@ REG_BANK_ROUND = f"{PIPE}.bank_round"
 REG_BANK_BITMAP = f"{PIPE}.bank_bitmap"
 REG_LANE0 = f"{PIPE}.lane_0"
 REG_REFUSED_VALID = f"{PIPE}.refused_valid"     #: index slot * 64 + rank
+#: lane_0 stands for every v1model lane: exact 64-bit sums (TNA_REGISTERS: 32-bit lanes, which wrap)
 REGISTERS: dict[str, int] = {
     REG_JOB_COUNTERS: 64, REG_MAX_ROUND: 32, REG_CLOCK: 48, REG_SLOT_LOCK: 1, REG_BANK_STATE: 8,
-    REG_BANK_ROUND: 32, REG_BANK_BITMAP: 64, REG_LANE0: 32, REG_REFUSED_VALID: 8,
+    REG_BANK_ROUND: 32, REG_BANK_BITMAP: 64, REG_LANE0: 64, REG_REFUSED_VALID: 8,
 }
 #: Every per-bank register of a slot (the P4 program declares them; the backend clears bank_state
 #: and slot_lock when a job's slots are handed out, which makes the others unread until rewritten).

@@ -66,7 +66,7 @@ def registers() -> dict[str, tuple[int, int]]:
     for name, bits in L.SLOT_MEMBER_REGISTERS.items():
         regs[f"{L.PIPE}.{name}"] = (bits, SLOTS * MAX_MEMBERS)
     for i in range(LANES):
-        regs[L.lane_register(i)] = (32, cells * PASSES)
+        regs[L.lane_register(i)] = (64, cells * PASSES)  # exact 64-bit sums (docs/protocol.md, "Overflow")
     return regs
 
 

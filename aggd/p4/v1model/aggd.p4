@@ -32,7 +32,7 @@ struct aggd_meta_t {
     @field_list(1) bit<1>  fresh;       /* first contribution of the bank: copy, do not add */
     @field_list(1) bit<8>  sa;          /* right shift of the stored sum (exponent alignment) */
     @field_list(1) bit<8>  sb;          /* right shift of the incoming values */
-    @field_list(1) bit<1>  ovf;         /* an int32 addition overflowed in some pass */
+    @field_list(1) bit<1>  ovf;         /* a value sent did not fit int32 in some pass */
     @field_list(1) bit<1>  do_out;      /* a bank's values go back in the packet */
     @field_list(1) bit<32> out_cell;
     @field_list(1) bit<1>  out_is_add;  /* the values sent are the sums just made */
@@ -116,7 +116,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_key;
     register<bit<16>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_step;
     /* The values: one register per lane (SwitchML), index bank * AGGD_PASSES + pass. */
-#define AGGD_LANE_REGISTER(i) register<bit<32>>(AGGD_LANE_CELLS) lane_##i;
+/* Exact sums (docs/protocol.md, "Overflow"): 64-bit lanes; what is sent is narrowed to int32. */
+#define AGGD_LANE_REGISTER(i) register<bit<64>>(AGGD_LANE_CELLS) lane_##i;
     AGGD_FOR_LANES(AGGD_LANE_REGISTER)
 
     /* ---- tables ---------------------------------------------------------------------------- */
@@ -680,11 +681,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_exp.write(base + (bit<32>)add, hdr.aggd.exponent);
                 } else if ((int<16>)hdr.aggd.exponent < (int<16>)b_exp) {
                     int<32> d = (int<32>)(int<16>)b_exp - (int<32>)(int<16>)hdr.aggd.exponent;
-                    meta.sa = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;
+                    meta.sa = d > 63 ? 8w63 : (bit<8>)(bit<32>)d;     /* the 64-bit sum */
                     bank_exp.write(base + (bit<32>)add, hdr.aggd.exponent);
                 } else {
                     int<32> d = (int<32>)(int<16>)hdr.aggd.exponent - (int<32>)(int<16>)b_exp;
-                    meta.sb = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;
+                    meta.sb = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;     /* the int32 value */
                 }
                 bank_n.write(base + (bit<32>)add, b_n + 1);
                 meta.do_add = 1;
@@ -768,26 +769,31 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         }
 
         /* ---- lanes: this pass's AGGD_LANES values ------------------------------------------ */
-        bit<32> lx;
-        bit<32> ly;
-        bit<32> lz;
+        /* Sums are exact in 64 bits; a value sent is the sum's low 32 bits, and the result is
+         * flagged when a sum lies outside int32 (sum + 2**31 has high bits). */
+        bit<64> lx;
+        bit<64> ly;
+        bit<64> lz;
         if (meta.do_add == 1) {
 #define ADD_LANE(i) \
             lane_##i.read(lx, meta.add_cell + (bit<32>)meta.pass); \
             if (meta.fresh == 1) { lx = 0; } \
-            ly = AGGD_SWAP(hdr.lanes.v##i); \
-            lx = (bit<32>)((int<32>)lx >> meta.sa); \
-            ly = (bit<32>)((int<32>)ly >> meta.sb); \
+            ly = (bit<64>)(int<64>)(int<32>)AGGD_SWAP(hdr.lanes.v##i); \
+            lx = (bit<64>)((int<64>)lx >> meta.sa); \
+            ly = (bit<64>)((int<64>)ly >> meta.sb); \
             lz = lx + ly; \
-            if (((lx ^ lz) & (ly ^ lz))[31:31] == 1) { meta.ovf = 1; } \
             lane_##i.write(meta.add_cell + (bit<32>)meta.pass, lz); \
-            hdr.lanes.v##i = AGGD_SWAP(lz);
+            if (meta.out_is_add == 1) { \
+                if ((lz + 0x80000000)[63:32] != 0) { meta.ovf = 1; } \
+                hdr.lanes.v##i = AGGD_SWAP(lz[31:0]); \
+            }
             AGGD_FOR_LANES(ADD_LANE)
         }
         if (meta.do_out == 1 && meta.out_is_add == 0) {
 #define OUT_LANE(i) \
             lane_##i.read(lx, meta.out_cell + (bit<32>)meta.pass); \
-            hdr.lanes.v##i = AGGD_SWAP(lx);
+            if ((lx + 0x80000000)[63:32] != 0) { meta.ovf = 1; } \
+            hdr.lanes.v##i = AGGD_SWAP(lx[31:0]);
             AGGD_FOR_LANES(OUT_LANE)
         }
         /* The block just done goes behind the others (see block_h). */
@@ -802,13 +808,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         }
 
         /* ---- last pass: overflow, unlock, send ----------------------------------------------- */
-        if (meta.ovf == 1) {
-            bank_flags.read(b_flags, meta.add_bank);
-            bank_flags.write(meta.add_bank, b_flags | AGGD_FLAG_OVERFLOW);
+        if (meta.ovf == 1 && meta.do_out == 1) {
+            hdr.aggd.flags = hdr.aggd.flags | AGGD_FLAG_OVERFLOW;   /* a result outside int32 */
             BUMP(AGGD_COUNTER_OVERFLOWS, 1)
-            if (meta.out_is_add == 1) {
-                hdr.aggd.flags = hdr.aggd.flags | AGGD_FLAG_OVERFLOW;
-            }
         }
         if (meta.work == 1) {
             slot_lock.write(meta.slot, 0);
