@@ -60,7 +60,6 @@ static __always_inline int clamp_shift(int s, int max)
 /* A zero-extended int32 x xor LANE_FLIP is x - 2**31 modulo 2**64 for every x: one xor instead of
  * a sign extension (the upper bits keep the compiler from narrowing it to a 32-bit xor). */
 #define LANE_FLIP 0xFFFFFFFF80000000ULL
-#define SIGN_BIT 0x80000000ULL
 #define SUM_BIAS (1ULL << 31) /* what one contribution's LANE_FLIP takes off each lane */
 
 #endif /* AGGD_HELPERS_H */

@@ -87,6 +87,8 @@ struct scratch {
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released;
+	__u32 written;      /* the adding loop wrote the result into the packet ... */
+	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };
 
 struct slot {

@@ -235,7 +235,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->rel_old_key = sc->target_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
-	sc->partial = sc->released = 0;
+	sc->partial = sc->released = sc->written = 0;
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
@@ -397,12 +397,26 @@ int aggd_xdp(struct xdp_md *ctx)
 			_Pragma("clang loop unroll_count(8)")
 			for (int i = 0; i < ELEMS; i++)
 				v[i] = p[i] ^ LANE_FLIP;
-		} else if (exp_in == se) {
+		} else if (exp_in == se && sc->out != add) {
 			/* The common case: one load, one xor, one add; no sign extension, no overflow test. */
 			b->bias += SUM_BIAS;
 			_Pragma("clang loop unroll_count(8)")
 			for (int i = 0; i < ELEMS; i++)
 				v[i] += p[i] ^ LANE_FLIP;
+		} else if (exp_in == se) {
+			/* This sum goes back (a release, an async running sum): add and copy out in one pass
+			 * (see the copy loop below for `above` and `high`). */
+			__u64 bias = b->bias + SUM_BIAS, above = bias + SUM_BIAS, high = 0;
+			b->bias = bias;
+			_Pragma("clang loop unroll_count(2)")
+			for (int i = 0; i < ELEMS; i++) {
+				__u64 sum = v[i] + (p[i] ^ LANE_FLIP), t = sum + above;
+				v[i] = sum;
+				high |= t;
+				p[i] = (__u32)(t ^ LANE_FLIP); /* the low half is what counts */
+			}
+			sc->written_high = high;
+			sc->written = 1;
 		} else {
 			/* Align to the coarser scale (the smaller exponent): shift the finer operand's true
 			 * value right, the sum by at most 63, the int32 contribution by at most 31 (exact). */
@@ -437,13 +451,17 @@ int aggd_xdp(struct xdp_md *ctx)
 		}
 		/* t = true sum + 2**31 lies in [0, 2**32) exactly when the sum fits int32: OR every t
 		 * and test the high half once; the low half of t with its top bit flipped is the int32. */
-		__u64 *v = r->values, above = r->bias + SUM_BIAS, high = 0;
-		__u32 *p = (__u32 *)payload;
-		_Pragma("clang loop unroll_count(8)")
-		for (int i = 0; i < ELEMS; i++) {
-			__u64 t = v[i] + above;
-			high |= t;
-			p[i] = (__u32)t ^ SIGN_BIT;
+		__u64 high = sc->written_high;
+		if (!sc->written) {
+			__u64 *v = r->values, above = r->bias + SUM_BIAS;
+			__u32 *p = (__u32 *)payload;
+			high = 0;
+			_Pragma("clang loop unroll_count(8)")
+			for (int i = 0; i < ELEMS; i++) {
+				__u64 t = v[i] + above;
+				high |= t;
+				p[i] = (__u32)(t ^ LANE_FLIP); /* the low half is what counts */
+			}
 		}
 		out_key = r->key;
 		out_bitmap = r->bitmap;
