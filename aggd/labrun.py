@@ -69,7 +69,8 @@ class WorkerRun:
 
 def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = proto.DEFAULT_ELEMENTS,
                 gso: bool = True, extra: list[str] = (), server_port: int = proto.DEFAULT_PORT,
-                on_record: Callable[[int, dict], None] | None = None) -> list[WorkerRun]:
+                on_record: Callable[[int, dict], None] | None = None,
+                env: dict[str, str] | None = None) -> list[WorkerRun]:
     """Start one ``aggd.labworker`` per member, wait for all, return their records.
 
     ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
@@ -84,7 +85,7 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
                 "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who,
                 *([] if gso else ["--no-gso"]), *extra]
         procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True))
+                             text=True, env=env))
     runs = [WorkerRun(rank, -1) for rank in range(len(procs))]
     deadline = time.monotonic() + timeout
     sel = selectors.DefaultSelector()

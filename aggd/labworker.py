@@ -3,6 +3,12 @@
 Every worker regenerates all members' tensors from the shared seed, so it can check its own result
 against the exact float64 sum and the documented bound without any side channel. One JSON object
 per allreduce goes to stdout. Used by the netns tests, ``aggctl bench allreduce`` and the demo.
+
+``--gloo INIT_METHOD`` reduces with torch.distributed's gloo backend instead (the benchmark's
+baseline; ``--world`` members). ``--reuse`` reduces the same tensor every round (a benchmark times
+the allreduce, not the generation of tensors). Every record carries ``extra_rss_bytes``: this
+process's peak resident memory since the first round of its size began, over what it held then
+(the tensor, the client, the libraries).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import numpy as np
 
 from aggd_client import AggClient, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
+
+from .memory import peak_rss, reset_peak_rss, rss
 
 
 def tensor(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str = "random",
@@ -79,9 +87,16 @@ def main(argv=None) -> int:
     ap.add_argument("--pattern", choices=["random", "integers"], default="random",
                     help="integers: exactly representable sums, identical whatever path serves them")
     ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
+    ap.add_argument("--gloo", metavar="INIT_METHOD",
+                    help="reduce with torch.distributed gloo (e.g. tcp://10.77.0.10:29500), not aggd")
+    ap.add_argument("--reuse", action="store_true", help="reduce the same tensor every round")
     args = ap.parse_args(argv)
 
-    if args.token is not None:
+    if args.gloo is not None:
+        if args.world is None:
+            ap.error("--gloo needs --world")
+        client = _GlooClient(args.gloo, args.rank, args.world)
+    elif args.token is not None:
         job = int(args.job) if args.job.isdigit() else args.job
         client = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
                       window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after)
@@ -98,21 +113,40 @@ def main(argv=None) -> int:
     with client:
         for dtype in args.dtypes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
+                out = x = None
                 for i in range(args.warmup + args.rounds):
-                    x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
+                    out = None  # the previous result is not held through this round
+                    if x is None or not args.reuse:
+                        x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
+                    if args.gloo is not None:
+                        client.load(x)  # gloo reduces in place
+                    if i == 0:
+                        reset_peak_rss()
+                        held = rss()
                     t0 = time.perf_counter()
                     out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
+                    extra = peak_rss() - held
                     if i < args.warmup:
                         continue
                     rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
-                           "seconds": seconds, "shape_ok": out.shape == x.shape and out.dtype == x.dtype}
+                           "seconds": seconds, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
+                           "extra_rss_bytes": extra, "tensor_bytes": x.nbytes}
+                    if isinstance(client, AggClient):
+                        rec.update(retransmits=client.stats["retransmits"],
+                                   packets_sent=client.stats["packets_sent"],
+                                   retransmit_timeout=client.retransmit_timeout, window=client.window)
                     if args.digest:
                         rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
                     last = i == args.warmup + args.rounds - 1
                     if args.check == "all" or (args.check == "last" and last):
-                        exact, bound = expected(args.seed, args.world, size, dtype, i, args.elements,
-                                                args.pattern)
+                        ref = 0 if args.reuse else i
+                        if args.gloo is not None:
+                            exact, bound = _GlooClient.expected(args.seed, args.world, size, dtype, ref,
+                                                                args.pattern, args.elements)
+                        else:
+                            exact, bound = expected(args.seed, args.world, size, dtype, ref,
+                                                    args.elements, args.pattern)
                         bound = bound + output_rounding(out)
                         err = np.abs(out.astype(np.float64) - exact)
                         rec.update(max_abs_error=float(err.max()), error_bound=float(bound.max()),
@@ -122,6 +156,51 @@ def main(argv=None) -> int:
                             status = 1
                     print(json.dumps(rec), flush=True)
     return status
+
+
+class _GlooClient:
+    """torch.distributed's allreduce (gloo backend, TCP) with AggClient's ``allreduce``. The result
+    is reduced in place in a buffer of the client's (the input is copied in first, untimed)."""
+
+    def __init__(self, init_method: str, rank: int, world: int):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        self._torch, self._dist = torch, dist
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        self._buf = None
+
+    def allreduce(self, x: np.ndarray) -> np.ndarray:
+        """The sum of what ``load`` put in (``x`` is that input)."""
+        self._dist.all_reduce(self._buf)
+        return self._buf.numpy()
+
+    def load(self, x: np.ndarray) -> None:
+        """Copy the next input into the buffer (outside the timed call)."""
+        if self._buf is None or self._buf.shape != x.shape or self._buf.dtype != x.dtype:
+            self._buf = self._torch.from_numpy(np.empty_like(x))
+        self._buf.numpy()[...] = x
+
+    @staticmethod
+    def expected(seed, world, size, dtype, round_, pattern, elements):
+        """(exact float64 sum, bound of a float sum of ``world`` terms in ``dtype``)."""
+        exact = np.zeros(size)
+        mag = np.zeros(size)
+        for r in range(world):
+            x = tensor(seed, r, size, dtype, round_, pattern, elements).astype(np.float64)
+            exact += x
+            mag += np.abs(x)
+        return exact, world * float(np.finfo(dtype).eps) * mag
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._dist.destroy_process_group()
 
 
 if __name__ == "__main__":

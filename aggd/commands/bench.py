@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 import uuid
 
 import click
@@ -38,6 +37,8 @@ def bench():
 
 
 @bench.command("allreduce")
+@click.option("--systems", default="aggd-xdp,aggd-user,gloo", show_default=True,
+              help="aggd-xdp, aggd-user and/or gloo (torch.distributed), comma-separated")
 @click.option("--workers", default="4", show_default=True, help="worker counts, e.g. 2,4,8")
 @click.option("--size", "sizes", default="64M", show_default=True,
               help="tensor sizes in bytes of float32, e.g. 256K,64M")
@@ -45,54 +46,64 @@ def bench():
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
 @click.option("--elements", default=proto.DEFAULT_ELEMENTS, show_default=True, help="int32 values a packet")
+@click.option("--mtu", type=int, default=None, help="the lab's MTU (default: what a packet needs, at least 1500)")
 @click.option("--slots", default=4096, show_default=True, help="slots in the job's pool")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
-def bench_allreduce(workers, sizes, iters, warmup, mode, elements, slots, as_json):
-    """Allreduce float32 tensors through aggd's XDP path in a lab; time and check them."""
-    from aggd.lab import Lab
-    from aggd.labrun import LabJob, run_workers, xdp_aggregator
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG of algorithm bandwidth against size per system and worker count")
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, as_json, plot_path):
+    """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
+    lab with the same workers; time, check and measure memory; print the ratios."""
+    from aggd import allreduce_bench as ab
 
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in ab.SYSTEMS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"unknown system(s) {unknown}: use {', '.join(ab.SYSTEMS)}",
+                                 param_hint="--systems")
+    if "gloo" in chosen:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            raise click.ClickException("gloo needs torch (pip install torch==2.13.0); or leave it out of --systems")
+    if not 1 <= elements <= proto.MAX_ELEMENTS:
+        raise click.BadParameter(f"must be 1..{proto.MAX_ELEMENTS}", param_hint="--elements")
     worker_counts = _int_list(workers)
+    if any(w < 1 for w in worker_counts):
+        raise click.BadParameter("worker counts must be positive", param_hint="--workers")
     size_list = [parse_size(s) for s in sizes.split(",")]
-    name = "b" + uuid.uuid4().hex[:6]
-    with Lab(name, max(worker_counts)) as lab, \
-            xdp_aggregator(lab, elements=elements, mode=mode, total_slots=max(slots, 64)) as dp:
-        for n in worker_counts:
-            for nbytes in size_list:
-                elems = max(1, nbytes // 4)
-                job = LabJob(job=1, workers=list(range(n)), slots=slots)
-                dp.install_job(job.config(lab))
-                runs = run_workers(lab, job, elements=elements, gso=(mode == "native"),
-                                   timeout=600 + 0.5 * iters * elems / 1e6 * n,
-                                   extra=["--sizes", str(elems), "--rounds", str(iters),
-                                          "--warmup", str(warmup), "--check", "last"])
-                failed = [r for r in runs if r.returncode != 0 or len(r.records) != iters]
-                if failed:
-                    raise click.ClickException(
-                        f"worker rank {failed[0].rank} failed ({failed[0].returncode}): "
-                        f"{failed[0].stderr.strip()[-2000:]}")
-                # a collective is done when its slowest member is: per round, the max over ranks
-                per_round = [max(r.records[i]["seconds"] for r in runs) for i in range(iters)]
-                sec = statistics.median(per_round)
-                checked = [rec for r in runs for rec in r.records if "max_abs_error" in rec]
-                row = {
-                    "system": "aggd-xdp", "mode": mode, "workers": n, "bytes": elems * 4,
-                    "elements": elems, "elements_per_packet": elements, "iters": iters,
-                    "seconds_per_allreduce": sec,
-                    "algbw_gbps": elems * 4 * 8 / sec / 1e9,
-                    "elements_per_s": elems / sec,
-                    "max_abs_error": max(r["max_abs_error"] for r in checked),
-                    "error_bound": max(r["error_bound"] for r in checked),
-                    "within_bound": all(r["within_bound"] for r in checked),
-                    "retransmits": dp.job_stats(1).counters["retransmits"],
-                }
-                dp.remove_job(1)
-                if as_json:
-                    click.echo(json.dumps(row))
-                else:
-                    click.echo(f"aggd-xdp  workers={n:<2} bytes={row['bytes']:<10} "
-                               f"{sec * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
-                               f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})")
+    if iters < 1 or warmup < 0:
+        raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
+
+    def show(row):
+        if as_json:
+            click.echo(json.dumps(row))
+            return
+        extra = f"  retransmits={row['retransmits']}" if "retransmits" in row else ""
+        agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
+               if "aggregator_memory_bytes" in row else "")
+        click.echo(f"{row['system']:<9} workers={row['workers']:<2} bytes={row['bytes']:<10} "
+                   f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                   f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
+                   f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
+
+    try:
+        rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
+                      elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
+                      on_row=show)
+    except ab.BenchError as e:
+        raise click.ClickException(str(e)) from None
+    for r in ab.ratios(rows):
+        parts = []
+        if r["xdp_over_gloo"] is not None:
+            parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
+        if r["user_over_xdp"] is not None:
+            parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
+        if parts and not as_json:  # (JSON rows carry what they are computed from)
+            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} " + "  ".join(parts))
+    if plot_path:
+        ab.plot(rows, plot_path)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
 
 
 @bench.command("xdp")

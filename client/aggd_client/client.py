@@ -62,6 +62,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _fast, quant
+from .flow import CongestionWindow, RtoEstimator
 from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
@@ -238,6 +239,11 @@ class AggClient:
         self._rto_cap = max(RTO_CAP, self._rto)
         self._quorum_cap = min(float(max_retransmit_interval), self._rto_cap)
         self._scan_every = max(min(self._rto, self._quorum_cap) / 4, 0.001)
+        # answer times raise the timeout above retransmit_timeout when the path (or the slowest
+        # member) is slower; losses shrink the chunks in flight below the window
+        self._rtt = RtoEstimator(self._rto, self._rto, self._rto_cap)
+        self._cwnd = CongestionWindow(self._window)
+        self._ack_out = np.zeros(2, np.float64)
         self._give_up = float(give_up_after)
         self._gso = bool(gso)
         self._closed = False
@@ -346,6 +352,18 @@ class AggClient:
     @property
     def server(self) -> tuple[str, int]:
         return self._server
+
+    @property
+    def retransmit_timeout(self) -> float:
+        """The retransmission timeout now (before per-chunk backoff): estimated from answer times,
+        never below the constructor's ``retransmit_timeout`` (``flow.RtoEstimator``)."""
+        return self._rtt.rto
+
+    @property
+    def window(self) -> int:
+        """Chunks allowed in flight now: at most ``window`` (or ``slots``), halved on losses
+        (``flow.CongestionWindow``)."""
+        return self._cwnd.size
 
     @property
     def gso(self) -> bool:
@@ -553,7 +571,7 @@ class AggClient:
         """Let every send admit what the window and the order rules allow; whether more could be
         admitted right away."""
         self._tidy()
-        budget = self._window - sum(s.inflight for s in self._sends if not s.rnd.complete)
+        budget = self._cwnd.size - sum(s.inflight for s in self._sends if not s.rnd.complete)
         more = False
         for i, s in enumerate(self._sends):
             if budget <= 0:
@@ -1079,18 +1097,27 @@ class _Send:
     # -- answers and loss recovery ------------------------------------------------------------
     def ack(self, chunks: np.ndarray, now: float) -> int:
         """Chunks answered (repeats allowed): those in flight stop being retransmitted. Returns
-        how many."""
-        if self.c._fast:
-            n = _fast.ack(self.state, chunks, chunks.size)
+        how many. The longest answer time among those sent once feeds the timeout estimate."""
+        c = self.c
+        if c._fast:
+            out = c._ack_out
+            n = _fast.ack(self.state, chunks, chunks.size, self.sent_at, self.retries, now, out)
+            longest, once = out[0], out[1]
         else:
             hit = chunks[self.state[chunks] == _INFLIGHT]
             if hit.size > 1:
                 hit = np.unique(hit)
             self.state[hit] = _DONE
             n = int(hit.size)
+            first = hit[self.retries[hit] == 0]
+            once = first.size
+            longest = now - float(self.sent_at[first].min()) if once else 0.0
         if n:
             self.inflight -= n
             self.last_ack = now
+            if once:
+                c._rtt.sample(longest)
+            c._cwnd.acked(n)
         return n
 
     def hurry(self) -> None:
@@ -1108,10 +1135,14 @@ class _Send:
         if cand.size == 0:
             return
         c = self.c
-        rto = np.minimum(c._rto * np.exp2(self.retries[cand].astype(np.float64)), cap)
-        due = cand[now - self.sent_at[cand] >= rto]
+        retries = self.retries[cand]
+        rto = np.minimum(c._rtt.rto * np.exp2(retries.astype(np.float64)), cap)
+        late = now - self.sent_at[cand] >= rto
+        due = cand[late]
         if due.size == 0:
             return
+        if (retries[late] == 0).any():  # a first timeout: the path dropped something
+            c._cwnd.lost(now, c._rtt.srtt or c._rtt.rto)
         pk = self.ring.pk
         idx = due % self.S
         pk["hdr"]["flags"][idx] = _RETRANSMIT

@@ -1,0 +1,94 @@
+"""How long to wait before a retransmission and how much to keep in flight: the client's two
+feedback loops, kept apart from the packet handling so they can be tested alone.
+
+``RtoEstimator`` is RFC 6298's smoothed round-trip time and variance, fed with the answer times
+of chunks sent once (Karn's rule: a retransmitted chunk's answer time says nothing). A result
+comes back only when every member has contributed the chunk, so the "round trip" includes waiting
+for the slowest member: on a host whose cores are shared by the workers, the aggregator and the
+bridge it is several times the network's. A fixed timeout below it resends most of a large tensor
+(each duplicate costs the aggregator and the other members the same work as a first copy).
+
+``CongestionWindow`` is additive-increase / multiplicative-decrease over chunks in flight (slow
+start up to the first loss): every queue between a worker and the aggregator (socket buffers,
+the per-CPU backlog a veth feeds, the XDP ring) drops what overflows, and a window larger than
+they hold turns into losses and retransmission timeouts.
+"""
+from __future__ import annotations
+
+#: RFC 6298's gains.
+ALPHA = 1 / 8
+BETA = 1 / 4
+#: Chunks in flight at the start (one GSO batch) and never fewer than this.
+INITIAL_WINDOW = 64
+MIN_WINDOW = 16
+
+
+class RtoEstimator:
+    """``rto``: ``srtt + 4 * rttvar`` from the samples so far, never below ``floor`` nor above
+    ``cap``; ``initial`` (clamped alike) before the first sample."""
+
+    __slots__ = ("floor", "cap", "srtt", "rttvar", "_rto")
+
+    def __init__(self, initial: float, floor: float, cap: float):
+        if not 0 < floor <= cap:
+            raise ValueError(f"need 0 < floor <= cap, got floor {floor}, cap {cap}")
+        self.floor, self.cap = float(floor), float(cap)
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self._rto = min(max(float(initial), self.floor), self.cap)
+
+    @property
+    def rto(self) -> float:
+        return self._rto
+
+    def sample(self, rtt: float) -> float:
+        """Feed one answer time (seconds, of a chunk sent once); returns the new ``rto``."""
+        if rtt < 0:
+            return self._rto  # a clock step; ignore
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = (1 - BETA) * self.rttvar + BETA * abs(self.srtt - rtt)
+            self.srtt = (1 - ALPHA) * self.srtt + ALPHA * rtt
+        self._rto = min(max(self.srtt + 4 * self.rttvar, self.floor), self.cap)
+        return self._rto
+
+
+class CongestionWindow:
+    """Chunks a worker may have in flight: ``size`` (an int for the sender) between ``MIN_WINDOW``
+    (or ``limit`` if smaller) and ``limit`` (the job's slots, or the caller's window)."""
+
+    __slots__ = ("limit", "floor", "_size", "ssthresh", "_last_cut")
+
+    def __init__(self, limit: int, initial: int = INITIAL_WINDOW):
+        if limit < 1:
+            raise ValueError(f"window limit must be at least 1, got {limit}")
+        self.limit = int(limit)
+        self.floor = min(MIN_WINDOW, self.limit)
+        self._size = float(min(max(initial, self.floor), self.limit))
+        self.ssthresh = float(self.limit)
+        self._last_cut = float("-inf")
+
+    @property
+    def size(self) -> int:
+        return int(self._size)
+
+    def acked(self, n: int) -> None:
+        """``n`` chunks in flight were answered: one more chunk per answer in slow start, one more
+        per window's worth of answers after it."""
+        if n <= 0:
+            return
+        if self._size < self.ssthresh:
+            self._size = min(self._size + n, self.ssthresh)
+        else:
+            self._size += n / self._size
+        self._size = min(self._size, float(self.limit))
+
+    def lost(self, now: float, rtt: float) -> bool:
+        """A chunk's retransmission timer fired (first time for it): halve the window, at most
+        once per ``rtt`` (the timeouts of one window are one congestion event). Whether it cut."""
+        if now - self._last_cut < rtt:
+            return False
+        self._last_cut = now
+        self._size = self.ssthresh = max(float(self.floor), self._size / 2)
+        return True
