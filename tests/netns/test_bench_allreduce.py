@@ -1,0 +1,38 @@
+"""``aggctl bench allreduce`` end to end: the three systems on one lab, one JSON row each, checked."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.root
+
+
+def test_bench_allreduce_emits_a_row_per_system(tmp_path):
+    png = tmp_path / "allreduce.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp,aggd-user,gloo",
+         "--size", "256K", "--workers", "2", "--iters", "2", "--json", "--plot", str(png)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["system"] for r in rows] == ["aggd-xdp", "aggd-user", "gloo"]
+    for r in rows:
+        assert r["workers"] == 2 and r["bytes"] == 256 << 10
+        assert r["within_bound"] and r["errors"] == 0, r
+        assert r["seconds_per_allreduce"] > 0 and r["algbw_gbps"] > 0
+        # the result array is the only tensor-sized thing an allreduce must add
+        assert 0 < r["worker_extra_rss_bytes"], r
+    xdp, user, _ = rows
+    assert xdp["aggregator_memory"] == "bpf_maps" and xdp["aggregator_memory_bytes"] > 0
+    assert user["aggregator_memory"] == "peak_rss" and user["aggregator_memory_bytes"] > 0
+    assert png.stat().st_size > 10_000  # a real PNG
+
+
+def test_bench_allreduce_refuses_an_unknown_system():
+    out = subprocess.run([sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "nccl"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "unknown system" in out.stderr and "nccl" in out.stderr

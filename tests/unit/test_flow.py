@@ -1,0 +1,71 @@
+"""The client's retransmission timeout estimate and congestion window (aggd_client.flow)."""
+from __future__ import annotations
+
+import pytest
+
+from aggd_client.flow import MIN_WINDOW, CongestionWindow, RtoEstimator
+
+
+def test_rto_starts_at_initial_and_follows_rfc6298():
+    est = RtoEstimator(initial=0.05, floor=0.01, cap=1.0)
+    assert est.rto == 0.05 and est.srtt is None
+    est.sample(0.1)  # first sample: srtt = r, rttvar = r / 2
+    assert est.srtt == pytest.approx(0.1) and est.rttvar == pytest.approx(0.05)
+    assert est.rto == pytest.approx(0.1 + 4 * 0.05)
+    est.sample(0.2)
+    assert est.rttvar == pytest.approx(0.75 * 0.05 + 0.25 * 0.1)
+    assert est.srtt == pytest.approx(0.875 * 0.1 + 0.125 * 0.2)
+    assert est.rto == pytest.approx(est.srtt + 4 * est.rttvar)
+
+
+def test_rto_converges_to_a_steady_answer_time_and_stays_within_floor_and_cap():
+    est = RtoEstimator(initial=0.05, floor=0.05, cap=1.0)
+    for _ in range(200):
+        est.sample(0.12)  # a large window on shared cores: answers take 120 ms, steadily
+    assert est.srtt == pytest.approx(0.12, rel=1e-6) and est.rto == pytest.approx(0.12, rel=1e-3)
+    for _ in range(200):
+        est.sample(0.001)  # fast path: the floor holds
+    assert est.rto == 0.05
+    for _ in range(50):
+        est.sample(30.0)
+    assert est.rto == 1.0
+    assert est.sample(-1.0) == 1.0  # a clock step is ignored
+
+
+def test_rto_refuses_a_floor_above_the_cap():
+    with pytest.raises(ValueError):
+        RtoEstimator(initial=0.05, floor=2.0, cap=1.0)
+
+
+def test_window_slow_start_then_additive_increase():
+    w = CongestionWindow(limit=4096, initial=64)
+    assert w.size == 64
+    w.acked(64)
+    assert w.size == 128  # slow start: one more per chunk answered
+    w.acked(10_000)
+    assert w.size == 4096  # never beyond the limit
+    w.lost(now=1.0, rtt=0.01)
+    assert w.size == 2048 and w.ssthresh == 2048
+    w.acked(2048)  # after a loss: about one more per window of answers
+    assert w.size == 2049
+
+
+def test_window_halves_at_most_once_per_round_trip_and_never_below_the_floor():
+    w = CongestionWindow(limit=1024, initial=1024)
+    assert w.lost(now=10.0, rtt=0.05)
+    assert not w.lost(now=10.01, rtt=0.05)  # the same window's timeouts: one event
+    assert w.size == 512
+    t = 10.0
+    for _ in range(20):
+        t += 1.0
+        w.lost(now=t, rtt=0.05)
+    assert w.size == MIN_WINDOW
+
+
+def test_a_small_limit_is_its_own_floor():
+    w = CongestionWindow(limit=3)
+    assert w.size == 3
+    w.lost(now=1.0, rtt=0.1)
+    assert w.size == 3
+    with pytest.raises(ValueError):
+        CongestionWindow(limit=0)
