@@ -331,6 +331,11 @@ class Lab:
                 # No IPv6: its DAD/MLD/RS chatter would reach the aggregator's XDP program.
                 _write_sysctl("net.ipv6.conf.all.disable_ipv6", "1")
                 _write_sysctl("net.ipv6.conf.default.disable_ipv6", "1")
+                if ns == self.switch_ns and Path("/proc/sys/net/bridge").exists():
+                    # br_netfilter (loaded for other uses on the host) would send every bridged
+                    # frame through the IP hooks too; the loss rules live in the bridge family
+                    for family in ("iptables", "ip6tables", "arptables"):
+                        _write_sysctl(f"net.bridge.bridge-nf-call-{family}", "0")
         endpoints = [("sw-agg", self.agg_ns, AGG_IFNAME, self.agg_ip, self.agg_mac)] + [
             (f"sw-w{i}", self.worker_ns(i), WORKER_IFNAME, self.worker_ip(i), self.worker_mac(i))
             for i in range(self.workers)

@@ -45,7 +45,8 @@ def bench():
 @click.option("--iters", default=5, show_default=True, help="timed allreduces per configuration")
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
-@click.option("--elements", default=proto.DEFAULT_ELEMENTS, show_default=True, help="int32 values a packet")
+@click.option("--elements", default=proto.MAX_ELEMENTS, show_default=True,
+              help="int32 values a packet (default: the largest native XDP on veth takes)")
 @click.option("--mtu", type=int, default=None, help="the lab's MTU (default: what a packet needs, at least 1500)")
 @click.option("--slots", default=4096, show_default=True, help="slots in the job's pool")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
