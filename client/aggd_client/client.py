@@ -39,9 +39,12 @@ Transport, as docs/protocol.md asks:
   kernel that refuses GSO makes the client fall back to one ``sendto`` per packet, once for good.
 * Results are received straight into a preallocated record array, checked by column (or by the
   numba kernel of ``_fast``), dequantised into the output by block. A chunk without an answer after
-  ``retransmit_timeout`` (doubled at each retry of that chunk, at most ``max(1 s,
+  the retransmission timeout (estimated from answer times, never below ``retransmit_timeout``:
+  ``flow.RtoEstimator``; doubled at each retry of that chunk, at most ``max(1 s,
   retransmit_timeout)``; at most ``max_retransmit_interval`` under ``quorum``, whose data plane uses
   the members' retransmissions as the clock of its deadline) is sent again flagged RETRANSMIT.
+  Chunks in flight are further bounded by a congestion window (``flow.CongestionWindow``: halved
+  when first timeouts fire, regrown as answers come).
   No new result for ``give_up_after`` seconds spent inside the client's calls while a round waits
   raises ``NoAnswerError``.
 
