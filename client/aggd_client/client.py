@@ -37,7 +37,7 @@ Transport, as docs/protocol.md asks:
   ``(round, chunk)`` grow.
 * Batches leave with UDP GSO (one ``sendmsg`` carries up to 64 packets) unless ``gso=False``; a
   kernel that refuses GSO makes the client fall back to one ``sendto`` per packet, once for good.
-* Results are received straight into a preallocated record array, checked by column (or by the
+* Results are received straight into a preallocated record array (one ``recvmmsg`` a batch), checked by column (or by the
   numba kernel of ``_fast``), dequantised into the output by block. A chunk without an answer after
   the retransmission timeout (estimated from answer times, never below ``retransmit_timeout``:
   ``flow.RtoEstimator``; doubled at each retry of that chunk, at most ``max(1 s,
@@ -66,6 +66,7 @@ import numpy as np
 
 from . import _fast, quant
 from .flow import CongestionWindow, RtoEstimator
+from .mrecv import MultiReceiver
 from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
@@ -291,12 +292,11 @@ class AggClient:
 
         self._fast = _fast.warm_up()  # numba kernels, compiled before anything is sent
         self._stage = np.zeros(STAGE, self._dtype)  # receive staging
-        raw = memoryview(self._stage.view(np.uint8))
-        self._stage_views = [raw[i * self._rec:(i + 1) * self._rec] for i in range(STAGE)]
         self._stage_u8 = self._stage.view(np.uint8).reshape(STAGE, self._rec)
         self._stage_i32 = self._stage_u8.view(np.int32)
         self._words = self._stage_u8.view(np.uint32)
         self._sizes = np.zeros(STAGE, np.int64)
+        self._receiver = MultiReceiver(self._stage, self._rec, self._sizes)
         self._acks = np.zeros(STAGE, np.int64)
         self._meta = np.zeros(3, np.int64)
         # Messages are classified by the first 8 header bytes (magic, version, type; job) compared
@@ -687,17 +687,9 @@ class AggClient:
             self._process(m)
 
     def _drain(self, sock: socket.socket, m: int) -> int:
-        """Receive into the staging array from position ``m`` until empty or full; new ``m``."""
-        views, sizes, rec = self._stage_views, self._sizes, self._rec
-        while m < STAGE:
-            try:
-                sizes[m] = sock.recv_into(views[m], rec, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                break
-            except ConnectionRefusedError:
-                continue
-            m += 1
-        return m
+        """Receive into the staging array from position ``m`` until empty or full (one
+        recvmmsg a batch: ``mrecv``); new ``m``."""
+        return self._receiver.drain(sock, m)
 
     def _process(self, m: int) -> None:
         """Hand ``m`` received messages to the rounds in flight. The numba kernel takes one round

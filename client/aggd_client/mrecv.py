@@ -1,0 +1,108 @@
+"""Batched receives: one ``recvmmsg(2)`` fills many records of the client's staging array.
+
+Python's socket module has no recvmmsg; ctypes calls libc's with a ``mmsghdr`` array prepared once,
+whose iovecs point at the staging records (``rec`` bytes each), so a batch of results costs one
+system call and no Python object per datagram. ``MultiReceiver.drain`` has the contract of the
+client's one-datagram-at-a-time loop (it is the fallback where libc has no recvmmsg, or with
+``AGGD_CLIENT_RECVMMSG=0``): a datagram longer than ``rec`` is cut to ``rec`` bytes (the checks by
+size then refuse it), ICMP errors queued on the socket are skipped.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+
+import numpy as np
+
+MSG_DONTWAIT = socket.MSG_DONTWAIT
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
+                ("msg_iov", ctypes.POINTER(_Iovec)), ("msg_iovlen", ctypes.c_size_t),
+                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
+                ("msg_flags", ctypes.c_int)]
+
+
+class _Mmsghdr(ctypes.Structure):
+    _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
+
+
+def _libc_recvmmsg():
+    if os.environ.get("AGGD_CLIENT_RECVMMSG", "1") == "0":
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).recvmmsg
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RECVMMSG = _libc_recvmmsg()
+AVAILABLE = _RECVMMSG is not None
+
+
+class MultiReceiver:
+    """Receives into ``stage`` (``n`` records of ``rec`` bytes, C-contiguous), recording each
+    datagram's length in ``sizes``."""
+
+    def __init__(self, stage: np.ndarray, rec: int, sizes: np.ndarray, batched: bool = AVAILABLE):
+        self.n, self.rec, self.sizes = len(stage), rec, sizes
+        self._stage = stage  # kept alive: the iovecs point into it
+        flat = memoryview(stage.view(np.uint8).reshape(-1))
+        self._views = [flat[i * rec:(i + 1) * rec] for i in range(self.n)]
+        self.batched = batched and AVAILABLE
+        if self.batched:
+            base = stage.ctypes.data
+            self._iov = (_Iovec * self.n)(*[_Iovec(base + i * rec, rec) for i in range(self.n)])
+            self._msgs = (_Mmsghdr * self.n)()
+            for i in range(self.n):
+                self._msgs[i].msg_hdr.msg_iov = ctypes.pointer(self._iov[i])
+                self._msgs[i].msg_hdr.msg_iovlen = 1
+            self._addr = ctypes.addressof(self._msgs)
+            self._stride = ctypes.sizeof(_Mmsghdr)
+            raw = (ctypes.c_char * (self.n * self._stride)).from_address(self._addr)
+            self._lens = np.frombuffer(raw, np.uint8).reshape(self.n, self._stride)
+            self._len_at = _Mmsghdr.msg_len.offset
+
+    def drain(self, sock: socket.socket, m: int) -> int:
+        """Receive from ``sock`` into records ``m ..`` until it is empty or the stage is full;
+        returns the new ``m``."""
+        if not self.batched:
+            return self._drain_one_by_one(sock, m)
+        fd = sock.fileno()
+        while m < self.n:
+            got = _RECVMMSG(fd, self._addr + m * self._stride, self.n - m, MSG_DONTWAIT, None)
+            if got < 0:
+                err = ctypes.get_errno()
+                if err == errno.ECONNREFUSED:  # a queued ICMP error; datagrams may follow it
+                    continue
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+                    break
+                raise OSError(err, os.strerror(err))
+            if got == 0:
+                break
+            lens = self._lens[m:m + got, self._len_at:self._len_at + 4].copy().view(np.uint32).reshape(-1)
+            self.sizes[m:m + got] = lens
+            m += got
+        return m
+
+    def _drain_one_by_one(self, sock: socket.socket, m: int) -> int:
+        views, sizes, rec = self._views, self.sizes, self.rec
+        while m < self.n:
+            try:
+                sizes[m] = sock.recv_into(views[m], rec, MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except ConnectionRefusedError:
+                continue
+            m += 1
+        return m
