@@ -61,6 +61,26 @@ def test_64mib_all_dtypes(make_lab, world):
             assert_all_right(runs, 1)
 
 
+def test_largest_packets_native_veth_xdp_takes(make_lab):
+    """MAX_ELEMENTS int32 a packet (a 3410-byte frame) on a lab at the largest native-XDP veth MTU:
+    sums are right, every packet was aggregated in the kernel (none handed up)."""
+    from aggd.lab import MAX_MTU
+    from aggd_client.protocol import MAX_ELEMENTS
+
+    lab = make_lab(4, mtu=MAX_MTU)
+    with xdp_aggregator(lab, elements=MAX_ELEMENTS) as dp:
+        job = LabJob(job=1, workers=list(range(4)))
+        dp.install_job(job.config(lab))
+        sizes = f"1,{MAX_ELEMENTS},{MAX_ELEMENTS + 1},{MIB // 4}"
+        runs = run_workers(lab, job, timeout=300, elements=MAX_ELEMENTS,
+                           extra=["--sizes", sizes, "--dtypes", "float32", "--rounds", "2"])
+        assert_all_right(runs, 4 * 2, dp)
+        stats = dp.job_stats(1)
+        assert stats.counters["released"] == 2 * (1 + 1 + 2 + -(-(MIB // 4) // MAX_ELEMENTS))
+        assert stats.counters["to_userspace"] == 0
+        assert sum(stats.drops.values()) == stats.drops["duplicate"]
+
+
 def test_two_percent_loss_both_ways(make_lab):
     lab = make_lab(4, loss_percent=2.0)
     with xdp_aggregator(lab) as dp:

@@ -21,7 +21,7 @@ from aggd_client import (AggClient, AggdError, AggregationOverflowError, NoAnswe
                          NotMemberError, UnknownJobError)
 from aggd_client import quant
 from aggd_client.protocol import HEADER_SIZE, Header, packet_dtype
-from aggd_client.protocol.definition import MAGIC, VERSION, Flag, MsgType, NackCode
+from aggd_client.protocol.definition import MAGIC, MAX_ELEMENTS, VERSION, Flag, MsgType, NackCode
 
 JOB = 7
 
@@ -403,7 +403,7 @@ def test_bad_arguments():
         with pytest.raises(ValueError):
             AggClient(silent.getsockname(), JOB, 0, 65)
         with pytest.raises(ValueError):
-            AggClient(silent.getsockname(), JOB, 0, 1, elements=513)
+            AggClient(silent.getsockname(), JOB, 0, 1, elements=MAX_ELEMENTS + 1)
         with AggClient(silent.getsockname(), JOB, 0, 1) as c:
             with pytest.raises(TypeError):
                 c.allreduce(np.ones(4, np.int32))

@@ -49,7 +49,7 @@ def test_bad_mode_names_key_and_reason():
     ({"dataplane": {"port": 70000}}, "dataplane.port: must be between 1 and 65535, not 70000"),
     ({"dataplane": {"port": "47000"}}, "dataplane.port: must be an integer, not '47000'"),
     ({"dataplane": {"unpin_on_stop": 1}}, "dataplane.unpin_on_stop: must be true or false"),
-    ({"dataplane": {"elements_per_packet": 513}}, "dataplane.elements_per_packet: must be between 1 and 512"),
+    ({"dataplane": {"elements_per_packet": 833}}, "dataplane.elements_per_packet: must be between 1 and 832"),
     ({"dataplane": {"kernel_memory": "lots"}}, "dataplane.kernel_memory: must be bytes"),
     ({"dataplane": {"kernel_memory": -1}}, "dataplane.kernel_memory: must not be negative"),
     ({"dataplane": {"interface": "x" * 16}}, "dataplane.interface: must be an interface name"),

@@ -8,7 +8,7 @@ import pytest
 
 from aggd.registry import Limits, Registry, RegistryError, answer_join
 from aggd_client.membership import decode_join_ack, encode_join
-from aggd_client.protocol import MsgType, NackCode
+from aggd_client.protocol import MAX_ELEMENTS, MsgType, NackCode
 
 LIMITS = Limits(kernel_budget=16, elements=256, port=47000, userspace_port=47002, result_port=47001)
 
@@ -74,7 +74,7 @@ def test_delete_frees_kernel_slots_and_first_fit_reuses_the_gap():
     (dict(name="a", world=0), "bad_request", "world must be 1..64"),
     (dict(name="a", world=65), "bad_request", "world must be 1..64"),
     (dict(name="a", world=2, slots=0), "bad_request", "slots"),
-    (dict(name="a", world=2, elements=513), "bad_request", "elements"),
+    (dict(name="a", world=2, elements=MAX_ELEMENTS + 1), "bad_request", "elements"),
     (dict(name="a", world=2, strategy="fastest"), "bad_strategy", "unknown strategy"),
     (dict(name="a", world=2, strategy="quorum:3"), "bad_strategy", "quorum k=3"),
 ])
