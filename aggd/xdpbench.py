@@ -3,7 +3,9 @@
 Every timed packet is a real contribution that gets added (64 members contribute to a round, one
 of every 64 packets releases it), so the figure is the add path, not a duplicate drop. The kernel
 measures each run; syscall overhead is excluded. numpy's int32 add over a large array on the same
-machine, in the same run, is the memory-bound limit to compare with.
+machine, in the same run, is the memory-bound limit to compare with. ``harness_ns`` is the same
+call timed with an XDP program that only returns XDP_DROP: the share of ``ns_per_packet`` that is
+BPF_PROG_TEST_RUN's own (context set-up and the timer), not the aggregator's.
 """
 from __future__ import annotations
 
@@ -51,6 +53,24 @@ def bench_strategy(dp, text: str, elements: int, packets: int) -> dict:
     return {"system": "aggd-xdp", "strategy": text, "elements_per_packet": elements, "packets": len(frames),
             "ns_per_packet": ns, "elements_per_s_per_core": elements / ns * 1e9,
             "added": int(c["contributions"]), "released": int(c["released"]), "verdicts": verdicts}
+
+
+EMPTY_PROGRAM = b"int empty(struct xdp_md *ctx) { return XDP_DROP; }"
+
+
+def harness_ns(elements: int, packets: int) -> float:
+    """Mean ns BPF_PROG_TEST_RUN reports for an XDP program that does nothing, on a frame of
+    ``elements`` int32 timed one run at a time as :func:`bench_strategy` does."""
+    from bcc import BPF
+
+    bpf = BPF(text=b"#include <uapi/linux/bpf.h>\n" + EMPTY_PROGRAM)
+    try:
+        fd = bpf.load_func(b"empty", BPF.XDP).fd
+        hdr = Header(type=MsgType.CONTRIB, job=1, rank=0, round=0, count=elements)
+        f = frame(hdr, np.zeros(elements, np.int32), elements=elements)
+        return sum(prog_test_run(fd, f).duration_ns for _ in range(packets)) / packets
+    finally:
+        bpf.cleanup()
 
 
 def numpy_add(elements: int = 1 << 24, repeat: int = 5) -> dict:

@@ -18,4 +18,5 @@ def test_bench_xdp_json_rows():
     for r in rows[:-1]:
         assert r["elements_per_packet"] == 64 and r["added"] == 256 and r["released"] == 4
         assert r["ns_per_packet"] > 0 and r["elements_per_s_per_core"] > 0
+        assert 0 < r["harness_ns"] < r["ns_per_packet"]  # doing nothing costs less than adding
     assert rows[-1]["elements_per_s_per_core"] > 1e8
