@@ -46,7 +46,7 @@ class MsgType(enum.IntEnum):
 
 class Flag(enum.IntFlag):
     RETRANSMIT = 0x01  #: this contribution was sent before (loss recovery)
-    OVERFLOW = 0x02    #: the int32 sum overflowed; the values are not to be trusted
+    OVERFLOW = 0x02    #: a sum does not fit int32 (its low 32 bits are sent): not to be trusted
     USERSPACE = 0x04   #: served by the daemon's user-space path, not the kernel
     CARRIED = 0x08     #: the result holds contributions carried from an earlier round
     REREAD = 0x10      #: a result re-sent for a worker that lost it
