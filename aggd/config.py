@@ -39,10 +39,11 @@ class ConfigError(ValueError):
 
 
 def slot_bytes(elements: int) -> int:
-    """An estimate of the kernel memory one slot takes (``struct slot`` of xdp/aggd_maps.h with two
-    banks), for ``aggctl config check``. The daemon measures the real size from the maps header
-    before it sizes the kernel's slot array (``aggd.xdp_ops.probe_value_sizes``)."""
-    return 8 + 2 * (24 + 4 * elements)
+    """An estimate of the kernel memory one slot takes (``struct slot`` of xdp/aggd_maps.h: four
+    banks of 64-bit sums and ~1.2 KiB of bookkeeping), for ``aggctl config check``. The daemon
+    measures the real size from the maps header before it sizes the kernel's slot array
+    (``aggd.xdp_ops.probe_value_sizes``)."""
+    return 1272 + 4 * 8 * elements
 
 
 def parse_size(value: Any) -> int:
