@@ -250,10 +250,13 @@ class Bank:
     timeout_us: int = 0
     t_first: int = 0                   #: ns, when the bank opened
     unannounced: bool = False          #: released by its deadline, not yet sent to the group
+    #: Opened by a carry and no member's own contribution yet: a holding area for late gradients
+    #: that takes no part in the slot's key order or admission and whose deadline has not started.
+    holding: bool = False
     steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
 
-    def open(self, key: Key, entry: TableEntry, now: int) -> None:
-        self.state, self.key, self.t_first = BankState.OPEN, key, now
+    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False) -> None:
+        self.state, self.key, self.t_first, self.holding = BankState.OPEN, key, now, holding
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
         self.bitmap = self.late = self.n_contrib = self.flags = 0
@@ -274,7 +277,7 @@ class Bank:
 
     def expired(self, now: int) -> bool:
         """Rule 0: an open quorum bank past its deadline."""
-        return (self.state == BankState.OPEN and self.kind == StrategyKind.QUORUM
+        return (self.state == BankState.OPEN and self.kind == StrategyKind.QUORUM and not self.holding
                 and (now - self.t_first) % (1 << 64) >= self.timeout_us * 1000)
 
 
@@ -289,11 +292,16 @@ class Slot:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
 
     def newest(self) -> Key | None:
-        """The largest key of the non-empty banks; None while the slot is empty."""
-        return max((b.key for b in self.banks if b.state != BankState.EMPTY), default=None)
+        """The largest key of the non-empty banks, holding ones aside; None while there is none."""
+        return max((b.key for b in self.banks if b.state != BankState.EMPTY and not b.holding), default=None)
 
-    def open_banks(self) -> list[Bank]:
-        return [b for b in self.banks if b.state == BankState.OPEN]
+    def open_banks(self, holding: bool = False) -> list[Bank]:
+        """Open banks; with ``holding``, the holding ones too."""
+        return [b for b in self.banks if b.state == BankState.OPEN and (holding or not b.holding)]
+
+    def n_free(self) -> int:
+        """Banks a new round may take: empty or released."""
+        return sum(b.state != BankState.OPEN for b in self.banks)
 
     def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
@@ -311,8 +319,8 @@ class Slot:
 def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
     """Rule 3's admission: may a round governed by ``entry`` open now?"""
     kind = StrategyKind(entry.kind)
-    if kind == StrategyKind.ASYNC:
-        return len(slot.open_banks()) < ASYNC_MAX_OPEN
+    if kind == StrategyKind.ASYNC:  # holding banks count: one released bank stays for re-reads
+        return len(slot.open_banks(holding=True)) < ASYNC_MAX_OPEN
     if kind == StrategyKind.SSP:
         return all(b.key[0] + entry.param >= round_ for b in slot.open_banks())
     return not slot.open_banks()
@@ -507,7 +515,7 @@ class AggregatorModel:
         if bank is not None and bank.state == BankState.OPEN:                  # rule 1
             if bank.counted(hdr.rank, hdr.step):
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
-            return self._contribute(job, bank, hdr, values, src, fresh=False)
+            return self._contribute(job, bank, hdr, values, src, fresh=False, now=now)
         if bank is not None:                                                     # rule 2
             if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
                 return self._resend(job, bank, hdr, src)
@@ -516,10 +524,10 @@ class AggregatorModel:
             bank = self._open(job, slot, key, now)
             if bank is None:
                 return self._drop(job.cfg.job, DropReason.BUSY)
-            return self._contribute(job, bank, hdr, values, src, fresh=True)
+            return self._contribute(job, bank, hdr, values, src, fresh=True, now=now)
         return self._late(job, slot, None, hdr, values, src, now)                # rule 4
 
-    def _open(self, job: JobState, slot: Slot, key: Key, now: int) -> Bank | None:
+    def _open(self, job: JobState, slot: Slot, key: Key, now: int, holding: bool = False) -> Bank | None:
         """Rule 3: open a bank for a new round if it is the next round of its chunk and its
         strategy admits it; None means busy."""
         rounds = [b.key[0] for b in slot.of_chunk(key[1])]
@@ -528,16 +536,20 @@ class AggregatorModel:
         entry = governing(job.table, key[0])
         if not admits(entry, slot, key[0]):
             return None
+        if holding and slot.n_free() < 2:
+            return None           # a holding bank must leave a bank for the rounds in progress
         bank = slot.free_bank()
         if bank is None:
             return None
-        bank.open(key, entry, now)
+        bank.open(key, entry, now, holding)
         return bank
 
     def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
-                    fresh: bool) -> Verdict:
+                    fresh: bool, now: int) -> Verdict:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
+        if bank.holding:           # the round proper starts: its order, admission and deadline
+            bank.holding, bank.t_first = False, now
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
             bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
@@ -563,8 +575,9 @@ class AggregatorModel:
         if fresh:
             newest_round = max((b.key[0] for b in slot.of_chunk(hdr.chunk)), default=hdr.round)
             new_key = (newest_round + 1, hdr.chunk)
-            if new_key[0] <= U32_MAX and new_key > slot.newest():
-                target = self._open(job, slot, new_key, now)
+            newest = slot.newest()
+            if new_key[0] <= U32_MAX and (newest is None or new_key > newest):
+                target = self._open(job, slot, new_key, now, holding=True)
             if target is None:
                 slot.refused[hdr.rank] = (key, hdr.step)
                 return self._drop(job.cfg.job, DropReason.BUSY)

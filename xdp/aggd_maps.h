@@ -68,7 +68,8 @@ struct bank {
 	__u8 kind;
 	__u8 param;
 	__u8 unannounced;    /* released by its deadline: the next answer from it goes to the group */
-	__u8 _pad;
+	__u8 holding;        /* opened by a carry, no own contribution yet: outside the key order,
+	                      * admission and deadline (docs/protocol.md, rule 4) */
 	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
 	/* Exact sums, kept biased so the hot loop needs no sign extension and no overflow test: every
 	 * contribution adds each int32 x as x - 2**31 (modulo 2**64), and `bias` holds 2**31 per
@@ -83,7 +84,7 @@ struct bank {
  * read back from map memory are not tracked precisely), which keeps it far below its limits. */
 struct scratch {
 	__s32 ik, ifree, irel_old, itarget, irel_chunk, irel_chunk2;
-	__u32 used, nopen, min_open_round, have_chunk, timeouts;
+	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts;
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released;

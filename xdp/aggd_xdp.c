@@ -102,18 +102,21 @@ static __always_inline __u64 clock_now(void)
 }
 
 /* May a new round open? (docs/protocol.md, Strategies, rule 3) */
-static __always_inline int admits(struct strategy_entry *e, __u32 round, int nopen, __u32 min_open_round)
+static __always_inline int admits(struct strategy_entry *e, __u32 round, int nopen, int nhold,
+				  __u32 min_open_round)
 {
 	__u8 kind = e ? e->kind : AGGD_STRATEGY_KIND_SYNC;
 	if (kind == AGGD_STRATEGY_KIND_SSP)
 		return nopen == 0 || (__u64)min_open_round + e->param >= round;
 	if (kind == AGGD_STRATEGY_KIND_ASYNC)
-		return nopen < NBANKS - 1; /* keep one released bank for re-reads */
+		return nopen + nhold < NBANKS - 1; /* keep one released bank for re-reads */
 	return nopen == 0;
 }
 
-static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now)
+static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now,
+				      __u8 holding)
 {
+	b->holding = holding;
 	b->key = key;
 	b->state = BANK_OPEN;
 	b->bitmap = 0;
@@ -229,7 +232,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = -1;
-	sc->used = sc->nopen = sc->have_chunk = sc->timeouts = 0;
+	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
 	sc->rel_old_key = sc->target_key = ~0ULL;
@@ -239,7 +242,7 @@ int aggd_xdp(struct xdp_md *ctx)
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
-		if (b->state == BANK_OPEN && b->kind == AGGD_STRATEGY_KIND_QUORUM &&
+		if (b->state == BANK_OPEN && b->kind == AGGD_STRATEGY_KIND_QUORUM && !b->holding &&
 		    now - b->t_first >= (__u64)b->timeout_us * 1000) {
 			b->state = BANK_RELEASED; /* deadline passed: released without the stragglers */
 			b->unannounced = 1;
@@ -248,18 +251,28 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (b->state == BANK_EMPTY) {
 			if (sc->ifree < 0)
 				sc->ifree = i;
+			sc->nfree++;
 			continue;
 		}
 		__u64 k = b->key;
-		sc->used++;
 		if (k == key)
 			sc->ik = i;
-		if (sc->used == 1 || k > sc->newest)
-			sc->newest = k;
 		if ((__u32)k == chunk && (!sc->have_chunk || k > sc->chunk_newest)) {
 			sc->chunk_newest = k;
 			sc->have_chunk = 1;
 		}
+		if (b->holding) {
+			/* a carry's holding bank: a target for later carries of its chunk, nothing else */
+			sc->nhold++;
+			if ((__u32)k == chunk && k > key && k < sc->target_key) {
+				sc->target_key = k;
+				sc->itarget = i;
+			}
+			continue;
+		}
+		sc->used++;
+		if (sc->used == 1 || k > sc->newest)
+			sc->newest = k;
 		if (b->state == BANK_OPEN) {
 			sc->nopen++;
 			if ((__u32)(k >> 32) < sc->min_open_round)
@@ -269,6 +282,7 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->itarget = i;
 			}
 		} else {
+			sc->nfree++;
 			if (k < sc->rel_old_key) {
 				sc->rel_old_key = k;
 				sc->irel_old = i;
@@ -314,8 +328,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		/* Rounds of a chunk open in order: a round whose predecessor was refused (busy) must
 		 * not open first, or the predecessor could never open after it. */
 		int in_order = !sc->have_chunk || round == (__u32)(sc->chunk_newest >> 32) + 1;
-		if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->min_open_round)) {
-			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now);
+		if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
+			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0);
 			sc->add = pick;
 			sc->add_fresh = 1;
 		} else {
@@ -336,8 +350,10 @@ int aggd_xdp(struct xdp_md *ctx)
 			__u32 r2 = (sc->have_chunk ? (__u32)(sc->chunk_newest >> 32) : round) + 1;
 			__u64 k2 = ((__u64)r2 << 32) | chunk;
 			struct strategy_entry *e2 = strategy_for(cfg, r2);
-			if (k2 > sc->newest && pick >= 0 && admits(e2, r2, sc->nopen, sc->min_open_round)) {
-				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now);
+			/* a holding bank leaves at least one bank for the rounds in progress */
+			if (k2 > sc->newest && pick >= 0 && sc->nfree >= 2 &&
+			    admits(e2, r2, sc->nopen, sc->nhold, sc->min_open_round)) {
+				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now, 1);
 				sc->add = pick;
 				sc->add_fresh = 1;
 			} else {
@@ -367,6 +383,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		struct bank *b = &s->bank[add & (NBANKS - 1)];
 		lag_ns = now - b->t_first;
 		if (!sc->add_carried) {
+			if (b->holding) { /* the round proper starts: order, admission, deadline */
+				b->holding = 0;
+				b->t_first = now;
+			}
 			/* the bitmap lists members whose step 0 is in: a later wbsp step (or one sent
 			 * before a swap made the round non-wbsp) must not stand in for it */
 			__u64 bm = b->bitmap | (step ? 0 : bit);

@@ -257,6 +257,8 @@ class AggClient:
 
         # Rounds and their sends; the strategy in force and the round whose result said so.
         self._next_round = 0
+        self._round_chunks = 0     # chunks of the newest round started (what a whole round is; 0: none yet)
+        self._seen_quorum: dict[int, set[int]] = {}   # quorum rounds seen on the group: chunks
         self._rounds: list[_Round] = []
         self._sends: list[_Send] = []
         self._strategy = info
@@ -334,7 +336,7 @@ class AggClient:
     @property
     def round(self) -> int:
         """The round the next new allreduce gets: 0 at first, +1 per round started (a ``wbsp``
-        step starts none), and past the newest ``quorum``/``async`` result seen (catching up)."""
+        step starts none), and at least the newest ``quorum`` result seen (catching up)."""
         return self._next_round
 
     @property
@@ -455,6 +457,7 @@ class AggClient:
                 self._last_progress = time.monotonic()  # nothing was outstanding: the clock starts
             rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean)
             self._next_round += 1
+            self._round_chunks = rnd.n_chunks
             self._rounds.append(rnd)
         else:
             rnd = into
@@ -759,9 +762,34 @@ class AggClient:
                 new += n
                 acked += a
         caught_up = kind == _QUORUM
-        if caught_up.any():  # a straggler catches up: its next round follows the newest seen
-            self._next_round = max(self._next_round, int(rounds[caught_up].max()) + 1)
+        if caught_up.any():
+            # A straggler catches up. A result sent to us (REREAD) may have answered a call of
+            # ours: the next round follows it. One merely seen on the group makes us join that
+            # round, not a round beyond it: a member ahead of the quorum would open a round in a
+            # slot that still expects the quorum's chunks of the current round (keys grow per
+            # slot) and stall them.
+            to_us = caught_up & ((h["flags"] & _REREAD) != 0)
+            seen = caught_up & ~to_us
+            if to_us.any():
+                self._next_round = max(self._next_round, int(rounds[to_us].max()) + 1)
+            if seen.any():
+                self._catch_up(rounds[seen], chunks[seen])
         return new, acked
+
+    def _catch_up(self, rounds: np.ndarray, chunks: np.ndarray) -> None:
+        """Quorum results seen on the group: join the newest round seen, or the round after it
+        once every chunk of it (as many as our newest round had) has been released."""
+        seen = self._seen_quorum
+        for r, c in zip(rounds.tolist(), chunks.tolist()):
+            if r >= self._next_round - 1:
+                seen.setdefault(r, set()).add(c)
+        target = int(rounds.max())
+        whole = [r for r, cs in seen.items() if self._round_chunks and len(cs) >= self._round_chunks]
+        if whole:
+            target = max(target, max(whole) + 1)
+        self._next_round = max(self._next_round, target)
+        for r in [r for r in seen if r < self._next_round - 1]:
+            del seen[r]
 
     def _apply(self, rnd: "_Round", idx, h, rounds, chunks) -> tuple[int, int]:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's

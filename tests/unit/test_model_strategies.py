@@ -161,12 +161,12 @@ SCENARIOS: dict[str, Scenario] = {
         # 1000 µs: the re-read itself releases the round; its answer announces it to the group.
         (1000, rr(1, 0), released([3], round=0, contributors=0b11, n_contrib=2, strategy=QUORUM, param=3)),
         (1001, c(0, 0, [1], flags=RT), resent([3], round=0)),    # from then on, re-sends
-        (1002, c(2, 0, [4]), resent([3], round=0)),              # late: round 1 opens for it
-        (1003, c(0, 1, [10]), ABSORBED),
-        (2001, c(1, 1, [20]), ABSORBED),                         # round 1 opened at 1002
-        (2002, c(0, 1, [1], chunk=1), ABSORBED),                 # another key of the slot expires it
-        (2003, rr(2, 1), released([34], round=1, contributors=0b011, n_contrib=3, flags=Flag.CARRIED)),
-        (2004, rr(2, 1), resent([34], round=1, flags=Flag.CARRIED | Flag.REREAD)),
+        (1002, c(2, 0, [4]), resent([3], round=0)),              # late: round 1 opens, holding it
+        (1003, c(0, 1, [10]), ABSORBED),                         # round 1's deadline runs from here
+        (2002, c(1, 1, [20]), ABSORBED),
+        (2003, c(0, 1, [1], chunk=1), ABSORBED),                 # another key of the slot expires it
+        (2004, rr(2, 1), released([34], round=1, contributors=0b011, n_contrib=3, flags=Flag.CARRIED)),
+        (2005, rr(2, 1), resent([34], round=1, flags=Flag.CARRIED | Flag.REREAD)),
     ), counters=dict(timeouts=2, released=2, rereads=3, contributions=6, carried=1)),
 
     "ssp:2 opens rounds r+1 and r+2 while r is open; r+3 is busy":
@@ -310,7 +310,7 @@ SCENARIOS: dict[str, Scenario] = {
                                               param=2)),
     ), slots=2, counters=dict(released=2, partials=0)),
 
-    "two chunks share a slot: carries go to the next round of the late chunk; refused ones later":
+    "two chunks share a slot: carries go to the next round of the late chunk, held ahead of the slot's order":
     Scenario((Q3,), (
         *[(r, c(r, 0, [1], chunk=0), ABSORBED if r < 2 else released([3], round=0, chunk=0)) for r in range(3)],
         *[(5 + r, c(r, 0, [2], chunk=1), ABSORBED if r < 2 else released([6], round=0, chunk=1)) for r in range(3)],
@@ -319,14 +319,14 @@ SCENARIOS: dict[str, Scenario] = {
         (12, c(1, 1, [3], chunk=0), ABSORBED),
         (13, c(2, 1, [3], chunk=0), released([9], round=1, chunk=0)),
         (14, c(3, 0, [5], chunk=1, flags=RT), resent([6], round=0, chunk=1)),   # carried into (1, 1)
-        (15, c(3, 0, [7], chunk=0), drop(DropReason.BUSY)),       # (2, 0) must wait for (1, 1)
+        # (2, 0) opens ahead of (1, 1) as a holding bank (no part in the slot's key order or
+        # admission until its round starts), taking (0, 0)'s bank
+        (15, c(3, 0, [7], chunk=0), resent([9], round=1, chunk=0)),
         *[(20 + r, c(r, 1, [4], chunk=1), ABSORBED if r < 2 else
            released([17], round=1, chunk=1, n_contrib=4, flags=Flag.CARRIED)) for r in range(3)],
-        (30, c(0, 2, [1], chunk=0), ABSORBED),                    # (2, 0) takes (0, 0)'s bank
-        # (0, 0) is in no bank now, but this retransmission was refused busy before (step 15):
-        # not stale, carried into (2, 0).
-        (31, c(3, 0, [7], chunk=0, flags=RT), resent([9], round=1, chunk=0)),
-        (32, c(3, 0, [7], chunk=0, flags=RT), drop(DropReason.STALE)),  # a copy of one counted now
+        (30, c(0, 2, [1], chunk=0), ABSORBED),                    # round 2 of chunk 0 starts in it
+        (31, c(3, 0, [7], chunk=0, flags=RT), drop(DropReason.STALE)),  # a copy of one counted
+        (32, c(3, 0, [7], chunk=0, flags=RT), drop(DropReason.STALE)),
         (33, c(1, 2, [1], chunk=0), ABSORBED),
         (34, c(2, 2, [1], chunk=0), released([10], round=2, chunk=0, n_contrib=4, flags=Flag.CARRIED)),
         (35, rr(3, 1, chunk=0), resent([9], round=1, chunk=0)),
