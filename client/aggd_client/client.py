@@ -455,9 +455,10 @@ class AggClient:
         if into is True:
             if not any(not r.complete for r in self._rounds):
                 self._last_progress = time.monotonic()  # nothing was outstanding: the clock starts
+            self._round_chunks = -(-x.size // self._elements) or 1
+            self._catch_up()  # a quorum round seen whole, now that we know what whole is
             rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean)
             self._next_round += 1
-            self._round_chunks = rnd.n_chunks
             self._rounds.append(rnd)
         else:
             rnd = into
@@ -776,14 +777,18 @@ class AggClient:
                 self._catch_up(rounds[seen], chunks[seen])
         return new, acked
 
-    def _catch_up(self, rounds: np.ndarray, chunks: np.ndarray) -> None:
-        """Quorum results seen on the group: join the newest round seen, or the round after it
-        once every chunk of it (as many as our newest round had) has been released."""
+    def _catch_up(self, rounds: np.ndarray | None = None, chunks: np.ndarray | None = None) -> None:
+        """Quorum results seen on the group (``rounds``, ``chunks``; none: re-evaluate): join the
+        newest round seen, or the round after it once every chunk of it (as many as our newest
+        round has) has been released."""
         seen = self._seen_quorum
-        for r, c in zip(rounds.tolist(), chunks.tolist()):
-            if r >= self._next_round - 1:
-                seen.setdefault(r, set()).add(c)
-        target = int(rounds.max())
+        if rounds is not None:
+            for r, c in zip(rounds.tolist(), chunks.tolist()):
+                if r >= self._next_round - 1:
+                    seen.setdefault(r, set()).add(c)
+        if not seen:
+            return
+        target = max(seen)
         whole = [r for r, cs in seen.items() if self._round_chunks and len(cs) >= self._round_chunks]
         if whole:
             target = max(target, max(whole) + 1)
