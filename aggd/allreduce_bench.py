@@ -216,20 +216,21 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """algbw against tensor size, a colour per system, a line style per worker count."""
+    """algbw against tensor size, a colour per system, a line style and marker per worker count."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
     styles = ["-", "--", ":", "-."]
+    markers = ["s", "o", "^", "D"]
     workers = sorted({r["workers"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 5))
     for system in SYSTEMS:
         for i, w in enumerate(workers):
             pts = sorted((r["bytes"], r["algbw_gbps"]) for r in rows if r["system"] == system and r["workers"] == w)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], marker="o",
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], marker=markers[i % len(markers)],
                         color=colours[system], label=f"{system}, {w} workers")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
