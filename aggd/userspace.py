@@ -26,6 +26,7 @@ from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from . import kernels
+from .dataplane import rounds_by_member
 from .model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
 from .strategy import TableEntry
 
@@ -136,20 +137,8 @@ class UserspaceAggregator:
         """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
         with self._lock:
             state = self._route[job].jobs[job]
-            top, per_rank = None, {}
-            for slot in state.slots:
-                for bank in slot.banks:
-                    if bank.state == 0:  # EMPTY
-                        continue
-                    rnd = bank.key[0]
-                    top = rnd if top is None else max(top, rnd)
-                    bits, rank = bank.bitmap, 0
-                    while bits:
-                        if bits & 1:
-                            per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
-                        bits >>= 1
-                        rank += 1
-            return top, per_rank
+            return rounds_by_member((bank.key[0], bank.bitmap) for slot in state.slots for bank in slot.banks
+                                    if bank.state != 0)  # EMPTY
 
     def counters(self, job: int) -> np.ndarray:
         """uint64[len(Counter)] of ``job``."""

@@ -8,6 +8,22 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Iterable
+
+
+def rounds_by_member(banks: Iterable[tuple[int, int]]) -> tuple[int | None, dict[int, int]]:
+    """(highest round, {rank: highest round it contributed to}) from the (round, bitmap) of every
+    non-empty bank: how each data plane reads a job's progress from its slots."""
+    top, per_rank = None, {}
+    for rnd, bits in banks:
+        top = rnd if top is None else max(top, rnd)
+        rank = 0
+        while bits:
+            if bits & 1:
+                per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
+            bits >>= 1
+            rank += 1
+    return top, per_rank
 
 
 class DataPlaneError(RuntimeError):

@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, DataPlaneError, JobStats
+from . import DataPlane, DataPlaneError, JobStats, rounds_by_member
 from . import p4_layout as L
 
 log = logging.getLogger(__name__)
@@ -778,23 +778,12 @@ class P4DataPlane(DataPlane):
         """(highest round any switch slot of ``job`` holds, {rank: highest round it contributed
         to}), from the banks' registers (what aggd.xdp_ops.job_rounds reads from the XDP maps)."""
         base, count = self.allocation(job)
-        top, per_rank = None, {}
         if self.target == "tofino":
-            return top, per_rank            # the TNA program keeps no per-bank bitmap of 64 bits
-        for slot in range(base, base + count):
-            for b in range(L.BANKS):
-                i = L.bank_index(slot, b)
-                if not self.registers.read(L.REG_BANK_STATE, i):
-                    continue
-                rnd = self.registers.read(L.REG_BANK_ROUND, i)
-                top = rnd if top is None else max(top, rnd)
-                bits, rank = self.registers.read(L.REG_BANK_BITMAP, i), 0
-                while bits:
-                    if bits & 1:
-                        per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
-                    bits >>= 1
-                    rank += 1
-        return top, per_rank
+            return None, {}                 # the TNA program keeps no per-bank bitmap of 64 bits
+        banks = (L.bank_index(slot, b) for slot in range(base, base + count) for b in range(L.BANKS))
+        read = self.registers.read
+        return rounds_by_member((read(L.REG_BANK_ROUND, i), read(L.REG_BANK_BITMAP, i))
+                                for i in banks if read(L.REG_BANK_STATE, i))
 
     def open_slots(self, base: int, count: int) -> int | None:
         """Slots of ``[base, base + count)`` with an open bank (BMv2; None on Tofino, whose banks

@@ -19,7 +19,7 @@ import numpy as np
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, DataPlaneError, JobStats
+from . import DataPlane, DataPlaneError, JobStats, rounds_by_member
 
 log = logging.getLogger(__name__)
 
@@ -319,20 +319,10 @@ class XdpDataPlane(DataPlane):
         """(highest round any kernel slot of ``job`` has seen, {rank: highest round it contributed
         to}), read from the slots' bank keys and bitmaps: one map lookup per kernel slot."""
         base, count = self.allocation(job)
-        top, per_rank = None, {}
-        for i in range(base, base + count):
-            for bank in self.slots[ctypes.c_uint32(i)].bank:
-                if bank.state == 0:  # BANK_EMPTY
-                    continue
-                rnd = int(bank.key) >> 32
-                top = rnd if top is None else max(top, rnd)
-                bits, rank = int(bank.bitmap), 0
-                while bits:
-                    if bits & 1:
-                        per_rank[rank] = max(per_rank.get(rank, rnd), rnd)
-                    bits >>= 1
-                    rank += 1
-        return top, per_rank
+        return rounds_by_member((int(bank.key) >> 32, int(bank.bitmap))
+                                for i in range(base, base + count)
+                                for bank in self.slots[ctypes.c_uint32(i)].bank
+                                if bank.state != 0)  # BANK_EMPTY
 
     def open_slots(self, base: int, count: int) -> int:
         return sum(any(b.state == 1 for b in self.slots[ctypes.c_uint32(i)].bank)  # BANK_OPEN
