@@ -527,7 +527,21 @@ class AggregatorModel:
             return self._contribute(job, bank, hdr, values, src, fresh=True, now=now)
         return self._late(job, slot, None, hdr, values, src, now)                # rule 4
 
-    def _open(self, job: JobState, slot: Slot, key: Key, now: int, holding: bool = False) -> Bank | None:
+    def _hold(self, job: JobState, slot: Slot, round_: int, chunk: int, now: int) -> Bank | None:
+        """Rule 4's new round for a carry: a holding bank for the next round of ``chunk`` (after its
+        newest bank, and after the slot's newest key, so its members will still come to it),
+        if another bank stays free for the rounds in progress; None means busy."""
+        r2 = max((b.key[0] for b in slot.of_chunk(chunk)), default=round_) + 1
+        newest = slot.newest()
+        if newest is not None and (r2, chunk) <= newest:
+            r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
+        if r2 > U32_MAX or slot.n_free() < 2:
+            return None
+        bank = slot.free_bank()
+        bank.open((r2, chunk), governing(job.table, r2), now, holding=True)
+        return bank
+
+    def _open(self, job: JobState, slot: Slot, key: Key, now: int) -> Bank | None:
         """Rule 3: open a bank for a new round if it is the next round of its chunk and its
         strategy admits it; None means busy."""
         rounds = [b.key[0] for b in slot.of_chunk(key[1])]
@@ -536,12 +550,10 @@ class AggregatorModel:
         entry = governing(job.table, key[0])
         if not admits(entry, slot, key[0]):
             return None
-        if holding and slot.n_free() < 2:
-            return None           # a holding bank must leave a bank for the rounds in progress
         bank = slot.free_bank()
         if bank is None:
             return None
-        bank.open(key, entry, now, holding)
+        bank.open(key, entry, now)
         return bank
 
     def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
@@ -573,11 +585,7 @@ class AggregatorModel:
         target = min(later, key=lambda b: b.key, default=None)
         fresh = target is None
         if fresh:
-            newest_round = max((b.key[0] for b in slot.of_chunk(hdr.chunk)), default=hdr.round)
-            new_key = (newest_round + 1, hdr.chunk)
-            newest = slot.newest()
-            if new_key[0] <= U32_MAX and (newest is None or new_key > newest):
-                target = self._open(job, slot, new_key, now, holding=True)
+            target = self._hold(job, slot, hdr.round, hdr.chunk, now)
             if target is None:
                 slot.refused[hdr.rank] = (key, hdr.step)
                 return self._drop(job.cfg.job, DropReason.BUSY)

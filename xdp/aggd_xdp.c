@@ -347,12 +347,14 @@ int aggd_xdp(struct xdp_md *ctx)
 		} else if (sc->itarget >= 0) {
 			sc->add = sc->itarget;
 		} else {
-			__u32 r2 = (sc->have_chunk ? (__u32)(sc->chunk_newest >> 32) : round) + 1;
-			__u64 k2 = ((__u64)r2 << 32) | chunk;
-			struct strategy_entry *e2 = strategy_for(cfg, r2);
-			/* a holding bank leaves at least one bank for the rounds in progress */
-			if (k2 > sc->newest && pick >= 0 && sc->nfree >= 2 &&
-			    admits(e2, r2, sc->nopen, sc->nhold, sc->min_open_round)) {
+			/* the next round of the chunk, after the slot's newest key too (its members
+			 * will still come to it), as a holding bank that leaves a bank free */
+			__u64 r2 = (__u64)(sc->have_chunk ? (__u32)(sc->chunk_newest >> 32) : round) + 1;
+			if (r2 <= 0xffffffffULL && sc->used && ((r2 << 32) | chunk) <= sc->newest)
+				r2 = (sc->newest >> 32) + (chunk > (__u32)sc->newest ? 0 : 1);
+			__u64 k2 = (r2 << 32) | chunk;
+			struct strategy_entry *e2 = strategy_for(cfg, (__u32)r2);
+			if (r2 <= 0xffffffffULL && pick >= 0 && sc->nfree >= 2) {
 				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now, 1);
 				sc->add = pick;
 				sc->add_fresh = 1;

@@ -315,10 +315,11 @@ SCENARIOS: dict[str, Scenario] = {
         *[(r, c(r, 0, [1], chunk=0), ABSORBED if r < 2 else released([3], round=0, chunk=0)) for r in range(3)],
         *[(5 + r, c(r, 0, [2], chunk=1), ABSORBED if r < 2 else released([6], round=0, chunk=1)) for r in range(3)],
         (10, c(0, 1, [3], chunk=0), ABSORBED),
-        (11, c(3, 0, [5], chunk=1), drop(DropReason.BUSY)),       # round 1 of chunk 1 may not open yet
+        # carried into (1, 1), a holding bank: it opens while (1, 0) is open
+        (11, c(3, 0, [5], chunk=1), resent([6], round=0, chunk=1)),
         (12, c(1, 1, [3], chunk=0), ABSORBED),
         (13, c(2, 1, [3], chunk=0), released([9], round=1, chunk=0)),
-        (14, c(3, 0, [5], chunk=1, flags=RT), resent([6], round=0, chunk=1)),   # carried into (1, 1)
+        (14, c(3, 0, [5], chunk=1, flags=RT), resent([6], round=0, chunk=1)),   # its copy: answered
         # (2, 0) opens ahead of (1, 1) as a holding bank (no part in the slot's key order or
         # admission until its round starts), taking (0, 0)'s bank
         (15, c(3, 0, [7], chunk=0), resent([9], round=1, chunk=0)),
