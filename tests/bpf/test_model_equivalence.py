@@ -24,67 +24,28 @@ import socket
 import struct
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 from aggd.dataplane.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from aggd.dataplane.xdp import multicast_mac
 from aggd.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
-from aggd.strategy import StrategyTable, from_entry, parse
-from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
-from aggd_client import protocol as proto
+from aggd.testing.frames import AGG_IP
 from aggd_client.protocol import Counter, DropReason
 
-from ..unit.test_model_strategies import (GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, Scenario, Sent, Swap,
-                                          Traffic, check, entry, swap_table)
+from ..equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
+                           ip_checksum, mac_bytes, member, play_scenario, run_sequence, sequences, swaps,
+                           table_for)
+from ..unit.test_model_strategies import GROUP, JOB, OTHER_JOB, SCENARIOS, entry
 from .conftest import ELEMENTS, job_config
 
 pytestmark = pytest.mark.root
 
 MIN_SEQUENCES = 1000     #: per strategy
 BATCH = 5                #: sequences per hypothesis example
-MIN_OPS, MAX_OPS = 20, 80   #: packets per sequence
 SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
-KINDS = ("sync", "quorum", "ssp", "async", "wbsp")
 VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
-STRANGER_MAC = "02:00:00:00:09:09"
-
-
-def member(rank: int) -> tuple[str, int]:
-    return worker_addr(rank)[1:]
-
-
-_MACS = {member(r): worker_addr(r)[0] for r in range(proto.MAX_MEMBERS)}
-_AGG_MAC = bytes.fromhex(AGG_MAC.replace(":", ""))
-_AGG_IP = socket.inet_aton(AGG_IP)
 _GROUP_MAC = multicast_mac(GROUP[0])
-
-
-def _mac(text: str) -> bytes:
-    return bytes.fromhex(text.replace(":", ""))
-
-
-def _ip_checksum(header: bytes) -> int:
-    s = sum(struct.unpack("!10H", header))
-    s = (s & 0xFFFF) + (s >> 16)
-    s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
-
-
-def frame(data: bytes, src: tuple[str, int]) -> bytes:
-    """Ethernet/IPv4/UDP around an aggd message, from ``src`` to the aggregator's port."""
-    udp_len = 8 + len(data)
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0, 64, 17, 0, socket.inet_aton(src[0]), _AGG_IP)
-    ip = ip[:10] + struct.pack("!H", _ip_checksum(ip)) + ip[12:]
-    eth = _AGG_MAC + _mac(_MACS.get(src, STRANGER_MAC)) + b"\x08\x00"
-    return eth + ip + struct.pack("!HHHH", src[1], proto.DEFAULT_PORT, udp_len, 0) + data
-
-
-def describe(msg: bytes | None) -> str:
-    if not msg or len(msg) < proto.HEADER_SIZE:
-        return repr(msg)
-    hdr, payload = proto.decode(msg)
-    return f"{hdr} payload[:4]={payload[:4].tolist()}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,8 +98,8 @@ class Harness:
         if v.dest == "group":
             assert (eth_dst, ip_dst, dport) == (_GROUP_MAC, GROUP[0], GROUP[1]), why
         else:
-            assert (eth_dst, ip_dst, dport) == (_mac(_MACS.get(src, STRANGER_MAC)), src[0], src[1]), why
-        assert socket.inet_ntoa(out[26:30]) == AGG_IP and _ip_checksum(out[14:34]) == 0, why
+            assert (eth_dst, ip_dst, dport) == (mac_bytes(MACS.get(src, STRANGER_MAC)), src[0], src[1]), why
+        assert socket.inet_ntoa(out[26:30]) == AGG_IP and ip_checksum(out[14:34]) == 0, why
         return v
 
     def check_counters(self, where: str = "") -> None:
@@ -164,16 +125,7 @@ def harness(xdp_program):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(harness, name):
-    sc: Scenario = SCENARIOS[name]
-    harness.start(sc.world, sc.slots, sc.max_chunks, list(sc.table))
-    for i, step in enumerate(sc.steps):
-        if isinstance(step, Swap):
-            harness.set_strategy(list(step.entries))
-            continue
-        t_us, p, exp = step
-        v = harness.send(p.build(ELEMENTS), member(p.rank), T0_NS + t_us * 1000, f"step {i}: {p}")
-        check(v, exp, ELEMENTS, where=f"step {i}: {p}")
-    harness.check_counters(name)
+    play_scenario(harness, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,46 +133,9 @@ def test_scenario(harness, name):
 
 RUN: collections.Counter = collections.Counter()   # sequences compared, by strategy
 
-
-def table_for(kind: str, shape: int) -> list[TableEntry]:
-    if kind == "quorum":
-        k, timeout = 1 + (shape >> 9) % 4, ("10ms", "1ms")[(shape >> 11) % 2]
-        return [entry(f"quorum:{k}:{timeout}")]
-    if kind == "ssp":
-        return [entry(f"ssp:{(shape >> 9) % 3}")]
-    return [entry(kind)]
-
-
-def run_sequence(h: Harness, label: str, entries: list[TableEntry], shape: int, ops: list[int],
-                 swaps: list[tuple[int, str, int]] = ()) -> None:
-    """One sequence from a fresh job: ``shape`` picks world, slots, chunks and window; ``swaps``
-    are (op index, strategy, rounds ahead) installed as new versions at round boundaries."""
-    world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
-    chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
-    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=ELEMENTS,
-                      addr_of=member, junk=True)
-    h.start(world, slots, 8, entries)
-    table = StrategyTable(parse("sync"))
-    table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
-    pending = sorted(swaps)
-    for i, op in enumerate(ops):
-        while pending and pending[0][0] <= i:
-            _, text, ahead = pending.pop(0)
-            h.set_strategy(swap_table(table, table.entries[-1][0] + 1, h.model, traffic, text, ahead))
-        sent: Sent = traffic.next(op)
-        where = f"{label} op {i} of shape={shape} ops={ops} swaps={swaps} table={entries}"
-        traffic.observe(sent, h.send(sent.data, sent.src, sent.now_ns, where))
-    h.check_counters(f"{label}: counters after shape={shape} ops={ops} swaps={swaps} table={entries}")
-    RUN[label] += 1
-
-
-#: Shrinking a failing batch of sequences can take minutes per test; the failure message already has
-#: the whole sequence (replay it with ``run_sequence``). AGGD_SHRINK=1 shrinks to a minimal one.
-PHASES = tuple(Phase) if os.environ.get("AGGD_SHRINK") else (Phase.explicit, Phase.reuse, Phase.generate)
-sequences = st.tuples(st.integers(0, 2**16 - 1), st.lists(st.integers(0, 2**32 - 1), min_size=MIN_OPS,
-                                                         max_size=MAX_OPS))
-SETTINGS = settings(max_examples=MIN_SEQUENCES // BATCH, deadline=None, database=None, phases=PHASES,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+#: AGGD_SHRINK=1 shrinks a failing batch to a minimal one (minutes per test).
+PHASES = tuple(Phase) if os.environ.get("AGGD_SHRINK") else NO_SHRINK
+SETTINGS = settings(SEQUENCE_SETTINGS, max_examples=MIN_SEQUENCES // BATCH, phases=PHASES)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -231,27 +146,21 @@ def test_random_sequences(harness, kind):
     @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
     def sequences_agree(batch):
         for shape, ops in batch:
-            run_sequence(harness, kind, table_for(kind, shape), shape, ops)
+            run_sequence(harness, RUN, kind, table_for(kind, shape), shape, ops)
 
     sequences_agree()
     assert RUN[kind] - before >= MIN_SEQUENCES
 
 
-SWAP_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:1ms", "ssp:1", "ssp:2", "async", "wbsp")
-swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEXTS), st.integers(0, 2)),
-                 min_size=1, max_size=4)
-
-
 def test_random_sequences_with_hot_swaps(harness):
     before = RUN["swap"]
 
-    @settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None, phases=PHASES,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @settings(SETTINGS, max_examples=SWAP_SEQUENCES // BATCH)
     @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH,
                           max_size=BATCH))
     def swapped_sequences_agree(batch):
         for (shape, ops), first, changes in batch:
-            run_sequence(harness, "swap", [entry(first)], shape, ops, changes)
+            run_sequence(harness, RUN, "swap", [entry(first)], shape, ops, changes)
 
     swapped_sequences_agree()
     assert RUN["swap"] - before >= SWAP_SEQUENCES

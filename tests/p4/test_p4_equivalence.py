@@ -14,21 +14,19 @@ import collections
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggd.dataplane.bpf_syscall import prog_test_run
 from aggd.model import AggregatorModel, JobConfig, TableEntry, Verdict
-from aggd.strategy import StrategyTable, from_entry, parse
 from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 
 from ..bpf.conftest import ELEMENTS, job_config
-from ..bpf.test_model_equivalence import (KINDS, MAX_OPS, MIN_OPS, SWAP_TEXTS, describe, frame, member,
-                                          table_for)
 from ..bpf.test_xdp_fixtures import MALFORMED, contrib
-from ..unit.test_model_strategies import (GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, Scenario, Sent, Swap,
-                                          Traffic, check, entry, swap_table)
+from ..equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
+                           play_scenario, run_sequence, sequences, swaps, table_for)
+from ..unit.test_model_strategies import GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, entry
 from .conftest import AGG_PORT_NO, HOSTS, port_of
 
 pytestmark = pytest.mark.root
@@ -158,16 +156,7 @@ def model_twin(p4dp, sim):
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(twin, name):
-    sc: Scenario = SCENARIOS[name]
-    twin.start(sc.world, sc.slots, sc.max_chunks, list(sc.table))
-    for i, step in enumerate(sc.steps):
-        if isinstance(step, Swap):
-            twin.set_strategy(list(step.entries))
-            continue
-        t_us, p, exp = step
-        v = twin.send(p.build(ELEMENTS), member(p.rank), T0_NS + t_us * 1000, f"step {i}: {p}")
-        check(v, exp, ELEMENTS, where=f"step {i}: {p}")
-    twin.check_counters(name)
+    play_scenario(twin, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,35 +207,10 @@ def test_what_the_switch_cannot_hold_goes_to_the_daemon(twin):
 RUN: collections.Counter = collections.Counter()
 
 
-def run_sequence(t: Twin, label: str, entries: list[TableEntry], shape: int, ops: list[int],
-                 swaps=()) -> None:
-    world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
-    chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
-    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=ELEMENTS,
-                      addr_of=member, junk=True)
-    t.start(world, slots, 8, entries)
-    table = StrategyTable(parse("sync"))
-    table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
-    pending = sorted(swaps)
-    for i, op in enumerate(ops):
-        while pending and pending[0][0] <= i:
-            _, text, ahead = pending.pop(0)
-            t.set_strategy(swap_table(table, table.entries[-1][0] + 1, t.model, traffic, text, ahead))
-        sent: Sent = traffic.next(op)
-        where = f"{label} op {i} of shape={shape} ops={ops} swaps={swaps} table={entries}"
-        traffic.observe(sent, t.send(sent.data, sent.src, sent.now_ns, where))
-    t.check_counters(f"{label}: counters after shape={shape} ops={ops} swaps={swaps} table={entries}")
-    RUN[label] += 1
-
-
-sequences = st.tuples(st.integers(0, 2**16 - 1), st.lists(st.integers(0, 2**32 - 1), min_size=MIN_OPS,
-                                                         max_size=MAX_OPS))
-SETTINGS = settings(max_examples=SEQUENCES // BATCH, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+SETTINGS = settings(SEQUENCE_SETTINGS, max_examples=SEQUENCES // BATCH)
 #: Against XDP: no shrinking. A difference there that the model-only tests do not show is the
 #: model's and XDP's (tests/bpf/test_model_equivalence.py shrinks it); shrinking here only costs CI time.
-XDP_SETTINGS = settings(SETTINGS, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+XDP_SETTINGS = settings(SETTINGS, phases=NO_SHRINK)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -254,18 +218,14 @@ XDP_SETTINGS = settings(SETTINGS, phases=(Phase.explicit, Phase.reuse, Phase.gen
 @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
 def test_random_sequences(twin, kind, batch):
     for shape, ops in batch:
-        run_sequence(twin, kind, table_for(kind, shape), shape, ops)
-
-
-swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEXTS), st.integers(0, 2)),
-                 min_size=1, max_size=4)
+        run_sequence(twin, RUN, kind, table_for(kind, shape), shape, ops)
 
 
 @settings(XDP_SETTINGS, max_examples=SWAP_SEQUENCES // BATCH)
 @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
 def test_random_sequences_with_hot_swaps(twin, batch):
     for (shape, ops), first, changes in batch:
-        run_sequence(twin, "swap", [entry(first)], shape, ops, changes)
+        run_sequence(twin, RUN, "swap", [entry(first)], shape, ops, changes)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -275,16 +235,14 @@ def test_random_sequences_against_the_model(model_twin, kind, batch):
     """The captured writes configure exactly the job's aggregator: the P4 path equals the model
     configured directly, message by message and counter by counter (independent of XDP)."""
     for shape, ops in batch:
-        run_sequence(model_twin, f"model-{kind}", table_for(kind, shape), shape, ops)
+        run_sequence(model_twin, RUN, f"model-{kind}", table_for(kind, shape), shape, ops)
 
 
-@settings(max_examples=SWAP_SEQUENCES // BATCH, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                 HealthCheck.function_scoped_fixture])
+@settings(SETTINGS, max_examples=SWAP_SEQUENCES // BATCH)
 @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), swaps), min_size=BATCH, max_size=BATCH))
 def test_random_hot_swaps_against_the_model(model_twin, batch):
     for (shape, ops), first, changes in batch:
-        run_sequence(model_twin, "model-swap", [entry(first)], shape, ops, changes)
+        run_sequence(model_twin, RUN, "model-swap", [entry(first)], shape, ops, changes)
 
 
 def test_sequence_counts():
