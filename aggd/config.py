@@ -97,12 +97,16 @@ def _ifname(v: str) -> str:
     return v
 
 
-def _optional_ipv4(v: str) -> str:
-    if v:
-        try:
-            ipaddress.IPv4Address(v)
-        except ValueError:
-            raise ValueError(f"must be an IPv4 address, not {v!r}") from None
+def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``check`` for a non-empty value; "" keeps its documented meaning (a default chosen later)."""
+    return lambda v: check(v) if v != "" else v
+
+
+def _ipv4(v: str) -> str:
+    try:
+        ipaddress.IPv4Address(v)
+    except ValueError:
+        raise ValueError(f"must be an IPv4 address, not {v!r}") from None
     return v
 
 
@@ -126,11 +130,10 @@ def _host_port(v: str) -> str:
 
 
 def _group_name(v: str) -> str:
-    if v:
-        try:
-            grp.getgrnam(v)
-        except KeyError:
-            raise ValueError(f"no such group {v!r} on this host") from None
+    try:
+        grp.getgrnam(v)
+    except KeyError:
+        raise ValueError(f"no such group {v!r} on this host") from None
     return v
 
 
@@ -155,7 +158,7 @@ class DataplaneConfig:
     netns: str = _setting("", None, "named network namespace (/run/netns/NAME) of the interface; "
                                     "empty: the daemon's own")
     mode: str = _setting("native", _one_of("native", "generic"), "XDP attach mode")
-    address: str = _setting("", _optional_ipv4, "IPv4 address workers send to; empty: the "
+    address: str = _setting("", _optional(_ipv4), "IPv4 address workers send to; empty: the "
                                                 "interface's first address")
     port: int = _setting(DEFAULT_PORT, _port, "UDP port of the aggd protocol")
     userspace_port: int = _setting(DEFAULT_PORT + 2, _port,
@@ -181,11 +184,6 @@ def _grpc_target(v: str) -> str:
         return _host_port(v)
     except ValueError:
         raise ValueError(f'must be "HOST:PORT" or "unix:/absolute/path", not {v!r}') from None
-
-
-def _optional(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """``check`` for a non-empty value; "" keeps its documented meaning (a default chosen later)."""
-    return lambda v: check(v) if v != "" else v
 
 
 def _switch_hosts(v: dict) -> dict:
@@ -250,7 +248,7 @@ class JobsConfig:
 @dataclass(frozen=True)
 class ControlConfig:
     socket: str = _setting("/run/aggd/control.sock", _abs_path, "aggctl's Unix socket")
-    group: str = _setting("", _group_name, "group allowed to use aggctl besides root; empty: root only")
+    group: str = _setting("", _optional(_group_name), "group allowed to use aggctl besides root; empty: root only")
 
 
 @dataclass(frozen=True)
