@@ -46,6 +46,18 @@ def table(headers: tuple[str, ...], rows: list[tuple]) -> None:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
 
 
+def job_columns(fast_path: str = "KERNEL") -> tuple[str, ...]:
+    """The columns a job's one-line summary starts with (``aggctl jobs list``, ``aggctl status``);
+    ``fast_path`` heads the count of slots outside user space (the kernel's or a switch's)."""
+    return ("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", fast_path, "USERSPACE")
+
+
+def job_cells(j: dict) -> tuple:
+    """A job's values under :func:`job_columns`, from its entry in ``jobs.list`` or ``status``."""
+    return (j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
+            j["userspace_slots"])
+
+
 def ago(ts: float | None) -> str | None:
     if ts is None:
         return None

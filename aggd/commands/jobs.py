@@ -5,7 +5,7 @@ import click
 
 from aggd_client.protocol import MAX_ELEMENTS, MAX_MEMBERS
 
-from ._daemon import call, echo_json, json_option, slot_range, table
+from ._daemon import call, echo_json, job_cells, job_columns, json_option, slot_range, table
 
 COUNTERS = ("rx_packets", "contributions", "released", "rereads", "to_userspace", "retransmits", "overflows")
 
@@ -26,9 +26,7 @@ def list_(as_json):
     if not rows:
         click.echo("no jobs")
         return
-    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL", "USERSPACE", "ELEMENTS"),
-          [(j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
-            j["userspace_slots"], j["elements"]) for j in rows])
+    table(job_columns() + ("ELEMENTS",), [job_cells(j) + (j["elements"],) for j in rows])
 
 
 @jobs.command()

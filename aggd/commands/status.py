@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import click
 
-from ._daemon import ago, call, duration, echo_json, json_option, table
+from ._daemon import ago, call, duration, echo_json, job_cells, job_columns, json_option, table
 
 
 @click.command()
@@ -35,10 +35,8 @@ def status(as_json):
     if not s["jobs"]:
         click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
         return
-    table(("JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "SWITCH" if dp.get("kind") == "p4" else "KERNEL",
-           "USERSPACE", "STRAGGLERS"),
-          [(j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
-            j["userspace_slots"], _stragglers(j.get("policy"))) for j in s["jobs"]])
+    table(job_columns("SWITCH" if dp.get("kind") == "p4" else "KERNEL") + ("STRAGGLERS",),
+          [job_cells(j) + (_stragglers(j.get("policy")),) for j in s["jobs"]])
     for j in s["jobs"]:
         _decision_lines(j["name"], j.get("policy"), last_only=True)
 
