@@ -68,9 +68,11 @@ Slot rules (numbers as in docs/protocol.md)
   ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
   async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
 * Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT,
-  unless it is the member's contribution last refused ``busy`` by rule 4 in this slot (the slot
-  remembers one ``(key, step)`` per member: set by such a refusal, cleared by the member's next
-  carry). Otherwise its target is the open bank of the same chunk with the smallest round above
+  unless the slot's LateMemory of the member holds it: refused ``busy`` before (carried now, as
+  below), or carried before with no result to answer with (answered now with the newest released
+  result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
+  contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
+  an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
   K.round; else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among
   the slot's non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's
   newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
@@ -282,11 +284,26 @@ class Bank:
 
 
 @dataclass
+class LateMemory:
+    """A member's late step-0 contributions to one round in one slot, by the chunk's index in the
+    slot (``chunk // slots``, below 64): those refused ``busy`` (not counted: a retransmission is
+    carried) and those carried with no result of their chunk to answer with (counted: a
+    retransmission is answered once there is one). Lets a retransmission whose round's bank is
+    gone be told apart from a copy of one already counted, which is stale."""
+    round: int | None = None
+    refused: int = 0
+    carried: int = 0
+
+    def at(self, round_: int) -> "LateMemory":
+        if self.round != round_:   # a newer round's late contributions replace the older ones
+            self.round, self.refused, self.carried = round_, 0, 0
+        return self
+
+
+@dataclass
 class Slot:
     banks: list[Bank]
-    #: Per member, the late contribution (key, step) last refused ``busy`` because it could not be
-    #: carried yet: its retransmission is carried even when its round's bank is gone by then.
-    refused: list[tuple[Key, int] | None] = field(default_factory=lambda: [None] * MAX_MEMBERS)
+    late: list[LateMemory] = field(default_factory=lambda: [LateMemory() for _ in range(MAX_MEMBERS)])
 
     def bank_of(self, key: Key) -> Bank | None:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
@@ -578,8 +595,16 @@ class AggregatorModel:
         """Rule 4: carry a late contribution into the next round of its chunk, answer with the
         newest released result of that chunk. ``origin`` is K's released bank, if any."""
         key = (hdr.round, hdr.chunk)
-        refused_before = slot.refused[hdr.rank] == (key, hdr.step)
-        if origin is None and hdr.flags & Flag.RETRANSMIT and not refused_before:
+        k = hdr.chunk // job.cfg.slots
+        remembered = hdr.step == 0 and k < 64         # what the slot's LateMemory can hold
+        mem = slot.late[hdr.rank]
+        known = remembered and mem.round == hdr.round
+        if origin is None and hdr.flags & Flag.RETRANSMIT and not (known and mem.refused >> k & 1):
+            if known and mem.carried >> k & 1:         # counted, not answered yet
+                answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+                if answer is None:
+                    return self._drop(job.cfg.job, DropReason.NOT_READY)
+                return self._resend(job, answer, hdr, src)
             return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]
         target = min(later, key=lambda b: b.key, default=None)
@@ -587,9 +612,11 @@ class AggregatorModel:
         if fresh:
             target = self._hold(job, slot, hdr.round, hdr.chunk, now)
             if target is None:
-                slot.refused[hdr.rank] = (key, hdr.step)
+                if remembered:
+                    mem.at(hdr.round).refused |= 1 << k
                 return self._drop(job.cfg.job, DropReason.BUSY)
-        slot.refused[hdr.rank] = None
+        if known:
+            mem.refused &= ~(1 << k)
         self._add(job, target, hdr, values, fresh)
         target.flags |= Flag.CARRIED
         job.count("carried")
@@ -599,6 +626,8 @@ class AggregatorModel:
             origin.steps[hdr.rank] |= 1 << hdr.step
         answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
         if answer is None:
+            if remembered:                             # its retransmission will be answered
+                mem.at(hdr.round).carried |= 1 << k
             return Verdict("drop", job=job.cfg.job)
         return self._resend(job, answer, hdr, src)
 

@@ -96,11 +96,13 @@ struct slot {
 	struct bpf_spin_lock lock;
 	__u32 _pad;
 	struct scratch sc;
-	/* Per member, the late contribution last refused (busy) because it could not be carried yet:
-	 * when its retransmission arrives after its round's bank is gone, this tells it apart from a
-	 * copy of one already counted (which is stale). */
-	__u64 busy_key[AGGD_MAX_MEMBERS];
-	__u16 busy_step[AGGD_MAX_MEMBERS];
+	/* Per member, its late step-0 contributions to one round (round + 1; 0: none), by the chunk's
+	 * index in the slot (chunk / n_slots, below 64): refused busy (not counted) and carried with
+	 * no result to answer with (counted). When a retransmission arrives after its round's bank is
+	 * gone, this tells it apart from a copy of one already counted (which is stale). */
+	__u64 late_round[AGGD_MAX_MEMBERS];
+	__u64 late_refused[AGGD_MAX_MEMBERS];
+	__u64 late_carried[AGGD_MAX_MEMBERS];
 	struct bank bank[NBANKS];
 };
 

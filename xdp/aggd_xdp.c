@@ -341,9 +341,20 @@ int aggd_xdp(struct xdp_md *ctx)
 
 	__u32 mi = rank & (AGGD_MAX_MEMBERS - 1);
 	if (sc->late) {
-		int refused_before = s->busy_key[mi] == key + 1 && s->busy_step[mi] == step;
-		if (ik < 0 && retransmit && !refused_before) {
-			sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one already counted */
+		__u32 kidx = chunk / cfg->n_slots;
+		int remembered = step == 0 && kidx < 64;
+		__u64 kbit = 1ULL << (kidx & 63);
+		int known = remembered && s->late_round[mi] == (__u64)round + 1;
+		if (ik < 0 && retransmit && !(known && (s->late_refused[mi] & kbit))) {
+			if (known && (s->late_carried[mi] & kbit)) {
+				/* counted before with nothing to answer: answer now, if there is a result */
+				if (sc->irel_chunk >= 0)
+					sc->out = sc->irel_chunk;
+				else
+					sc->reason = AGGD_DROP_REASON_NOT_READY;
+			} else {
+				sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one counted */
+			}
 		} else if (sc->itarget >= 0) {
 			sc->add = sc->itarget;
 		} else {
@@ -360,13 +371,19 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->add_fresh = 1;
 			} else {
 				sc->reason = AGGD_DROP_REASON_BUSY;
-				s->busy_key[mi] = key + 1; /* (+1: 0 means none) */
-				s->busy_step[mi] = step;
+				if (remembered) {
+					if (s->late_round[mi] != (__u64)round + 1) {
+						s->late_round[mi] = (__u64)round + 1;
+						s->late_refused[mi] = s->late_carried[mi] = 0;
+					}
+					s->late_refused[mi] |= kbit;
+				}
 			}
 		}
 		if (sc->add >= 0) {
 			sc->add_carried = 1;
-			s->busy_key[mi] = 0;
+			if (known)
+				s->late_refused[mi] &= ~kbit;
 			if (ik >= 0 && ik != sc->add) { /* B still exists (the carry may have reused it) */
 				struct bank *origin = &s->bank[ik & (NBANKS - 1)];
 				origin->late |= bit;
@@ -376,6 +393,13 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 			/* the newest released result of this chunk answers, not a bank just reopened */
 			sc->out = (sc->add_fresh && sc->add == sc->irel_chunk) ? sc->irel_chunk2 : sc->irel_chunk;
+			if (sc->out < 0 && remembered) { /* its retransmission will be answered */
+				if (s->late_round[mi] != (__u64)round + 1) {
+					s->late_round[mi] = (__u64)round + 1;
+					s->late_refused[mi] = s->late_carried[mi] = 0;
+				}
+				s->late_carried[mi] |= kbit;
+			}
 		}
 	}
 

@@ -287,15 +287,17 @@ SCENARIOS: dict[str, Scenario] = {
         (32, c(0, 10, [1]), drop(DropReason.BUSY)),
     ), counters=dict(released=3)),
 
-    "a carry whose new round takes the origin's bank: no late bit, answered only by a released result":
+    "a carry whose new round takes the origin's bank: remembered, answered once its chunk has a result":
     Scenario((entry("quorum:1:10ms"),), (
         *[(ch, c(0, 0, [1], chunk=ch), released([1], round=0, chunk=ch)) for ch in range(4)],
         # (1, 0) opens for the carry in the released bank with the smallest key: (0, 0) itself.
         (4, c(1, 0, [10], chunk=0), ABSORBED),
-        (5, c(1, 0, [10], chunk=0, flags=RT), drop(DropReason.STALE)),
+        (5, c(1, 0, [10], chunk=0, flags=RT), drop(DropReason.NOT_READY)),   # counted, no result yet
         (6, c(0, 1, [2], chunk=0), released([12], round=1, chunk=0, n_contrib=2, contributors=0b1,
                                             flags=Flag.CARRIED)),
-    ), max_chunks=8, counters=dict(carried=1, released=5, rereads=0)),
+        (7, c(1, 0, [10], chunk=0, flags=RT), resent([12], round=1, chunk=0, n_contrib=2, contributors=0b1,
+                                                     flags=Flag.CARRIED | Flag.REREAD)),
+    ), max_chunks=8, counters=dict(carried=1, released=5, rereads=1)),
 
     "governing row: before every row the oldest one; on equal from_round the newest version":
     Scenario((TableEntry(1, 10, SSP, 2, 0), TableEntry(2, 20, SYNC, 0, 0)), (
