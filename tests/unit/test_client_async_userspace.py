@@ -141,3 +141,33 @@ def test_one_training_loop_runs_under_every_strategy(agg, text):
         check_training(out, cs, text, rounds, world)
     finally:
         close_all(cs)
+
+
+def test_quorum_with_more_chunks_than_slots_and_a_straggler(agg):
+    """Several chunks share each slot while one member lags: the quorum's rounds never stall (a
+    carry's round is a holding bank, outside the slot's key order), every call completes, and
+    every gradient is released exactly once or still held by an open round."""
+    world, rounds, size = 4, 15, 9 * E - 3          # 9 chunks over 4 slots
+    cs = job(agg, world, "quorum:3:50ms", slots=4)
+    released = []
+    agg.model.on_release = lambda job_, bank, cause: released.append(
+        float(np.ldexp(bank.values.astype(np.float64).sum(), -bank.exponent)))
+    sent = [0.0] * world
+
+    def train_(r):
+        c = cs[r]
+        while c.round < rounds:
+            time.sleep(0.002 * (4 if r == world - 1 else 1))
+            x = np.full(size, float(1 + r + c.round % 5), np.float32)   # integers: exact sums
+            c.allreduce(x)
+            sent[r] += float(x.astype(np.float64).sum())
+        return c.round
+
+    try:
+        assert min(Workers(train_, range(world)).join().values()) >= rounds
+        held = sum(float(np.ldexp(b.values.astype(np.float64).sum(), -b.exponent))
+                   for s in agg.model.jobs[JOB].slots for b in s.banks if b.state == model.BankState.OPEN)
+        assert sum(released) + held == sum(sent)
+    finally:
+        agg.model.on_release = None
+        close_all(cs)
