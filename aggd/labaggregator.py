@@ -15,19 +15,15 @@ import sys
 
 from aggd_client.protocol.definition import Counter
 
+from .addresses import host_port
 from .memory import peak_rss, reset_peak_rss, rss
 from .model import JobConfig
 from .userspace import UserspaceAggregator
 
 
-def _addr(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--bind", type=_addr, required=True)
+    ap.add_argument("--bind", type=host_port, required=True)
     ap.add_argument("--elements", type=int, required=True)
     args = ap.parse_args(argv)
     with UserspaceAggregator(bind=args.bind, elements=args.elements) as agg:

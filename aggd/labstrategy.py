@@ -26,6 +26,8 @@ import numpy as np
 from aggd_client import AggClient
 from aggd_client.protocol import HEADER_SIZE, Flag, Header, MsgType
 
+from .addresses import host_port
+
 SIZE = 300  # two chunks of 256: exercises more than one slot
 
 
@@ -35,16 +37,11 @@ def gradient(rank: int, step: int, size: int = SIZE) -> np.ndarray:
     return (base * ((rank + 1) * 7 + step % 13) % 997).astype(np.float32)
 
 
-def _addr(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
-
-
 def worker(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--server", type=_addr, required=True)
-    ap.add_argument("--group", type=_addr, required=True)
-    ap.add_argument("--bind", type=_addr, required=True)
+    ap.add_argument("--server", type=host_port, required=True)
+    ap.add_argument("--group", type=host_port, required=True)
+    ap.add_argument("--bind", type=host_port, required=True)
     ap.add_argument("--job", type=int, required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
@@ -101,7 +98,7 @@ def worker(argv=None) -> int:
 
 def observer(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--group", type=_addr, required=True)
+    ap.add_argument("--group", type=host_port, required=True)
     ap.add_argument("--iface-ip", required=True)
     ap.add_argument("--job", type=int, required=True)
     args = ap.parse_args(argv)

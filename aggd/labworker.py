@@ -23,6 +23,7 @@ import numpy as np
 from aggd_client import AggClient, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
+from .addresses import host_port
 from .memory import peak_rss, reset_peak_rss, rss
 
 
@@ -58,16 +59,11 @@ def expected(seed, world, size, dtype, round_, elements, pattern="random"):
     return exact, bound
 
 
-def _addr(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--server", type=_addr, required=True)
-    ap.add_argument("--group", type=_addr, help="results' group (not with --token: the join answer says)")
-    ap.add_argument("--bind", type=_addr, required=True)
+    ap.add_argument("--server", type=host_port, required=True)
+    ap.add_argument("--group", type=host_port, help="results' group (not with --token: the join answer says)")
+    ap.add_argument("--bind", type=host_port, required=True)
     ap.add_argument("--job", required=True, help="job id; or its name with --token")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, help="members (not with --token: the join answer says)")

@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 from aggd_client.protocol import Counter, DropReason, StrategyKind
 
+from .addresses import host_port
 from .dataplane import JobStats
 
 log = logging.getLogger(__name__)
@@ -591,11 +592,6 @@ class ServiceReader:
 
 # -- the endpoint ---------------------------------------------------------------------------------------
 
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
 class MetricsServer:
     def __init__(self, httpd, thread, address: tuple[str, int]):
         self.httpd, self.thread, self.address = httpd, thread, address
@@ -625,7 +621,7 @@ def serve(service) -> MetricsServer:
     from prometheus_client import start_http_server
 
     cfg = service.config
-    host, port = parse_address(cfg.metrics.address)
+    host, port = host_port(cfg.metrics.address)
     registry = registry_for(ServiceReader(service),
                             max_jobs=lambda: getattr(service.config.metrics, "max_jobs", DEFAULT_MAX_JOBS),
                             max_ranks=lambda: getattr(service.config.metrics, "max_ranks", DEFAULT_MAX_RANKS))

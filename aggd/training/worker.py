@@ -11,18 +11,15 @@ import json
 import sys
 import time
 
-
-def _addr(text: str) -> tuple[str, int]:
-    host, port = text.rsplit(":", 1)
-    return host, int(port)
+from ..addresses import host_port
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, help="members (gloo; aggd's join answer says)")
-    ap.add_argument("--server", type=_addr, help="aggd's address HOST:PORT")
-    ap.add_argument("--bind", type=_addr, default=("0.0.0.0", 0))
+    ap.add_argument("--server", type=host_port, help="aggd's address HOST:PORT")
+    ap.add_argument("--bind", type=host_port, default=("0.0.0.0", 0))
     ap.add_argument("--job", help="the aggd job's name or id")
     ap.add_argument("--token")
     ap.add_argument("--gloo", metavar="INIT_METHOD", help="use torch.distributed gloo instead of aggd")

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aggd import metrics as m
+from aggd.addresses import host_port
 from aggd.commands import top
 from aggd.dataplane import JobStats
 from aggd_client.protocol import Counter, DropReason
@@ -373,9 +374,11 @@ def test_service_reader_over_the_daemon_state():
     assert r.policy(info) == m.PolicyState() and r.worker_lag(info)[2].lag_seconds is None
 
 
-def test_parse_address():
-    assert m.parse_address("127.0.0.1:9477") == ("127.0.0.1", 9477)
-    assert m.parse_address("[::1]:9477") == ("::1", 9477)
+def test_host_port():
+    assert host_port("127.0.0.1:9477") == ("127.0.0.1", 9477)
+    assert host_port("[::1]:9477") == ("::1", 9477)
+    with pytest.raises(ValueError):
+        host_port("nowhere")
 
 
 # -- aggctl top ---------------------------------------------------------------------------------------------
