@@ -728,8 +728,8 @@ class P4DataPlane(DataPlane):
 
     # -- registers -----------------------------------------------------------------------------------
     def _clear_slots(self, base: int, count: int) -> None:
-        """Empty the banks of slots [base, base + count): state EMPTY, unlocked, no remembered
-        refusal (the other bank registers are written when a bank opens)."""
+        """Empty the banks of slots [base, base + count): state EMPTY, unlocked, no late memory (the
+        other bank registers are written when a bank opens)."""
         if not count:
             return
         if self.target == "tofino":
@@ -739,7 +739,7 @@ class P4DataPlane(DataPlane):
             return
         self.registers.write_range(L.REG_SLOT_LOCK, base, base + count, 0)
         self.registers.write_range(L.REG_BANK_STATE, L.bank_index(base, 0), L.bank_index(base + count, 0), 0)
-        self.registers.write_range(L.REG_REFUSED_VALID, base * proto.MAX_MEMBERS, (base + count) * proto.MAX_MEMBERS, 0)
+        self.registers.write_range(L.REG_LATE_ROUND, base * proto.MAX_MEMBERS, (base + count) * proto.MAX_MEMBERS, 0)
 
     def reset_stats(self, job: int | None) -> None:
         """Zero a job's counters (None: the no-job bucket)."""

@@ -331,11 +331,11 @@ def test_counters_and_registers_layout(p4dp, sim):
     # installing a job empties its banks and unlocks its slots
     regs.write(L.REG_BANK_STATE, L.bank_index(0, 2), 1)
     regs.write(L.REG_SLOT_LOCK, 0, 1)
-    regs.write(L.REG_REFUSED_VALID, 7 * 64 + 5, 1)
+    regs.write(L.REG_LATE_ROUND, 7 * 64 + 5, 4)
     p4dp.install_job(cfg(job=3))
     base = switch_config(sim.fake, HOSTS)[3].params["slot_base"]
     assert regs.read(L.REG_BANK_STATE, L.bank_index(base, 2)) == 0 and regs.read(L.REG_SLOT_LOCK, base) == 0
-    assert regs.read(L.REG_REFUSED_VALID, (base + 7) * 64 + 5) == 0
+    assert regs.read(L.REG_LATE_ROUND, (base + 7) * 64 + 5) == 0
 
 
 def test_job_rounds_from_the_bank_registers(p4dp, sim):

@@ -17,7 +17,7 @@
 #include "../common/parser.p4"
 
 #define BANK_FIELDS(i) \
-    bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i;
+    bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i; bit<8> hd##i;
 
 /* Metadata. Fields marked @field_list(1) survive recirculation (the later passes of one packet). */
 struct aggd_meta_t {
@@ -107,14 +107,20 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     register<bit<48>>(AGGD_BANK_CELLS) bank_t_first;
     /* 1: released by its deadline, not yet announced: the first answer from it goes to the group */
     register<bit<8>>(AGGD_BANK_CELLS) bank_unannounced;
+    /* 1: opened by a carry (rule 4), no member's own contribution yet: outside the slot's key
+     * order, admission (but async's count of open banks) and the quorum deadline */
+    register<bit<8>>(AGGD_BANK_CELLS) bank_holding;
     /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
      * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
     register<bit<8>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
-    /* Per member of a slot (index slot * 64 + rank): the late contribution (key, step) last refused
-     * busy by rule 4, whose retransmission is carried even when its round's bank is gone. */
-    register<bit<8>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_valid;
-    register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_key;
-    register<bit<16>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) refused_step;
+    /* Per member of a slot (index slot * 64 + rank), its late memory (rule 4): its step-0 late
+     * contributions to one round (late_round = round + 1; 0: none), one bit per chunk index in the
+     * slot (chunk / n_slots, below 64): refused busy (not counted: a retransmission is carried) and
+     * carried with no released result of the chunk to answer with (counted: a retransmission is
+     * answered once there is one). A retransmission whose round's bank is gone is otherwise stale. */
+    register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) late_round;
+    register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) late_refused;
+    register<bit<64>>(AGGD_SLOTS * AGGD_MAX_MEMBERS) late_carried;
     /* The values: one register per lane (SwitchML), index bank * AGGD_PASSES + pass. */
 /* Exact sums (docs/protocol.md, "Overflow"): 64-bit lanes; what is sent is narrowed to int32. */
 #define AGGD_LANE_REGISTER(i) register<bit<64>>(AGGD_LANE_CELLS) lane_##i;
@@ -275,6 +281,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<64> bit_x;
         bit<32> used = 0;
         bit<32> nopen = 0;
+        bit<32> nhold = 0;         /* holding banks (open, outside the key order) */
+        bit<32> nfree = 0;         /* empty or released banks */
         bit<32> timeouts = 0;
         bit<32> min_open = 0xFFFFFFFF;
         bit<8> ifree = NO_BANK;
@@ -294,6 +302,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<1> late = 0;
         bit<1> carried = 0;
         bit<1> want_open = 0;
+        bit<1> hold = 0;           /* the bank to open is a carry's holding bank */
+        bit<1> refuse_late = 0;    /* a carry refused busy: remembered in the late memory */
+        bit<33> r2;
         bit<1> fresh = 0;
         bit<1> released = 0;
         bit<1> partial = 0;
@@ -310,11 +321,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<32> b_chunk;
         bit<8> b_steps;
         bit<8> b_unannounced;
-        bit<8> r_valid;
-        bit<64> r_key;
-        bit<16> r_step;
-        bit<1> refused_before = 0;
         bit<32> ridx;
+        bit<32> kidx;
+        bit<64> kbit = 0;
+        bit<1> remembered = 0;
+        bit<1> known = 0;
+        bit<64> l_round;
+        bit<64> l_refused;
+        bit<64> l_carried;
+        bit<8> b_holding;
         bit<64> b_bitmap;
         bit<64> b_late;
         bit<32> base;
@@ -439,7 +454,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bit_x = (bit<64>)1 << (bit<8>)hdr.aggd.rank;
             base = meta.slot * AGGD_BANKS;
 
-            /* Rule 0 (expiry) and the scan of the four banks. */
+            /* Rule 0 (expiry) and the scan of the four banks. A carry's holding bank (bank_holding)
+             * has no deadline and counts only as a target for later carries of its chunk (and in
+             * the chunk's newest round, and async's count of open banks): not in the slot's newest
+             * key, `used`, the open banks admission looks at, or the banks a new round may take. */
 #define SCAN(i) \
             bank_state.read(st##i, base + i); \
             bank_round.read(rd##i, base + i); \
@@ -447,7 +465,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bank_kind.read(kd##i, base + i); \
             bank_timeout.read(to##i, base + i); \
             bank_t_first.read(tf##i, base + i); \
-            if (st##i == BANK_OPEN && kd##i == AGGD_STRATEGY_KIND_QUORUM && \
+            bank_holding.read(hd##i, base + i); \
+            if (st##i == BANK_OPEN && kd##i == AGGD_STRATEGY_KIND_QUORUM && hd##i == 0 && \
                 now - tf##i >= (bit<48>)to##i) { \
                 st##i = BANK_RELEASED; \
                 bank_state.write(base + i, BANK_RELEASED); \
@@ -456,15 +475,24 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             } \
             if (st##i == BANK_EMPTY) { \
                 if (ifree == NO_BANK) { ifree = i; } \
+                nfree = nfree + 1; \
             } else { \
                 k = rd##i ++ ch##i; \
-                used = used + 1; \
                 if (k == key) { ik = i; } \
-                if (used == 1 || k > newest) { newest = k; } \
                 if (ch##i == hdr.aggd.chunk && (have_chunk == 0 || k > chunk_newest)) { \
                     chunk_newest = k; \
                     have_chunk = 1; \
                 } \
+            } \
+            if (st##i != BANK_EMPTY && hd##i != 0) { \
+                nhold = nhold + 1; \
+                if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
+                    target_key = k; \
+                    itarget = i; \
+                } \
+            } else if (st##i != BANK_EMPTY) { \
+                used = used + 1; \
+                if (used == 1 || k > newest) { newest = k; } \
                 if (st##i == BANK_OPEN) { \
                     nopen = nopen + 1; \
                     if (rd##i < min_open) { min_open = rd##i; } \
@@ -473,6 +501,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         itarget = i; \
                     } \
                 } else { \
+                    nfree = nfree + 1; \
                     if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
                     if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
                         rel_chunk_key = k; \
@@ -532,33 +561,59 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             }
 
             if (late == 1) {
+                /* The member's late memory of this slot: step 0 of a chunk whose index in the slot
+                 * is below 64, for one round (a newer round's replaces it). */
                 ridx = meta.slot * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank;
-                refused_valid.read(r_valid, ridx);
-                refused_key.read(r_key, ridx);
-                refused_step.read(r_step, ridx);
-                if (r_valid == 1 && r_key == key && r_step == hdr.aggd.step) {
-                    refused_before = 1;
+                kidx = hdr.aggd.chunk / meta.n_slots;
+                if (hdr.aggd.step == 0 && kidx < 64) {
+                    remembered = 1;
+                    kbit = (bit<64>)1 << (bit<8>)kidx;
                 }
-                if (ik == NO_BANK && (hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0 && refused_before == 0) {
-                    reason = AGGD_DROP_REASON_STALE;
+                late_round.read(l_round, ridx);
+                late_refused.read(l_refused, ridx);
+                late_carried.read(l_carried, ridx);
+                if (remembered == 1 && l_round == (bit<64>)hdr.aggd.round + 1) {
+                    known = 1;
+                }
+                if (ik == NO_BANK && (hdr.aggd.flags & AGGD_FLAG_RETRANSMIT) != 0 &&
+                    !(known == 1 && (l_refused & kbit) != 0)) {
+                    if (known == 1 && (l_carried & kbit) != 0) {
+                        /* counted before with nothing to answer: answer now, if there is a result */
+                        if (irel_chunk != NO_BANK) {
+                            out = irel_chunk;
+                        } else {
+                            reason = AGGD_DROP_REASON_NOT_READY;
+                        }
+                    } else {
+                        reason = AGGD_DROP_REASON_STALE;   /* could be a copy of one counted */
+                    }
                 } else {
                     carried = 1;
                     if (itarget != NO_BANK) {
                         add = itarget;
                     } else {
+                        /* the next round of the chunk, after the slot's newest key too (its members
+                         * will still come to it), as a holding bank that leaves a bank free */
                         if (have_chunk == 1) {
-                            open_round = chunk_newest[63:32];
+                            r2 = (bit<33>)chunk_newest[63:32] + 1;
                         } else {
-                            open_round = hdr.aggd.round;
+                            r2 = (bit<33>)hdr.aggd.round + 1;
                         }
-                        if (open_round == 0xFFFFFFFF || (open_round + 1) ++ hdr.aggd.chunk <= newest) {
+                        if (r2 <= 0xFFFFFFFF && used != 0 && (r2[31:0] ++ hdr.aggd.chunk) <= newest) {
+                            if (hdr.aggd.chunk > newest[31:0]) {
+                                r2 = (bit<33>)newest[63:32];
+                            } else {
+                                r2 = (bit<33>)newest[63:32] + 1;
+                            }
+                        }
+                        if (r2 > 0xFFFFFFFF) {
                             reason = AGGD_DROP_REASON_BUSY;
-                            refused_valid.write(ridx, 1);       /* remembered: its retransmission is carried */
-                            refused_key.write(ridx, key);
-                            refused_step.write(ridx, hdr.aggd.step);
+                            refuse_late = 1;
+                            carried = 0;
                         } else {
-                            open_round = open_round + 1;
+                            open_round = r2[31:0];
                             want_open = 1;
+                            hold = 1;
                         }
                     }
                 }
@@ -571,13 +626,19 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bit<1> admitted = 0;
                 /* a round of a chunk opens only as the next round of that chunk */
                 bit<1> in_order = 1;
-                if (have_chunk == 1 && (bit<33>)open_round != (bit<33>)chunk_newest[63:32] + 1) {
+                if (hold == 0 && have_chunk == 1 && (bit<33>)open_round != (bit<33>)chunk_newest[63:32] + 1) {
                     in_order = 0;
                 }
-                if (meta.s_kind == AGGD_STRATEGY_KIND_ASYNC) {
-                    /* docs/protocol.md: while fewer than 3 banks are open (one released bank is
-                     * kept for re-reads); the XDP program does the same. */
-                    if (nopen < AGGD_BANKS - 1) {
+                if (hold == 1) {
+                    /* a carry's holding bank: no admission, no order; only while another bank
+                     * stays free for the rounds in progress */
+                    if (nfree >= 2) {
+                        admitted = 1;
+                    }
+                } else if (meta.s_kind == AGGD_STRATEGY_KIND_ASYNC) {
+                    /* docs/protocol.md: while fewer than 3 banks are open, holding ones included
+                     * (one released bank is kept for re-reads); the XDP program does the same. */
+                    if (nopen + nhold < AGGD_BANKS - 1) {
                         admitted = 1;
                     }
                 } else if (meta.s_kind == AGGD_STRATEGY_KIND_SSP) {
@@ -590,9 +651,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
                     if (carried == 1) {
-                        refused_valid.write(ridx, 1);   /* remembered: its retransmission is carried */
-                        refused_key.write(ridx, key);
-                        refused_step.write(ridx, hdr.aggd.step);
+                        refuse_late = 1;
                     }
                     carried = 0;
                 } else {
@@ -610,6 +669,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_timeout.write(base + (bit<32>)pick, meta.s_timeout);
                     bank_t_first.write(base + (bit<32>)pick, now);
                     bank_unannounced.write(base + (bit<32>)pick, 0);
+                    bank_holding.write(base + (bit<32>)pick, (bit<8>)hold);
                     /* the step masks of the new round start empty (64 cells) */
 #define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
                     AGGD_LANES_64(CLEAR_STEP)
@@ -618,10 +678,23 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 }
             }
 
+            /* A carry refused busy: remembered, so that its retransmission is carried. */
+            if (refuse_late == 1 && remembered == 1) {
+                if (known == 0) {
+                    late_round.write(ridx, (bit<64>)hdr.aggd.round + 1);
+                    late_carried.write(ridx, 0);
+                    l_refused = 0;
+                }
+                late_refused.write(ridx, l_refused | kbit);
+            }
+
             /* The carried contribution's origin remembers it (if the new round did not take it),
              * and the answer is the newest released result of the chunk, chosen after the carry. */
             if (carried == 1 && add != NO_BANK) {
-                refused_valid.write(ridx, 0);
+                if (known == 1) {
+                    l_refused = l_refused & ~kbit;
+                    late_refused.write(ridx, l_refused);
+                }
                 if (ik != NO_BANK && !(fresh == 1 && pick == ik)) {
                     bank_late.write(base + (bit<32>)ik, b_late | bit_x);
                     /* per (member, step): a later wbsp step of the member is carried too */
@@ -631,6 +704,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 out = irel_chunk;
                 if (fresh == 1 && pick == irel_chunk) {
                     out = NO_BANK;   /* it was the chunk's only released bank */
+                }
+                if (out == NO_BANK && remembered == 1) {
+                    /* nothing to answer with: its retransmission will be answered */
+                    if (known == 0) {
+                        late_round.write(ridx, (bit<64>)hdr.aggd.round + 1);
+                        late_refused.write(ridx, 0);
+                        l_carried = 0;
+                    }
+                    late_carried.write(ridx, l_carried | kbit);
                 }
             }
 
@@ -643,6 +725,13 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_exp.read(b_exp, base + (bit<32>)add);
                 bank_flags.read(b_flags, base + (bit<32>)add);
                 if (carried == 0) {
+                    bank_holding.read(b_holding, base + (bit<32>)add);
+                    if (b_holding != 0) {
+                        /* a member's own contribution: the round proper starts (its order,
+                         * admission and deadline) */
+                        bank_holding.write(base + (bit<32>)add, 0);
+                        bank_t_first.write(base + (bit<32>)add, now);
+                    }
                     if (hdr.aggd.step == 0) {   /* a later step must not stand in for step 0 */
                         b_bitmap = b_bitmap | bit_x;
                     }
