@@ -10,6 +10,23 @@ import abc
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from aggd_client import protocol as proto
+
+
+def checked_job(cfg, error: type[Exception], no_group: str) -> tuple[int, int, int]:
+    """(job, world, slots this data plane holds) from a job config with ``job, world, slots, group``
+    (optionally ``kernel_slots``: None for all of them, 0 for none); ``error`` says what is wrong,
+    ``no_group`` why a job without a multicast group cannot run here."""
+    job, world = int(cfg.job), int(cfg.world)
+    if not 0 <= job < proto.MAX_JOBS:
+        raise error(f"job id must be 0..{proto.MAX_JOBS - 1}, not {job}")
+    if not 1 <= world <= proto.MAX_MEMBERS:
+        raise error(f"job {job}: world must be 1..{proto.MAX_MEMBERS}, not {world}")
+    if cfg.group is None:
+        raise error(f"job {job}: {no_group}")
+    wanted = getattr(cfg, "kernel_slots", None)
+    return job, world, min(int(cfg.slots if wanted is None else wanted), int(cfg.slots))
+
 
 def rounds_by_member(banks: Iterable[tuple[int, int]]) -> tuple[int | None, dict[int, int]]:
     """(highest round, {rank: highest round it contributed to}) from the (round, bitmap) of every

@@ -28,7 +28,7 @@ from typing import Iterable, Mapping
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, DataPlaneError, JobStats, rounds_by_member
+from . import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
 from . import p4_layout as L
 
 log = logging.getLogger(__name__)
@@ -619,15 +619,8 @@ class P4DataPlane(DataPlane):
     def install_job(self, cfg) -> None:
         """Install (or replace) a job from a config with ``job, world, slots, max_chunks, members,
         group`` (optionally ``kernel_slots``: slots held by the switch, ``strategy``)."""
-        job, world = int(cfg.job), int(cfg.world)
-        if not 0 <= job < proto.MAX_JOBS:
-            raise P4Error(f"job id must be 0..{proto.MAX_JOBS - 1}, not {job}")
-        if not 1 <= world <= proto.MAX_MEMBERS:
-            raise P4Error(f"job {job}: world must be 1..{proto.MAX_MEMBERS}, not {world}")
-        if cfg.group is None:
-            raise P4Error(f"job {job}: the P4 data plane multicasts results: the job needs a group")
-        kernel_slots = getattr(cfg, "kernel_slots", None)
-        switch_slots = min(int(cfg.slots if kernel_slots is None else kernel_slots), int(cfg.slots))
+        job, world, switch_slots = checked_job(cfg, P4Error,
+                                               "the P4 data plane multicasts results: the job needs a group")
         entries = [to_entry(getattr(cfg, "strategy", None) or SYNC, 0, 0)]
         self._check_kinds(entries)
         if self.target == "tofino" and int(cfg.slots) & (int(cfg.slots) - 1):

@@ -19,7 +19,7 @@ import numpy as np
 from aggd_client import protocol as proto
 
 from ..strategy import SYNC, TableEntry, to_entry
-from . import DataPlane, DataPlaneError, JobStats, rounds_by_member
+from . import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
 
 log = logging.getLogger(__name__)
 
@@ -245,15 +245,8 @@ class XdpDataPlane(DataPlane):
     def install_job(self, cfg) -> None:
         """Install a job from a config object with ``job, world, slots, max_chunks, members,
         group`` (and optionally ``kernel_slots``)."""
-        job, world = int(cfg.job), int(cfg.world)
-        if not 0 <= job < proto.MAX_JOBS:
-            raise XdpError(f"job id must be 0..{proto.MAX_JOBS - 1}, not {job}")
-        if not 1 <= world <= proto.MAX_MEMBERS:
-            raise XdpError(f"job {job}: world must be 1..{proto.MAX_MEMBERS}, not {world}")
-        if cfg.group is None:
-            raise XdpError(f"job {job}: the XDP data plane needs a multicast group for results")
-        wanted = getattr(cfg, "kernel_slots", None)   # None: all of them; 0: none (user space only)
-        kernel_slots = min(int(cfg.slots if wanted is None else wanted), int(cfg.slots))
+        job, world, kernel_slots = checked_job(cfg, XdpError,
+                                               "the XDP data plane needs a multicast group for results")
         self.remove_job(job)
         base = self.allocator.allocate(job, kernel_slots) if kernel_slots else 0
         self._clear_slots(base, kernel_slots)
