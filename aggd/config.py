@@ -14,6 +14,7 @@ import dataclasses
 import grp
 import ipaddress
 import re
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -431,6 +432,30 @@ def load(path: str | Path) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError([f"not valid TOML: {exc}"], str(path)) from None
     return parse(data, str(path))
+
+
+def toml_value(v) -> str:
+    """A TOML value: strings, booleans, numbers, arrays and inline tables (``[p4] hosts``)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(map(toml_value, v)) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+def to_toml(settings: dict[str, dict]) -> str:
+    """A config file's text from ``{section: {key: value}}`` (what lab daemons and tests write)."""
+    lines = []
+    for section, values in settings.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{k} = {toml_value(v)}" for k, v in values.items())
+    return "\n".join(lines) + "\n"
 
 
 def changed_keys(old: Config, new: Config) -> set[str]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..config import to_toml
 from ..control import ControlClient, ControlError
 from ..lab import Lab
 
@@ -127,12 +128,7 @@ class LabDaemon:
         self.proc: subprocess.Popen | None = None
 
     def _write_config(self) -> None:
-        lines = []
-        for section, values in self.settings.items():
-            lines.append(f"[{section}]")
-            for k, v in values.items():
-                lines.append(f"{k} = {json.dumps(v)}")
-        self.config_path.write_text("\n".join(lines) + "\n")
+        self.config_path.write_text(to_toml(self.settings))
 
     def start(self, timeout: float = 120.0) -> "LabDaemon":
         self._write_config()

@@ -7,7 +7,6 @@ Every daemon runs under ``setpriv`` with exactly the capability bounding set of
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -25,6 +24,7 @@ import pytest
 from click.testing import CliRunner
 
 from aggd.cli import main as aggctl_main
+from aggd.config import to_toml
 from aggd.control import ControlClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,21 +34,6 @@ UNIT = ROOT / "systemd" / "aggd.service"
 def unit_capabilities() -> list[str]:
     m = re.search(r"^CapabilityBoundingSet=(.*)$", UNIT.read_text(), re.M)
     return m.group(1).split()
-
-
-def toml_value(v) -> str:
-    """A TOML value: strings, booleans, numbers, arrays and inline tables (``[p4] hosts``)."""
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(map(toml_value, v)) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"no TOML for {v!r}")
 
 
 class Notifications:
@@ -116,12 +101,7 @@ class Daemon:
     def configure(self, **sections) -> None:
         for section, values in sections.items():
             self.settings.setdefault(section, {}).update(values)
-        lines = []
-        for section, values in self.settings.items():
-            lines.append(f"[{section}]")
-            for k, v in values.items():
-                lines.append(f"{k} = {toml_value(v)}")
-        self.config_path.write_text("\n".join(lines) + "\n")
+        self.config_path.write_text(to_toml(self.settings))
 
     def start(self, *extra: str, wait: bool = True, env: dict | None = None) -> None:
         caps = ",".join("+" + c.lower().removeprefix("cap_") for c in unit_capabilities())
