@@ -27,36 +27,107 @@ from .addresses import host_port
 from .memory import peak_rss, reset_peak_rss, rss
 
 
-def tensor(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str = "random",
-           elements: int = 256) -> np.ndarray:
-    rng = np.random.default_rng([seed, rank, size, round_])
+#: Tensors are generated, and results checked, in blocks of about this many values (a whole number
+#: of packets, so a chunk's exponent is a block's business): a worker checking a 256 MiB result
+#: against 8 members' tensors holds a few blocks, not 8 tensors and their float64 sum.
+BLOCK_VALUES = 1 << 20
+
+
+def _block(elements: int) -> int:
+    return max(1, BLOCK_VALUES // elements) * elements
+
+
+def _generate(rng: np.random.Generator, n: int, rank: int, dtype: str, pattern: str, elements: int,
+              start: int) -> np.ndarray:
     if pattern == "integers":
         # Small integers with the same largest magnitude in every chunk of every worker: every
         # contribution of a chunk gets the same exponent and quantises exactly, so any data plane
         # and any arrival order give bit-identical sums (the exact ones).
-        x = rng.integers(-1000, 1001, size).astype(np.float64)
-        x[::elements] = 1024.0
+        x = rng.integers(-1000, 1001, n).astype(np.float64)
+        x[(-start) % elements::elements] = 1024.0
         return x.astype(dtype)
-    x = rng.standard_normal(size, dtype=np.float32 if dtype != "float64" else np.float64)
+    x = rng.standard_normal(n, dtype=np.float32 if dtype != "float64" else np.float64)
     # some variety in scale between workers and chunks, as gradients have
-    x *= np.float32(1 + rank)
-    return x.astype(dtype)
+    x *= x.dtype.type(1 + rank)
+    return x.astype(dtype, copy=False)
+
+
+def tensor_block(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str, elements: int,
+                 block: int) -> np.ndarray:
+    """Values ``block * B .. (block + 1) * B - 1`` of ``tensor(...)`` (B = ``_block(elements)``),
+    generated on their own: every block has its own random stream."""
+    b = _block(elements)
+    start = block * b
+    n = min(b, size - start)
+    return _generate(np.random.default_rng([seed, rank, size, round_, block]), n, rank, dtype, pattern,
+                     elements, start)
+
+
+def tensor(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str = "random",
+           elements: int = 256) -> np.ndarray:
+    out = np.empty(size, dtype)
+    b = _block(elements)
+    for k, start in enumerate(range(0, size, b)):
+        out[start:start + b] = tensor_block(seed, rank, size, dtype, round_, pattern, elements, k)
+    return out
+
+
+def _chunk_max_abs(x: np.ndarray, elements: int) -> np.ndarray:
+    """Largest |value| of each ``elements``-value chunk of ``x`` (the last chunk may be short)."""
+    full = x.shape[0] // elements * elements
+    a = np.abs(x)
+    m = a[:full].reshape(-1, elements).max(axis=1) if full else np.zeros(0, a.dtype)
+    if full < x.shape[0]:
+        m = np.append(m, a[full:].max())
+    return m.astype(np.float64)
+
+
+def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False):
+    """Per block: (start, exact float64 sum, per-element bound). The bound is aggd's fixed-point
+    quantisation's, or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    b = _block(elements)
+    for k, start in enumerate(range(0, size, b)):
+        n = min(b, size - start)
+        exact = np.zeros(n)
+        mag = np.zeros(n) if float_sum else None
+        exps = None
+        for r in range(world):
+            x = tensor_block(seed, r, size, dtype, round_, pattern, elements, k)
+            exact += x
+            if float_sum:
+                mag += np.abs(x)
+            else:
+                e = chunk_exponents(_chunk_max_abs(x, elements), world)
+                exps = e if exps is None else np.minimum(exps, e)
+        if float_sum:
+            bound = world * float(np.finfo(dtype).eps) * mag
+        else:
+            bound = np.repeat(error_bound(world, exps), elements)[:n]
+        yield start, exact, bound
 
 
 def expected(seed, world, size, dtype, round_, elements, pattern="random"):
-    """(exact float64 sum, per-element bound) for this round."""
-    exact = np.zeros(size)
-    n_chunks = -(-size // elements)
-    exps = None
-    for r in range(world):
-        x = tensor(seed, r, size, dtype, round_, pattern, elements)
-        exact += x
-        padded = np.zeros(n_chunks * elements)
-        padded[:size] = np.abs(x)
-        e = chunk_exponents(padded.reshape(n_chunks, elements).max(axis=1), world)
-        exps = e if exps is None else np.minimum(exps, e)
-    bound = np.repeat(error_bound(world, exps), elements)[:size]
-    return exact, bound
+    """(exact float64 sum, per-element bound) for this round (whole arrays: for tests and small sizes;
+    ``check`` does the same block by block)."""
+    parts = list(_expected_blocks(seed, world, size, dtype, round_, pattern, elements))
+    return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+
+
+def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="random", *,
+          float_sum: bool = False) -> dict:
+    """``out`` against the exact sum of every member's tensor, block by block: the record's
+    ``max_abs_error``, ``error_bound`` (largest per-element bound), ``within_bound`` and
+    ``max_abs_value``. ``float_sum``: the bound of a float sum (Gloo), not aggd's quantisation."""
+    max_err = max_bound = max_val = 0.0
+    within = True
+    for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum):
+        got = out[start:start + exact.shape[0]]
+        bound = bound + output_rounding(got)
+        err = np.abs(got.astype(np.float64) - exact)
+        max_err, max_bound = max(max_err, float(err.max())), max(max_bound, float(bound.max()))
+        max_val = max(max_val, float(np.abs(exact).max()))
+        within = within and bool(np.all(err <= bound))
+    return {"max_abs_error": max_err, "error_bound": max_bound, "within_bound": within, "max_abs_value": max_val}
 
 
 def main(argv=None) -> int:
@@ -137,17 +208,8 @@ def main(argv=None) -> int:
                     last = i == args.warmup + args.rounds - 1
                     if args.check == "all" or (args.check == "last" and last):
                         ref = 0 if args.reuse else i
-                        if args.gloo is not None:
-                            exact, bound = _GlooClient.expected(args.seed, args.world, size, dtype, ref,
-                                                                args.pattern, args.elements)
-                        else:
-                            exact, bound = expected(args.seed, args.world, size, dtype, ref,
-                                                    args.elements, args.pattern)
-                        bound = bound + output_rounding(out)
-                        err = np.abs(out.astype(np.float64) - exact)
-                        rec.update(max_abs_error=float(err.max()), error_bound=float(bound.max()),
-                                   within_bound=bool(np.all(err <= bound)),
-                                   max_abs_value=float(np.abs(exact).max()))
+                        rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
+                                         args.pattern, float_sum=args.gloo is not None))
                         if not rec["within_bound"] or not rec["shape_ok"]:
                             status = 1
                     print(json.dumps(rec), flush=True)
@@ -180,17 +242,6 @@ class _GlooClient:
         if self._buf is None or self._buf.shape != x.shape or self._buf.dtype != x.dtype:
             self._buf = self._torch.from_numpy(np.empty_like(x))
         self._buf.numpy()[...] = x
-
-    @staticmethod
-    def expected(seed, world, size, dtype, round_, pattern, elements):
-        """(exact float64 sum, bound of a float sum of ``world`` terms in ``dtype``)."""
-        exact = np.zeros(size)
-        mag = np.zeros(size)
-        for r in range(world):
-            x = tensor(seed, r, size, dtype, round_, pattern, elements).astype(np.float64)
-            exact += x
-            mag += np.abs(x)
-        return exact, world * float(np.finfo(dtype).eps) * mag
 
     def __enter__(self):
         return self
