@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import selectors
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from typing import Callable
 
 from aggd_client import protocol as proto
 
+from .childlines import PipeLines, wait_all
 from .dataplane.xdp import XdpDataPlane
 from .lab import Lab
 
@@ -87,57 +87,30 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
         procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=env))
     runs = [WorkerRun(rank, -1) for rank in range(len(procs))]
-    deadline = time.monotonic() + timeout
-    sel = selectors.DefaultSelector()
-    for rank, p in enumerate(procs):
-        sel.register(p.stdout, selectors.EVENT_READ, (rank, "out"))
-        sel.register(p.stderr, selectors.EVENT_READ, (rank, "err"))
+
+    def records_of(rank: int) -> Callable[[str], None]:
+        def on_line(line: str) -> None:
+            if line.startswith("{"):
+                rec = json.loads(line)
+                runs[rank].records.append(rec)
+                if on_record:
+                    on_record(rank, rec)
+        return on_line
+
+    lock = threading.Lock()
+    readers = [(PipeLines(p.stdout, records_of(rank), lock=lock, keep=0), PipeLines(p.stderr))
+               for rank, p in enumerate(procs)]
     try:
-        open_streams = 2 * len(procs)
-        while open_streams:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"lab workers of job {job.job} still running after {timeout:.0f} s")
-            for key, _ in sel.select(timeout=min(left, 1.0)):
-                rank, kind = key.data
-                line = key.fileobj.readline()
-                if not line:
-                    sel.unregister(key.fileobj)
-                    open_streams -= 1
-                elif kind == "err":
-                    runs[rank].stderr += line
-                elif line.startswith("{"):
-                    rec = json.loads(line)
-                    runs[rank].records.append(rec)
-                    if on_record:
-                        on_record(rank, rec)
-        for rank, p in enumerate(procs):
-            runs[rank].returncode = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        codes = wait_all(procs, time.monotonic() + timeout, f"lab workers of job {job.job} ({timeout:.0f} s)")
+        for run, code, (out, err) in zip(runs, codes, readers):
+            out.join(10)
+            run.returncode, run.stderr = code, err.text(10)
     finally:
-        sel.close()
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     return runs
-
-
-class _Lines:
-    """Every line a process writes to ``stream``, read by a thread as it comes: a child blocked on
-    a full pipe (a busy observer, a chatty worker) would stall or lose what it should record."""
-
-    def __init__(self, stream) -> None:
-        self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream) -> None:
-        for line in stream:
-            self.lines.append(line)
-
-    def join(self, timeout: float | None = None) -> list[str]:
-        self._thread.join(timeout)
-        return self.lines
 
 
 class StrategyRun:
@@ -153,7 +126,7 @@ class StrategyRun:
         self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
                          give_up_after=give_up_after)
         self.procs: list[subprocess.Popen] = []
-        self.outs: list[tuple[_Lines, _Lines]] = []
+        self.outs: list[tuple[PipeLines, PipeLines]] = []
         self.observer: subprocess.Popen | None = None
 
     def start(self) -> "StrategyRun":
@@ -163,7 +136,7 @@ class StrategyRun:
             "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert json.loads(self.observer.stdout.readline()).get("ready")
-        self.observed = (_Lines(self.observer.stdout), _Lines(self.observer.stderr))
+        self.observed = (PipeLines(self.observer.stdout), PipeLines(self.observer.stderr))
         for rank, w in enumerate(job.workers):
             argv = [sys.executable, "-m", "aggd.labstrategy", "worker",
                     "--server", f"{lab.agg_ip}:{proto.DEFAULT_PORT}", "--group", f"{job.group[0]}:{job.group[1]}",
@@ -175,7 +148,7 @@ class StrategyRun:
                 argv += ["--slow-steps", a["slow_steps"]]
             p = lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self.procs.append(p)
-            self.outs.append((_Lines(p.stdout), _Lines(p.stderr)))
+            self.outs.append((PipeLines(p.stdout), PipeLines(p.stderr)))
         return self
 
     def running(self) -> bool:
@@ -185,12 +158,12 @@ class StrategyRun:
         records, errors = {}, {}
         deadline = time.monotonic() + timeout
         try:
-            for rank, p in enumerate(self.procs):
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                out, err = (lines.join(10) for lines in self.outs[rank])
-                records[rank] = [json.loads(x) for x in out if x.startswith("{")]
-                if p.returncode != 0:
-                    errors[rank] = "".join(err)[-3000:]
+            codes = wait_all(self.procs, deadline, f"strategy workers of job {self.job.job} ({timeout:.0f} s)")
+            for rank, code in enumerate(codes):
+                out, err = self.outs[rank]
+                records[rank] = [json.loads(x) for x in out.join(10) if x.startswith("{")]
+                if code != 0:
+                    errors[rank] = err.text(10)[-3000:]
             time.sleep(0.3)  # let the last releases reach the observer
         finally:
             for p in self.procs:

@@ -13,17 +13,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..childlines import PipeLines
 from ..config import to_toml
 from ..control import ControlClient, ControlError
 from ..lab import Lab
@@ -261,67 +262,44 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
 
 
 def _collect(procs, timeout: float, on_record):
-    """Read the workers' lines as they come (raw reads: a buffered readline would hold back lines
-    that arrived together until the next write); returns (records, summaries, stderr) by rank."""
+    """The workers' lines as they come; returns (records, summaries, stderr) by rank once every
+    worker is done, or once rank 0 is done and the others have had 10 s to drain."""
     records = {rank: [] for rank in range(len(procs))}
-    summaries, errors = {}, {rank: "" for rank in range(len(procs))}
-    partial = {}
-    sel = selectors.DefaultSelector()
-    for rank, p in enumerate(procs):
-        for stream, kind in ((p.stdout, "out"), (p.stderr, "err")):
-            os.set_blocking(stream.fileno(), False)
-            sel.register(stream.fileno(), selectors.EVENT_READ, (rank, kind))
-            partial[(rank, kind)] = b""
+    summaries = {}
+
+    def records_of(rank: int):
+        def on_line(line: str) -> None:
+            if not line.startswith("{"):
+                return
+            rec = json.loads(line)
+            if rec.get("summary"):
+                rec["_at"] = time.monotonic()
+                summaries[rank] = rec
+            else:
+                records[rank].append(rec)
+            if on_record:
+                on_record(rank, rec)
+        return on_line
+
+    lock = threading.Lock()
+    readers = [(PipeLines(p.stdout, records_of(rank), lock=lock, keep=0), PipeLines(p.stderr, keep=400))
+               for rank, p in enumerate(procs)]
     deadline = time.monotonic() + timeout
-    open_streams = 2 * len(procs)
-
-    def line_in(rank: int, kind: str, line: str) -> None:
-        if kind == "err":
-            errors[rank] = (errors[rank] + line + "\n")[-20000:]
-            return
-        if not line.startswith("{"):
-            return
-        rec = json.loads(line)
-        if rec.get("summary"):
-            rec["_at"] = time.monotonic()
-            summaries[rank] = rec
-        else:
-            records[rank].append(rec)
-        if on_record:
-            on_record(rank, rec)
-
-    try:
-        while open_streams:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"training workers still running after {timeout:.0f} s")
-            # the run is over once rank 0 is done and the others have had a moment to drain
-            if 0 in summaries and len(summaries) < len(procs) and time.monotonic() > summaries[0]["_at"] + 10:
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"training workers still running after {timeout:.0f} s")
+        with lock:
+            if 0 in summaries and time.monotonic() > summaries[0]["_at"] + 10:
                 break
-            for key, _ in sel.select(timeout=min(left, 0.5)):
-                rank, kind = key.data
-                try:
-                    data = os.read(key.fd, 65536)
-                except BlockingIOError:
-                    continue
-                if not data:
-                    sel.unregister(key.fd)
-                    open_streams -= 1
-                    rest = partial.pop((rank, kind))
-                    if rest:
-                        line_in(rank, kind, rest.decode(errors="replace"))
-                    continue
-                buf = partial[(rank, kind)] + data
-                *lines, partial[(rank, kind)] = buf.split(b"\n")
-                for line in lines:
-                    line_in(rank, kind, line.decode(errors="replace"))
-        for p in procs:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-    finally:
-        sel.close()
+        time.sleep(0.2)
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    for out, _ in readers:
+        out.join(1)
+    errors = {rank: err.text(1)[-20000:] for rank, (_, err) in enumerate(readers)}
     for rank, p in enumerate(procs):
         if p.poll() not in (0, None) and rank not in summaries:
             raise RuntimeError(f"worker {rank} failed ({p.returncode}):\n{errors[rank][-3000:]}")
