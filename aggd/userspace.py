@@ -2,8 +2,10 @@
 
 The decisions are ``aggd.model.AggregatorModel``'s (in ``userspace`` mode, so short payloads are
 served rather than passed on and every message carries Flag.USERSPACE); the arithmetic is the numba
-kernels'. This module only moves bytes: receive, ``model.process``, send the verdict's message. The
-model's clock is CLOCK_MONOTONIC (``time.monotonic_ns``), the kernel's ``bpf_ktime_get_ns``.
+kernels'. This module only moves bytes: receive a batch (``recvmmsg``), decide it -- the common
+case in the numba fast path (``aggd.fastpath``, exactly the model's decisions), every other packet
+by ``model.process`` -- and send the answers. The model's clock is CLOCK_MONOTONIC
+(``time.monotonic_ns``, read once a batch), the kernel's ``bpf_ktime_get_ns``.
 
 The daemon adds three things: more than one socket (the aggd port behind the XDP program, and a
 port for jobs whose packets are larger than the kernel's), jobs with their own packet size (one
@@ -22,18 +24,19 @@ from typing import Callable
 
 import numpy as np
 
+from aggd_client.mrecv import MultiReceiver, sockaddr_addr
 from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
-from . import kernels
+from . import fastpath, kernels
 from .dataplane import rounds_by_member
 from .model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
 from .strategy import TableEntry
 
 log = logging.getLogger(__name__)
 
-#: Datagrams read per wake-up before the socket is polled again.
-BATCH = 64
+#: Datagrams read (one recvmmsg) and decided per wake-up before the socket is polled again.
+BATCH = 256
 _RCVBUF = 4 << 20
 
 
@@ -73,7 +76,8 @@ class UserspaceAggregator:
         self._models: dict[int, AggregatorModel] = {elements: self.model}
         self._route: dict[int, AggregatorModel] = {}  # job -> the model of its packet size
         self.handlers: dict[int, Handler] = dict(handlers or {})
-        self._lock = threading.Lock()
+        # Reentrant: a handler (JOIN) runs under it, within a batch, and may change the registry.
+        self._lock = threading.RLock()
         self._socks: list[socket.socket] = []
         try:
             for addr in (bind, *extra_binds):
@@ -85,8 +89,13 @@ class UserspaceAggregator:
         self._sock = self._socks[0]
         # Anything longer than the largest valid message is malformed anyway; one spare element
         # lets the model see it as such instead of the kernel truncating it silently.
-        self._buf = bytearray(HEADER_SIZE + 4 * (max(elements, MAX_ELEMENTS) + 1))
-        self._view = memoryview(self._buf)
+        rec = HEADER_SIZE + 4 * (max(elements, MAX_ELEMENTS) + 1)
+        self._batch = fastpath.Batch(BATCH, (rec + 7) // 8 * 8)   # (the kernel reads int32 lanes)
+        self._stage = memoryview(self._batch.stage).cast("B")
+        self._receivers = {s: MultiReceiver(self._batch.stage, self._batch.rec, self._batch.sizes,
+                                            names=self._batch.names) for s in self._socks}
+        self._fast = fastpath.FastPath()
+        fastpath.warm_up()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.send_errors = 0
@@ -113,11 +122,14 @@ class UserspaceAggregator:
                 model = self._models[elements] = self._new_model(elements)
             model.add_job(cfg)
             self._route[cfg.job] = model
+            if fastpath.HEADER_SIZE + 4 * elements <= self._batch.rec:  # its results fit a record
+                self._fast.add_job(model, cfg.job)
 
     def remove_job(self, job: int) -> None:
         with self._lock:
             model = self._route.pop(job, self.model)
             model.remove_job(job)
+            self._fast.remove_job(job)
 
     def has_job(self, job: int) -> bool:
         with self._lock:
@@ -126,16 +138,19 @@ class UserspaceAggregator:
     def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
         with self._lock:
             self._route[job].set_member(job, rank, addr)
+            self._fast.refresh(job)
 
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
         """Install a job's strategy table: exactly these rows (``StrategyTable.table_entries()``), as
         the kernel stores them. ValueError, and the job left as it was, for rows no data plane holds."""
         with self._lock:
             self._route[job].set_strategy(job, entries)
+            self._fast.refresh(job)
 
     def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
         """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
         with self._lock:
+            self._fast.sync(job)
             state = self._route[job].jobs[job]
             return rounds_by_member((bank.key[0], bank.bitmap) for slot in state.slots for bank in slot.banks
                                     if bank.state != 0)  # EMPTY
@@ -174,39 +189,53 @@ class UserspaceAggregator:
         return handled
 
     def _serve_socket(self, sock: socket.socket) -> int:
-        handled = 0
-        while handled < BATCH:
-            try:
-                size, src = sock.recvfrom_into(self._buf)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError as e:  # e.g. ICMP errors reported on the socket; keep serving
-                log.debug("recv: %s", e)
-                break
-            handled += 1
-            data = self._view[:size]
-            try:
-                handler = self.handlers.get(self._buf[3]) if size >= HEADER_SIZE else None
-                if handler is not None:
-                    answer = handler(data, src)
-                    if answer is not None:
-                        self._sendto(sock, answer, src)
-                    continue
-                job = int.from_bytes(self._buf[4:6], "big") if size >= 6 else NO_JOB
-                with self._lock:
-                    verdict = self._route.get(job, self.model).process(data, src, time.monotonic_ns())
-            except Exception:  # one bad packet (or a bug it triggers) must not stop the path
-                self.errors += 1
-                log.exception("user-space path: handling a %d-byte packet from %s failed", size, src)
-                continue
-            self._send(sock, verdict)
-        return handled
+        try:
+            n = self._receivers[sock].drain(sock, 0)
+        except OSError as e:  # e.g. ICMP errors reported on the socket; keep serving
+            log.debug("recv: %s", e)
+            return 0
+        if n == 0:
+            return 0
+        batch = self._batch
+        batch.nows[:n] = time.monotonic_ns()
+        with self._lock:
+            verdicts = self._fast.process(batch, n, self._slow)
+            kinds = batch.out_kind[:n]
+            sent = np.flatnonzero(kinds >= fastpath.TO_GROUP).tolist()
+            for i in sorted(sent + list(verdicts)) if verdicts else sent:
+                if i in verdicts:
+                    verdict = verdicts[i]
+                    if verdict is not None and verdict.action == "tx":
+                        for addr in verdict.addrs:
+                            self._sendto(sock, verdict.out, addr)
+                elif kinds[i] == fastpath.TO_GROUP:
+                    answer = batch.answer(i)
+                    for addr in self._fast.jobs[self._job_of(i)].group:
+                        self._sendto(sock, answer, addr)
+                else:
+                    self._sendto(sock, batch.answer(i), sockaddr_addr(batch.names[i]))
+        return n
 
-    def _send(self, sock: socket.socket, verdict: Verdict) -> None:
-        if verdict.action != "tx":
-            return
-        for addr in verdict.addrs:
-            self._sendto(sock, verdict.out, addr)
+    def _job_of(self, i: int) -> int:
+        return int.from_bytes(self._stage[i * self._batch.rec + 4:i * self._batch.rec + 6], "big")
+
+    def _slow(self, i: int) -> Verdict | None:
+        """Packet ``i`` of the batch by its handler or its job's model; None: nothing to send."""
+        batch = self._batch
+        size = int(batch.sizes[i])
+        data = self._stage[i * batch.rec:i * batch.rec + size]
+        src = sockaddr_addr(batch.names[i])
+        try:
+            handler = self.handlers.get(data[3]) if size >= HEADER_SIZE else None
+            if handler is not None:
+                answer = handler(data, src)
+                return None if answer is None else Verdict("tx", None, answer, "sender", (src,))
+            job = self._job_of(i) if size >= 6 else NO_JOB
+            return self._route.get(job, self.model).process(data, src, int(batch.nows[i]))
+        except Exception:  # one bad packet (or a bug it triggers) must not stop the path
+            self.errors += 1
+            log.exception("user-space path: handling a %d-byte packet from %s failed", size, src)
+            return None
 
     def _sendto(self, sock: socket.socket, data: bytes, addr: Addr) -> None:
         try:

@@ -75,3 +75,33 @@ def test_skips_a_queued_icmp_error(pair):
     for batched in ([True, False] if mrecv.AVAILABLE else [False]):
         r = mrecv.MultiReceiver(stage, REC, sizes, batched=batched)
         assert r.drain(rx, 0) == 0
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_keeps_each_senders_address(pair, batched):
+    if batched and not mrecv.AVAILABLE:
+        pytest.skip("libc has no recvmmsg")
+    tx, rx = pair
+    tx.bind(("127.0.0.1", 0))
+    other = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    other.bind(("127.0.0.2", 0))
+    try:
+        stage = np.zeros((8, REC), np.uint8)
+        sizes = np.zeros(8, np.int64)
+        names = np.zeros((8, mrecv.SOCKADDR_IN), np.uint8)
+        r = mrecv.MultiReceiver(stage, REC, sizes, batched=batched, names=names)
+        senders = [tx, other, tx, other]
+        for i, s in enumerate(senders):
+            s.sendto(bytes([i]) * 3, rx.getsockname())
+        assert r.drain(rx, 0) == 4
+        for i, s in enumerate(senders):
+            assert mrecv.sockaddr_addr(names[i]) == s.getsockname()
+            assert bytes(names[i]) == mrecv.sockaddr_in(s.getsockname())
+        for i, s in enumerate(reversed(senders)):   # a second batch writes its own addresses
+            s.sendto(b"y", rx.getsockname())
+        assert r.drain(rx, 0) == 4
+        assert [mrecv.sockaddr_addr(names[i]) for i in range(4)] == [s.getsockname() for s in reversed(senders)]
+    finally:
+        other.close()
+    with pytest.raises(ValueError):
+        mrecv.MultiReceiver(stage, REC, sizes, names=np.zeros((8, 8), np.uint8))

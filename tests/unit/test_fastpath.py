@@ -1,0 +1,194 @@
+"""The user-space fast path (aggd.fastpath) against the plain model: random sequences of packets
+(every strategy, swaps, retransmissions, late and early packets, re-reads, noise, deadlines) are
+played once through ``AggregatorModel.process`` packet by packet and once through
+``FastPath.process`` in batches of random sizes, the model serving what the kernel leaves; every
+verdict, counter, drop and the slots' final state must be identical."""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggd import fastpath, kernels
+from aggd.model import NO_JOB, AggregatorModel, BankState, Verdict
+from aggd.strategy import StrategyTable, from_entry, parse
+from aggd_client.mrecv import sockaddr_in
+from aggd_client.protocol import HEADER_SIZE, DropReason, Header
+
+from .test_model_strategies import (E, JOB, STRATEGY_TEXTS, Traffic, addr, entry, job_config,
+                                    swap_table)
+
+REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
+
+
+def new_model(world: int, slots: int, entries) -> AggregatorModel:
+    m = AggregatorModel(E, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
+    m.add_job(job_config(world, slots, 8))
+    m.set_strategy(JOB, entries)
+    return m
+
+
+def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, int]]):
+    """The sequence through the plain model: [(sent, verdict) or ("swap", entries)], the model."""
+    world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
+    chunks, window = (1, 2, 3, 4, 8)[(shape >> 4) % 5], 1 + (shape >> 7) % 4
+    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=E,
+                      junk=True, noise=bool(shape >> 9 & 1))
+    entries = [entry(text)]
+    m = new_model(world, slots, entries)
+    table = StrategyTable(parse("sync"))
+    table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
+    steps, pending = [], sorted(swaps)
+    for i, op in enumerate(ops):
+        while pending and pending[0][0] <= i:
+            _, swap_text, ahead = pending.pop(0)
+            new = swap_table(table, table.entries[-1][0] + 1, m, traffic, swap_text, ahead)
+            m.set_strategy(JOB, new)
+            steps.append(("swap", new))
+        sent = traffic.next(op)
+        v = m.process(sent.data, sent.src, sent.now_ns)
+        traffic.observe(sent, v)
+        steps.append((sent, v))
+    return (world, slots, entries), steps, m
+
+
+def replay(setup, steps, cuts: list[int]):
+    """The same packets through the fast path in batches (cut also at every swap); per packet
+    (verdict, what the kernel did: fastpath.SLOW when the model decided), the model, the fast path."""
+    world, slots, entries = setup
+    m = new_model(world, slots, entries)
+    fp = fastpath.FastPath()
+    fp.add_job(m, JOB)
+    batch = fastpath.Batch(64, REC)
+    stage = memoryview(batch.stage).cast("B")
+    got: list[tuple[Verdict | None, int]] = []
+    cuts = collections.deque(cuts)
+    pos = 0
+    while pos < len(steps):
+        if steps[pos][0] == "swap":
+            m.set_strategy(JOB, steps[pos][1])
+            fp.refresh(JOB)
+            pos += 1
+            continue
+        size = 1 + (cuts[0] if cuts else 63) % 64
+        cuts.rotate(-1)
+        packets = []
+        while pos < len(steps) and steps[pos][0] != "swap" and len(packets) < size:
+            packets.append(steps[pos][0])
+            pos += 1
+        for i, sent in enumerate(packets):
+            assert len(sent.data) <= REC
+            batch.stage[i, :len(sent.data)] = np.frombuffer(sent.data, np.uint8)
+            batch.sizes[i] = len(sent.data)
+            batch.names[i] = np.frombuffer(sockaddr_in(sent.src), np.uint8)
+            batch.nows[i] = sent.now_ns
+
+        def slow(i, packets=packets):
+            return m.process(stage[i * REC:i * REC + int(batch.sizes[i])], packets[i].src, packets[i].now_ns)
+
+        slow_verdicts = fp.process(batch, len(packets), slow)
+        for i, sent in enumerate(packets):
+            if i in slow_verdicts:
+                assert batch.out_kind[i] == fastpath.SLOW
+                got.append((slow_verdicts[i], fastpath.SLOW))
+            else:
+                got.append((fp.verdict(batch, i, sent.src), int(batch.out_kind[i])))
+    return got, m, fp
+
+
+def bank_state(m: AggregatorModel):
+    return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.exponent, b.flags, b.version, b.kind, b.param,
+              b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist())
+             for b in slot.banks] + [[(mem.round, mem.refused, mem.carried) for mem in slot.late]]
+            for slot in m.jobs[JOB].slots]
+
+
+def describe(v: Verdict | None) -> str:
+    if v is None or v.out is None:
+        return repr(v)
+    return f"{v.action} {v.dest} {v.addrs} {Header.unpack(v.out)} {np.frombuffer(v.out, '<i4', offset=HEADER_SIZE)}"
+
+
+KIND_TEXTS = STRATEGY_TEXTS + ("quorum:2:1ms",)
+decided = collections.Counter()
+
+
+@settings(max_examples=400, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(shape=st.integers(0, 2**10 - 1),
+       ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
+       text=st.sampled_from(KIND_TEXTS),
+       swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(KIND_TEXTS), st.integers(0, 2)), max_size=3),
+       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8))
+def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts):
+    setup, steps, ref = record(shape, ops, text, swaps)
+    got, m, fp = replay(setup, steps, cuts)
+    expected = [v for s, v in steps if s != "swap"]
+    assert len(got) == len(expected)
+    for i, ((v, kind), want) in enumerate(zip(got, expected)):
+        assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
+                           f"model {describe(want)}")
+        decided[kind] += 1
+        if kind == fastpath.DROPPED:
+            decided[v.reason] += 1
+    fp.sync()
+    assert m.counters(JOB).tolist() == ref.counters(JOB).tolist()
+    assert m.drops(JOB).tolist() == ref.drops(JOB).tolist()
+    assert m.drops(NO_JOB).tolist() == ref.drops(NO_JOB).tolist()
+    assert m.stats() == ref.stats()
+    assert bank_state(m) == bank_state(ref)
+
+
+def test_the_kernel_decided_most_packets():
+    """The property above is not vacuous: most of its packets were the kernel's, of every kind
+    (it runs first)."""
+    if not decided:
+        test_fast_path_decides_as_the_model()
+    kernel = sum(decided[k] for k in (fastpath.ABSORBED, fastpath.DROPPED, fastpath.TO_GROUP, fastpath.TO_SENDER))
+    assert kernel > decided[fastpath.SLOW] > 0, decided
+    for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE):
+        assert decided[what] > 0, (what, decided)
+
+
+def test_a_release_observer_sees_every_release():
+    """With ``on_release`` set the model decides everything, so the observer misses nothing."""
+    setup, steps, ref = record(0, list(range(0, 4 * 40)), "sync", [])
+    world, slots, entries = setup
+    m = new_model(world, slots, entries)
+    fp = fastpath.FastPath()
+    fp.add_job(m, JOB)
+    released = []
+    m.on_release = lambda job, bank, cause: released.append(bank.key)
+    batch = fastpath.Batch(64, REC)
+    sents = [s for s, _ in steps][:64]
+    for i, sent in enumerate(sents):
+        batch.stage[i, :len(sent.data)] = np.frombuffer(sent.data, np.uint8)
+        batch.sizes[i] = len(sent.data)
+        batch.names[i] = np.frombuffer(sockaddr_in(sent.src), np.uint8)
+    verdicts = fp.process(batch, len(sents), lambda i: m.process(sents[i].data, sents[i].src, 0))
+    assert len(verdicts) == len(sents)              # every packet was the model's
+    assert len(released) == m.counter(JOB, "released") > 0
+
+
+def test_state_changed_by_the_kernel_reaches_the_objects():
+    """``sync`` (and a slow-path packet of the slot) bring the kernel's bank changes to the model's objects."""
+    setup, steps, ref = record(0, [0, 1, 2], "sync", [])     # ranks 0-2 contribute to round 0, chunk 0
+    world, slots, entries = setup
+    m = new_model(world, slots, entries)
+    fp = fastpath.FastPath()
+    fp.add_job(m, JOB)
+    batch = fastpath.Batch(4, REC)
+    sents = [s for s, _ in steps]
+    for i, sent in enumerate(sents):
+        batch.stage[i, :len(sent.data)] = np.frombuffer(sent.data, np.uint8)
+        batch.sizes[i] = len(sent.data)
+        batch.names[i] = np.frombuffer(sockaddr_in(sent.src), np.uint8)
+        batch.nows[i] = sent.now_ns
+    assert fp.process(batch, len(sents), lambda i: None) == {}
+    bank = m.jobs[JOB].slots[0].banks[0]
+    assert bank.state == BankState.EMPTY          # not synced yet
+    fp.sync()
+    assert (bank.state, bank.key) == (BankState.OPEN, (0, 0))
+    assert bank_state(m) == bank_state(ref)
