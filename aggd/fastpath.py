@@ -19,12 +19,14 @@ arrays to objects before the model handles a packet of that slot, if the kernel 
 from __future__ import annotations
 
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 from numba import njit
 
+from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
 from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, VERSION, Counter, DropReason, Flag, \
     MsgType, StrategyKind
 
@@ -340,6 +342,11 @@ class FastJob:
             if ip is not None:
                 self.member_ip[rank], self.member_port[rank] = ip, port
         self.group = (cfg.group,) if cfg.group is not None else tuple(cfg.members[r] for r in sorted(cfg.members))
+        try:   # the group's addresses as sendmmsg takes them; None: only sendto can (not IPv4 numbers)
+            self.group_names = np.array([np.frombuffer(sockaddr_in(a), np.uint8) for a in self.group],
+                                        np.uint8).reshape(-1, SOCKADDR_IN)
+        except (OSError, ValueError, struct.error):
+            self.group_names = None
         self.table = np.array([(e.from_round, e.version, e.kind, e.param, e.timeout_us) for e in self.state.table],
                               np.int64)
 
@@ -383,7 +390,7 @@ class Batch:
         self.stage = np.zeros((self.n, self.rec), np.uint8)
         self.stage32 = self.stage.view(np.int32)
         self.sizes = np.zeros(self.n, np.int64)
-        self.names = np.zeros((self.n, 16), np.uint8)
+        self.names = np.zeros((self.n, SOCKADDR_IN), np.uint8)
         self.nows = np.zeros(self.n, np.uint64)
         self.out = np.zeros((self.n, self.rec), np.uint8)
         self.out32 = self.out.view(np.int32)

@@ -28,7 +28,7 @@ from aggd_client.mrecv import MultiReceiver, sockaddr_addr
 from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
-from . import fastpath, kernels
+from . import fastpath, kernels, msend
 from .dataplane import rounds_by_member
 from .model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
 from .strategy import TableEntry
@@ -37,7 +37,10 @@ log = logging.getLogger(__name__)
 
 #: Datagrams read (one recvmmsg) and decided per wake-up before the socket is polled again.
 BATCH = 256
-_RCVBUF = 4 << 20
+#: Room for a few thousand packets: the workers' first windows arrive in one burst.
+_RCVBUF = 32 << 20
+_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+_SO_NO_CHECK = getattr(socket, "SO_NO_CHECK", 11)
 
 
 #: A handler for one message type: (message, sender) -> the answer to send back, or None.
@@ -48,7 +51,16 @@ def _udp_socket(bind: Addr) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)
+            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, _RCVBUF)   # needs CAP_NET_ADMIN
+        except OSError:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)  # capped by rmem_max
+            except OSError:
+                pass
+        try:
+            # No UDP checksum on what we send, as the XDP program's results (optional for IPv4;
+            # computing it is a pass over every payload).
+            sock.setsockopt(socket.SOL_SOCKET, _SO_NO_CHECK, 1)
         except OSError:
             pass
         sock.bind(bind)
@@ -95,6 +107,7 @@ class UserspaceAggregator:
         self._receivers = {s: MultiReceiver(self._batch.stage, self._batch.rec, self._batch.sizes,
                                             names=self._batch.names) for s in self._socks}
         self._fast = fastpath.FastPath()
+        self._sender = msend.MultiSender(self._batch.out, self._batch.rec, BATCH) if msend.AVAILABLE else None
         fastpath.warm_up()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -200,21 +213,45 @@ class UserspaceAggregator:
         batch.nows[:n] = time.monotonic_ns()
         with self._lock:
             verdicts = self._fast.process(batch, n, self._slow)
-            kinds = batch.out_kind[:n]
-            sent = np.flatnonzero(kinds >= fastpath.TO_GROUP).tolist()
-            for i in sorted(sent + list(verdicts)) if verdicts else sent:
-                if i in verdicts:
-                    verdict = verdicts[i]
-                    if verdict is not None and verdict.action == "tx":
-                        for addr in verdict.addrs:
-                            self._sendto(sock, verdict.out, addr)
-                elif kinds[i] == fastpath.TO_GROUP:
-                    answer = batch.answer(i)
-                    for addr in self._fast.jobs[self._job_of(i)].group:
-                        self._sendto(sock, answer, addr)
-                else:
-                    self._sendto(sock, batch.answer(i), sockaddr_addr(batch.names[i]))
+            self._answer(sock, n, verdicts)
         return n
+
+    def _answer(self, sock: socket.socket, n: int, verdicts: dict[int, Verdict | None]) -> None:
+        """Send the batch's answers in packet order: the kernel's by sendmmsg, the model's by sendto."""
+        built = np.flatnonzero(self._batch.out_kind[:n] >= fastpath.TO_GROUP)
+        done = 0
+        for i in sorted(verdicts):
+            verdict = verdicts[i]
+            if verdict is None or verdict.action != "tx":
+                continue
+            upto = int(np.searchsorted(built, i))
+            self._send_built(sock, built[done:upto])
+            done = upto
+            for addr in verdict.addrs:
+                self._sendto(sock, verdict.out, addr)
+        self._send_built(sock, built[done:])
+
+    def _send_built(self, sock: socket.socket, idx: np.ndarray) -> None:
+        """The kernel's answers to packets ``idx`` (in order): results to their job's group, running
+        sums to their sender."""
+        if not len(idx):
+            return
+        batch = self._batch
+        if self._sender is not None:
+            stage = batch.stage
+            jobs = stage[idx, 4].astype(np.int64) << 8 | stage[idx, 5]
+            fj = self._fast.jobs.get(int(jobs[0]))
+            if fj is not None and fj.group_names is not None and len(fj.group_names) == 1 and (jobs == jobs[0]).all() \
+                    and (batch.out_kind[idx] == fastpath.TO_GROUP).all():   # the common case: one multicast group
+                self.send_errors += self._sender.send(sock, idx, batch.out_len[idx], fj.group_names)
+                return
+        for i in idx.tolist():
+            if batch.out_kind[i] == fastpath.TO_GROUP:
+                fj = self._fast.jobs.get(self._job_of(i))
+                for addr in fj.group if fj is not None else ():   # (a handler may have removed it)
+                    self._sendto(sock, batch.answer(i), addr)
+            else:
+                self._sendto(sock, batch.answer(i), sockaddr_addr(batch.names[i]))
 
     def _job_of(self, i: int) -> int:
         return int.from_bytes(self._stage[i * self._batch.rec + 4:i * self._batch.rec + 6], "big")

@@ -49,6 +49,10 @@ class _Mmsghdr(ctypes.Structure):
     _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
 
 
+#: The structures, for the aggregator's sendmmsg (aggd.msend).
+Iovec, Mmsghdr = _Iovec, _Mmsghdr
+
+
 def _libc_recvmmsg():
     if os.environ.get("AGGD_CLIENT_RECVMMSG", "1") == "0":
         return None

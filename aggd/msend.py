@@ -1,0 +1,80 @@
+"""Batched sends: one ``sendmmsg(2)`` for the answers the fast path built in a batch's records.
+
+Python's socket module has no sendmmsg; ctypes calls libc's with an ``mmsghdr`` array prepared once
+(as ``aggd_client.mrecv`` does for recvmmsg). Each message is one record of ``out`` (its start and
+length) to one ``struct sockaddr_in``; ``MultiSender.send`` fills those in with numpy and sends them
+all, in order, with as few calls as the kernel allows.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import socket
+
+import numpy as np
+
+from aggd_client.mrecv import SOCKADDR_IN, Iovec, Mmsghdr
+
+#: Errors a send may meet under load or from a firewall rule; the message is lost, serving goes on
+#: (the client retransmits), as with ``sendto``.
+TRANSIENT = (errno.EAGAIN, errno.ENOBUFS, errno.EPERM, errno.ECONNREFUSED)
+
+
+def _libc_sendmmsg():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sendmmsg
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SENDMMSG = _libc_sendmmsg()
+AVAILABLE = _SENDMMSG is not None
+
+
+class MultiSender:
+    """Sends up to ``n`` messages a call from the records of ``out`` (``rec`` bytes each)."""
+
+    def __init__(self, out: np.ndarray, rec: int, n: int) -> None:
+        self._out, self.rec, self.n = out, rec, n   # out kept alive: the iovecs point into it
+        self.dests = np.zeros((n, SOCKADDR_IN), np.uint8)
+        self._iov = (Iovec * n)()
+        self._msgs = (Mmsghdr * n)()
+        for i in range(n):
+            self._msgs[i].msg_hdr.msg_iov = ctypes.pointer(self._iov[i])
+            self._msgs[i].msg_hdr.msg_iovlen = 1
+            self._msgs[i].msg_hdr.msg_name = self.dests.ctypes.data + i * SOCKADDR_IN
+            self._msgs[i].msg_hdr.msg_namelen = SOCKADDR_IN
+        iov = np.frombuffer((ctypes.c_char * ctypes.sizeof(self._iov)).from_address(ctypes.addressof(self._iov)),
+                            np.uint64).reshape(n, 2)
+        self._base, self._len = iov[:, 0], iov[:, 1]
+        self._addr = ctypes.addressof(self._msgs)
+        self._stride = ctypes.sizeof(Mmsghdr)
+        self._out_base = out.ctypes.data
+
+    def send(self, sock: socket.socket, records: np.ndarray, lengths: np.ndarray, dests: np.ndarray) -> int:
+        """Send record ``records[k]`` (``lengths[k]`` bytes) to ``dests[k]`` (a sockaddr_in), for
+        every k, in order; return how many were lost to a transient error."""
+        m = len(records)
+        if m > self.n:
+            raise ValueError(f"{m} messages, room for {self.n}")
+        self._base[:m] = self._out_base + records.astype(np.uint64) * self.rec
+        self._len[:m] = lengths
+        self.dests[:m] = dests
+        fd, lost, k = sock.fileno(), 0, 0
+        while k < m:
+            sent = _SENDMMSG(fd, self._addr + k * self._stride, m - k, 0)
+            if sent < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err not in TRANSIENT:
+                    raise OSError(err, os.strerror(err))
+                lost += 1       # the message at k; the others go on
+                k += 1
+                continue
+            k += sent
+        return lost
