@@ -150,6 +150,7 @@ def run_aggd_user(lab: Lab, agg, cfg: Config) -> dict:
         agg(cmd="remove_job", job=JOB)
     return _row("aggd-user", cfg, runs, {
         "elements_per_packet": cfg.elements, "retransmits": stats["counters"]["retransmits"],
+        "aggregator_send_errors": stats["send_errors"],
         "aggregator_memory_bytes": stats["peak_rss_bytes"], "aggregator_memory": "peak_rss"})
 
 

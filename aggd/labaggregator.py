@@ -42,7 +42,8 @@ def main(argv=None) -> int:
             elif cmd == "stats":
                 counters = agg.counters(int(req["job"]))
                 out = {"counters": {c.name.lower(): int(counters[c]) for c in Counter},
-                       "peak_rss_bytes": peak_rss(), "rss_bytes": rss(), "errors": agg.errors}
+                       "peak_rss_bytes": peak_rss(), "rss_bytes": rss(), "errors": agg.errors,
+                       "send_errors": agg.send_errors}
             elif cmd == "reset_peak":
                 reset_peak_rss()
                 out = {"ok": True}

@@ -37,9 +37,11 @@ log = logging.getLogger(__name__)
 
 #: Datagrams read (one recvmmsg) and decided per wake-up before the socket is polled again.
 BATCH = 256
-#: Room for a few thousand packets: the workers' first windows arrive in one burst.
-_RCVBUF = 32 << 20
-_SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+#: Room for a few thousand packets: the workers' first windows arrive in one burst, and a
+#: batch's results leave in one (a result's buffer is held until the bridge has delivered it).
+_BUFFERS = 32 << 20
+_FORCE = {socket.SO_RCVBUF: getattr(socket, "SO_RCVBUFFORCE", 33),
+          socket.SO_SNDBUF: getattr(socket, "SO_SNDBUFFORCE", 32)}
 _SO_NO_CHECK = getattr(socket, "SO_NO_CHECK", 11)
 
 
@@ -50,13 +52,14 @@ Handler = Callable[[memoryview, Addr], "bytes | None"]
 def _udp_socket(bind: Addr) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, _RCVBUF)   # needs CAP_NET_ADMIN
-        except OSError:
+        for opt, force in _FORCE.items():
             try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _RCVBUF)  # capped by rmem_max
+                sock.setsockopt(socket.SOL_SOCKET, force, _BUFFERS)   # needs CAP_NET_ADMIN
             except OSError:
-                pass
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, _BUFFERS)  # capped by [rw]mem_max
+                except OSError:
+                    pass
         try:
             # No UDP checksum on what we send, as the XDP program's results (optional for IPv4;
             # computing it is a pass over every payload).
