@@ -589,8 +589,24 @@ class ThriftRegisterServer:
         else:
             self._sock.listen()
         self.address = f"127.0.0.1:{self._sock.handle.getsockname()[1]}"
-        self._sock.listen = lambda: None          # already listening: serve() must not bind again
-        threading.Thread(target=server.serve, name="fake-bmv2-thrift", daemon=True).start()
+        # TThreadedServer.serve() never returns: once its socket is closed it logs a failed accept
+        # in a busy loop for the rest of the process. This loop polls, and ends with close().
+        self._sock.handle.settimeout(0.2)
+        self._server, self._closed = server, threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="fake-bmv2-thrift", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                client = self._sock.accept()
+            except (OSError, AttributeError):  # timeout; AttributeError: the socket is closed
+                continue
+            if client is not None:
+                client.handle.settimeout(None)
+                threading.Thread(target=self._server.handle, args=(client,), daemon=True).start()
 
     def close(self) -> None:
+        self._closed.set()
+        self._thread.join(5)
         self._sock.close()

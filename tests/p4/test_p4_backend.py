@@ -2,7 +2,6 @@
 writes, in which order, and how the captured entries read back (no root, no switch)."""
 from __future__ import annotations
 
-import threading
 import types
 
 import pytest
@@ -18,7 +17,7 @@ from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 
 from .conftest import HOSTS
-from .sim import FakeP4Runtime, MemoryRegisters, SimSwitch, switch_config
+from .sim import FakeP4Runtime, MemoryRegisters, SimSwitch, ThriftRegisterServer, switch_config
 
 U32 = (1 << 32) - 1
 
@@ -365,58 +364,23 @@ def test_read_back_over_p4runtime(p4dp, sim):
 # BMv2's Thrift register API, against a Thrift server of the same IDL on 127.0.0.1.
 
 @pytest.fixture
-def thrift_server():
-    from bm_runtime.standard import Standard
-    from bm_runtime.standard.ttypes import BmCounterValue
-    from thrift.protocol import TBinaryProtocol
-    from thrift.server import TServer
-    from thrift.TMultiplexedProcessor import TMultiplexedProcessor
-    from thrift.transport import TSocket, TTransport
-
-    class Handler:
-        def __init__(self):
-            self.regs, self.ctrs = {}, {}
-
-        def bm_register_read(self, cxt, name, idx):
-            return self.regs.get((name, idx), 0)
-
-        def bm_register_write(self, cxt, name, idx, value):
-            self.regs[(name, idx)] = value
-
-        def bm_register_write_range(self, cxt, name, start, end, value):
-            for i in range(start, end):
-                self.regs[(name, i)] = value
-
-        def bm_counter_read(self, cxt, name, idx):
-            return BmCounterValue(bytes=0, packets=self.ctrs.get((name, idx), 0))
-
-        def bm_counter_write(self, cxt, name, idx, value):
-            self.ctrs[(name, idx)] = value.packets
-
-    handler = Handler()
-    mux = TMultiplexedProcessor()
-    mux.registerProcessor("standard", Standard.Processor(handler))
-    sock = TSocket.TServerSocket(host="127.0.0.1", port=0)
-    server = TServer.TThreadedServer(mux, sock, TTransport.TBufferedTransportFactory(),
-                                     TBinaryProtocol.TBinaryProtocolFactory(), daemon=True)
-    sock.listen()
-    port = sock.handle.getsockname()[1]
-    sock.listen = lambda: None          # already listening
-    threading.Thread(target=server.serve, daemon=True).start()
-    yield handler, f"127.0.0.1:{port}"
-    sock.close()
+def thrift_server(info):
+    registers = MemoryRegisters(info)
+    server = ThriftRegisterServer(registers)
+    yield registers, server.address
+    server.close()
 
 
 def test_bmv2_thrift_registers(thrift_server):
     from aggd.dataplane.p4_thrift import Bmv2Registers
-    handler, address = thrift_server
+    registers, address = thrift_server
     regs = Bmv2Registers(address)
     try:
-        regs.write(L.REG_BANK_BITMAP, 5, (1 << 64) - 1)             # travels as i64 -1
-        assert handler.regs[(L.REG_BANK_BITMAP, 5)] == -1
+        regs.write(L.REG_BANK_BITMAP, 5, (1 << 64) - 1)   # travels as i64 -1 (thrift refuses an i64 above)
+        assert registers.read(L.REG_BANK_BITMAP, 5) == (1 << 64) - 1
         assert regs.read(L.REG_BANK_BITMAP, 5) == (1 << 64) - 1
         regs.write_range(L.REG_BANK_STATE, 4, 8, 2)
-        assert [handler.regs.get((L.REG_BANK_STATE, i)) for i in range(3, 9)] == [None, 2, 2, 2, 2, None]
+        assert [registers.regs[L.REG_BANK_STATE].get(i) for i in range(3, 9)] == [None, 2, 2, 2, 2, None]
         regs.write_counter(L.CTR_DROPS, 9, 4)
         assert regs.read_counter(L.CTR_DROPS, 9) == 4
     finally:
