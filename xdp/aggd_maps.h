@@ -72,9 +72,9 @@ struct bank {
 	                      * admission and deadline (docs/protocol.md, rule 4) */
 	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
 	/* Exact sums, kept biased so the hot loop needs no sign extension and no overflow test: every
-	 * contribution adds each int32 x as x - 2**31 (modulo 2**64), and `bias` holds 2**31 per
-	 * contribution added, so a lane's true sum is (__s64)(values[i] + bias). Whether it fits int32
-	 * is decided when a result is copied out (docs/protocol.md, "Overflow"). */
+	 * contribution adds each int32 x as x - 2**31 (modulo 2**64) and 2**31 to `bias`, and a lane's
+	 * true sum is (__s64)(values[i] + bias) (a send may rebias the lanes: aggd_lanes.h). Whether it
+	 * fits int32 is decided when a result is copied out (docs/protocol.md, "Overflow"). */
 	__u64 bias;
 	__u64 values[ELEMS];
 };

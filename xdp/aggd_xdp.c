@@ -12,6 +12,7 @@
 #endif
 
 #include "aggd_helpers.h"
+#include "aggd_lanes.h"
 
 /* Counters live here, not in a header: bcc rewrites map calls only in the main file. */
 static __always_inline struct job_stats *stats_of(__u32 bucket)
@@ -440,28 +441,27 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (sc->add_fresh) {
 			b->exponent = exp_in;
 			b->bias = SUM_BIAS;
-			_Pragma("clang loop unroll_count(8)")
-			for (int i = 0; i < ELEMS; i++)
-				v[i] = p[i] ^ LANE_FLIP;
-		} else if (exp_in == se && sc->out != add) {
-			/* The common case: one load, one xor, one add; no sign extension, no overflow test. */
-			b->bias += SUM_BIAS;
-			_Pragma("clang loop unroll_count(8)")
-			for (int i = 0; i < ELEMS; i++)
-				v[i] += p[i] ^ LANE_FLIP;
-		} else if (exp_in == se) {
-			/* This sum goes back (a release, an async running sum): add and copy out in one pass
-			 * (see the copy loop below for `above` and `high`). */
-			__u64 bias = b->bias + SUM_BIAS, above = bias + SUM_BIAS, high = 0;
-			b->bias = bias;
-			_Pragma("clang loop unroll_count(2)")
-			for (int i = 0; i < ELEMS; i++) {
-				__u64 sum = v[i] + (p[i] ^ LANE_FLIP), t = sum + above;
-				v[i] = sum;
-				high |= t;
-				p[i] = (__u32)(t ^ LANE_FLIP); /* the low half is what counts */
+			lanes_set(v, p);
+			if (sc->out == add) { /* a lone contribution is its own sum: the packet holds it */
+				sc->written_high = 0;
+				sc->written = 1;
 			}
-			sc->written_high = high;
+		} else if (exp_in == se && sc->out != add) {
+			b->bias += SUM_BIAS;
+			lanes_add(v, p);
+		} else if (exp_in == se) {
+			/* This sum goes back (a release, an async running sum): add and copy out in one pass. */
+			__u64 bias = b->bias + SUM_BIAS, above = bias + SUM_BIAS;
+			if ((__u32)bias != 0) {
+				b->bias = bias;
+				sc->written_high = lanes_add_send_odd(v, p, above);
+			} else if (sc->released) {
+				b->bias = bias;
+				sc->written_high = lanes_add_send_even(v, p, above, 0);
+			} else {
+				b->bias = -SUM_BIAS;
+				sc->written_high = lanes_add_send_even(v, p, above, 1);
+			}
 			sc->written = 1;
 		} else {
 			/* Align to the coarser scale (the smaller exponent): shift the finer operand's true
@@ -495,20 +495,9 @@ int aggd_xdp(struct xdp_md *ctx)
 			r->unannounced = 0;
 			sc->out_group = 1;
 		}
-		/* t = true sum + 2**31 lies in [0, 2**32) exactly when the sum fits int32: OR every t
-		 * and test the high half once; the low half of t with its top bit flipped is the int32. */
 		__u64 high = sc->written_high;
-		if (!sc->written) {
-			__u64 *v = r->values, above = r->bias + SUM_BIAS;
-			__u32 *p = (__u32 *)payload;
-			high = 0;
-			_Pragma("clang loop unroll_count(8)")
-			for (int i = 0; i < ELEMS; i++) {
-				__u64 t = v[i] + above;
-				high |= t;
-				p[i] = (__u32)(t ^ LANE_FLIP); /* the low half is what counts */
-			}
-		}
+		if (!sc->written)
+			high = lanes_send(r->values, (__u32 *)payload, r->bias + SUM_BIAS, r->bias);
 		out_key = r->key;
 		out_bitmap = r->bitmap;
 		out_n = r->n_contrib;
