@@ -88,13 +88,13 @@ def table_for(kind: str, shape: int) -> list[TableEntry]:
 
 
 def run_sequence(h, runs: collections.Counter, label: str, entries: list[TableEntry], shape: int,
-                 ops: list[int], swaps: list[tuple[int, str, int]] = ()) -> None:
+                 ops: list[int], swaps: list[tuple[int, str, int]] = (), elements: int = ELEMENTS) -> None:
     """One sequence from a fresh job: ``shape`` picks world, slots, chunks and window; ``swaps``
-    are (op index, strategy, rounds ahead) installed as new versions at round boundaries. Counts
-    the sequence in ``runs[label]``."""
+    are (op index, strategy, rounds ahead) installed as new versions at round boundaries; payloads
+    have ``elements`` values (the data planes' packet size). Counts the sequence in ``runs[label]``."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
-    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=ELEMENTS,
+    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=elements,
                       addr_of=member, junk=True)
     h.start(world, slots, 8, entries)
     table = StrategyTable(parse("sync"))

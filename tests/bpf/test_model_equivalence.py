@@ -44,6 +44,8 @@ pytestmark = pytest.mark.root
 MIN_SEQUENCES = 1000     #: per strategy
 BATCH = 5                #: sequences per hypothesis example
 SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
+ODD_ELEMENTS = 7         #: a packet size the pairwise payload loops do not divide
+ODD_SEQUENCES = 200      #: per strategy, at ODD_ELEMENTS
 VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
 _GROUP_MAC = multicast_mac(GROUP[0])
 
@@ -54,14 +56,15 @@ _GROUP_MAC = multicast_mac(GROUP[0])
 class Harness:
     """One job on both data planes; ``send`` runs a packet through both and compares."""
 
-    def __init__(self, dp) -> None:
+    def __init__(self, dp, elements: int = ELEMENTS) -> None:
         self.dp = dp
+        self.elements = elements
         self.packets = 0
         self.seen: collections.Counter = collections.Counter()   # model outcomes compared
 
     def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
         members = {r: member(r) for r in range(world)}
-        self.model = AggregatorModel(ELEMENTS)
+        self.model = AggregatorModel(self.elements)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
                                      members=members, group=GROUP))
         self.dp.remove_job(OTHER_JOB)
@@ -150,6 +153,31 @@ def test_random_sequences(harness, kind):
 
     sequences_agree()
     assert RUN[kind] - before >= MIN_SEQUENCES
+
+
+@pytest.fixture(scope="module")
+def odd_harness():
+    """The program built for an odd packet size: the payload loops that take lanes in pairs end with a
+    lone lane (xdp/aggd_lanes.h)."""
+    from aggd.dataplane.xdp import XdpDataPlane
+    dp = XdpDataPlane(None, elements=ODD_ELEMENTS, total_slots=64)
+    yield Harness(dp, ODD_ELEMENTS)
+    dp.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_odd_elements(odd_harness, kind):
+    before = RUN[f"odd {kind}"]
+
+    @settings(SETTINGS, max_examples=ODD_SEQUENCES // BATCH)
+    @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
+    def sequences_agree(batch):
+        for shape, ops in batch:
+            run_sequence(odd_harness, RUN, f"odd {kind}", table_for(kind, shape), shape, ops,
+                         elements=ODD_ELEMENTS)
+
+    sequences_agree()
+    assert RUN[f"odd {kind}"] - before >= ODD_SEQUENCES
 
 
 def test_random_sequences_with_hot_swaps(harness):
