@@ -5,6 +5,12 @@
 
 #include "aggd_maps.h"
 
+/* A header field at its own width: struct aggd_hdr is packed, so clang reads and writes its fields a
+ * byte at a time (a load or store, a shift and an or per byte). In the frame the header starts 42
+ * bytes in, so a field is 2-byte aligned at worst, which the verifier and the JIT take as it is
+ * (unaligned packet access is allowed where the CPU has it, as x86 and arm64 do). */
+#define HDR(h, type, field) (*(type *)((void *)(h) + __builtin_offsetof(struct aggd_hdr, field)))
+
 static __always_inline __u16 ip_checksum(struct iphdr *ip)
 {
 	__u32 sum = 0;
@@ -18,12 +24,19 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
 	return ~sum;
 }
 
+/* A MAC address as a 4-byte and a 2-byte word, not six single bytes (alignment: see HDR). */
+static __always_inline void mac_copy(__u8 *dst, const __u8 *src)
+{
+	*(__u32 *)dst = *(const __u32 *)src;
+	*(__u16 *)(dst + 4) = *(const __u16 *)(src + 4);
+}
+
 /* Turn a worker's packet into one for the job's multicast group: source becomes this host. */
 static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					     struct job_cfg *cfg)
 {
-	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	__builtin_memcpy(eth->h_dest, cfg->group_mac, ETH_ALEN);
+	mac_copy(eth->h_source, eth->h_dest);
+	mac_copy(eth->h_dest, cfg->group_mac);
 	ip->saddr = ip->daddr;
 	ip->daddr = cfg->group_ip;
 	ip->ttl = 64;
@@ -36,13 +49,14 @@ static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *i
 /* Send a packet back where it came from. */
 static __always_inline void address_to_sender(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp)
 {
-	__u8 mac[ETH_ALEN];
+	__u32 mac_hi = *(__u32 *)eth->h_source;
+	__u16 mac_lo = *(__u16 *)(eth->h_source + 4);
 	__be32 a = ip->saddr;
 	__be16 p = udp->source;
 
-	__builtin_memcpy(mac, eth->h_source, ETH_ALEN);
-	__builtin_memcpy(eth->h_source, eth->h_dest, ETH_ALEN);
-	__builtin_memcpy(eth->h_dest, mac, ETH_ALEN);
+	mac_copy(eth->h_source, eth->h_dest);
+	*(__u32 *)eth->h_dest = mac_hi;
+	*(__u16 *)(eth->h_dest + 4) = mac_lo;
 	ip->saddr = ip->daddr;
 	ip->daddr = a;
 	ip->ttl = 64;

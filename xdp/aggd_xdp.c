@@ -156,7 +156,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	if ((void *)(h + 1) > data_end || udp_len < sizeof(*udp) + sizeof(*h) ||
 	    (void *)udp + udp_len > data_end)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_TOO_SHORT);
-	if (h->magic != htons(AGGD_MAGIC))
+	if (HDR(h, __be16, magic) != htons(AGGD_MAGIC))
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_MAGIC);
 	if (h->version != AGGD_VERSION)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_VERSION);
@@ -166,11 +166,11 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (type != AGGD_MSG_TYPE_CONTRIB && type != AGGD_MSG_TYPE_REREAD)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
-	__u32 n = ntohs(h->count);
+	__u32 n = ntohs(HDR(h, __be16, count));
 	if (n == 0 || n > ELEMS || n * 4 > payload_len)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
 
-	__u32 job = ntohs(h->job);
+	__u32 job = ntohs(HDR(h, __be16, job));
 	struct job_cfg *cfg = job < AGGD_MAX_JOBS ? jobs.lookup(&job) : 0;
 	if (!cfg || !cfg->active) {
 		count_drop(NO_JOB, AGGD_DROP_REASON_UNKNOWN_JOB);
@@ -183,7 +183,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
 	if (h->flags & AGGD_FLAG_RETRANSMIT)
 		jst->counter[AGGD_COUNTER_RETRANSMITS] += 1;
-	__u32 rank = ntohs(h->rank);
+	__u32 rank = ntohs(HDR(h, __be16, rank));
 	if (rank >= cfg->world || rank >= AGGD_MAX_MEMBERS) {
 		drop_in(jst, AGGD_DROP_REASON_BAD_RANK);
 		return nack(ctx, AGGD_NACK_CODE_NOT_MEMBER);
@@ -194,7 +194,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		drop_in(jst, AGGD_DROP_REASON_NOT_MEMBER);
 		return nack(ctx, AGGD_NACK_CODE_NOT_MEMBER);
 	}
-	__u32 chunk = ntohl(h->chunk);
+	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 	__u32 slot_idx = chunk % cfg->n_slots;
@@ -211,14 +211,14 @@ int aggd_xdp(struct xdp_md *ctx)
 	if ((void *)(payload + ELEMS) > data_end)
 		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
 
-	__u32 round = ntohl(h->round);
+	__u32 round = ntohl(HDR(h, __be32, round));
 	if ((__u64)round + 1 > jst->max_round)
 		jst->max_round = (__u64)round + 1;
 	__u64 key = ((__u64)round << 32) | chunk;
 	__u64 bit = 1ULL << rank;
 	__u64 all = cfg->all_members;
-	__s16 exp_in = (__s16)ntohs(h->exponent);
-	__u32 step = ntohs(h->step);
+	__s16 exp_in = (__s16)ntohs(HDR(h, __be16, exponent));
+	__u32 step = ntohs(HDR(h, __be16, step));
 	int retransmit = h->flags & AGGD_FLAG_RETRANSMIT;
 	struct strategy_entry *st_new = strategy_for(cfg, round);
 	__u64 now = clock_now();
@@ -552,19 +552,19 @@ int aggd_xdp(struct xdp_md *ctx)
 		out_flags |= AGGD_FLAG_REREAD;
 	}
 	h->type = AGGD_MSG_TYPE_RESULT;
-	h->rank = htons(0xffff);
-	h->round = htonl((__u32)(out_key >> 32));
-	h->chunk = htonl((__u32)out_key);
-	h->exponent = htons((__u16)out_exp);
+	HDR(h, __be16, rank) = htons(0xffff);
+	HDR(h, __be32, round) = htonl((__u32)(out_key >> 32));
+	HDR(h, __be32, chunk) = htonl((__u32)out_key);
+	HDR(h, __be16, exponent) = htons((__u16)out_exp);
 	h->flags = out_flags;
 	h->code = 0;
-	h->strategy_version = htons(out_version);
+	HDR(h, __be16, strategy_version) = htons(out_version);
 	h->strategy = out_kind;
 	h->param = out_param;
-	h->reserved = 0;
-	h->contributors = __builtin_bswap64(out_bitmap);
-	h->n_contrib = htons(out_n);
-	h->step = 0;
+	HDR(h, __be16, reserved) = 0;
+	HDR(h, __be64, contributors) = __builtin_bswap64(out_bitmap);
+	HDR(h, __be16, n_contrib) = htons(out_n);
+	HDR(h, __be16, step) = 0;
 	if (out_group)
 		address_to_group(eth, ip, udp, cfg);
 	else
