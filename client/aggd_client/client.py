@@ -44,7 +44,8 @@ Transport, as docs/protocol.md asks:
   retransmit_timeout)``; at most ``max_retransmit_interval`` under ``quorum``, whose data plane uses
   the members' retransmissions as the clock of its deadline) is sent again flagged RETRANSMIT.
   Chunks in flight are further bounded by a congestion window (``flow.CongestionWindow``: halved
-  when first timeouts fire, regrown as answers come).
+  when first timeouts fire for chunks that answers to later chunks have passed by, regrown as
+  answers come; without ``window``, at most ``flow.MAX_INFLIGHT_BYTES`` of packets).
   No new result for ``give_up_after`` seconds spent inside the client's calls while a round waits
   raises ``NoAnswerError``.
 
@@ -65,7 +66,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _fast, quant
-from .flow import CongestionWindow, RtoEstimator
+from .flow import CongestionWindow, RtoEstimator, default_window
 from .mrecv import MultiReceiver
 from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
@@ -195,7 +196,8 @@ class AggClient:
     job's result ``(multicast group, port)``, or None when results come back by unicast to the
     worker's address. ``bind``: the worker's member address (port 0 picks one; see ``address``).
     ``elements``: values per packet, as configured on the aggregator. ``slots``: the job's slot
-    pool; ``window``: chunks in flight (at most ``slots``). ``retransmit_timeout`` and
+    pool; ``window``: chunks in flight (at most ``slots``; None: ``slots``, at most
+    ``flow.MAX_INFLIGHT_BYTES`` of packets). ``retransmit_timeout`` and
     ``give_up_after`` in seconds; ``max_retransmit_interval``: the longest a chunk waits between
     retransmissions under ``quorum`` (the data plane checks a quorum round's deadline when a packet
     reaches its slot, so the members' retransmissions are its clock: keep this at or below the
@@ -238,7 +240,11 @@ class AggClient:
         self._job, self._rank, self._world = int(job), int(rank), int(world)
         self._elements = int(elements)
         self._slots = int(slots)
-        self._window = min(int(window) if window is not None else self._slots, self._slots)
+        self._dtype = packet_dtype(self._elements)
+        self._rec = self._dtype.itemsize
+        # a window the caller does not set is bounded by bytes in flight too (flow.default_window)
+        self._window = (min(int(window), self._slots) if window is not None
+                        else default_window(self._slots, self._rec))
         self._rto = float(retransmit_timeout)
         self._rto_cap = max(RTO_CAP, self._rto)
         self._quorum_cap = min(float(max_retransmit_interval), self._rto_cap)
@@ -267,8 +273,6 @@ class AggClient:
         self._away_since: float | None = None  # time outside calls does not count (give-up clock)
         self._next_scan = 0.0
 
-        self._dtype = packet_dtype(self._elements)
-        self._rec = self._dtype.itemsize
         self._gso_segments = max(1, min(GSO_MAX_SEGMENTS, UDP_MAX_PAYLOAD // self._rec))
         self._gso_cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", self._rec))]
         self._ring_pool: list[_Ring] = []
@@ -1049,6 +1053,8 @@ class _Send:
         self.next = 0        # next chunk to admit
         self.lo = 0          # lowest chunk without an answer
         self.inflight = 0
+        self.hi_answered = -1  # highest chunk answered: chunks below it still in flight were lost
+        self.answered_at = -np.inf  # when an answer last stopped a chunk in flight
         self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
         self.dropped = False
         self.last_ack = time.monotonic()
@@ -1140,9 +1146,11 @@ class _Send:
             first = hit[self.retries[hit] == 0]
             once = first.size
             longest = now - float(self.sent_at[first].min()) if once else 0.0
+        if chunks.size:
+            self.hi_answered = max(self.hi_answered, int(chunks.max()))
         if n:
             self.inflight -= n
-            self.last_ack = now
+            self.last_ack = self.answered_at = now
             if once:
                 c._rtt.sample(longest)
             c._cwnd.acked(n)
@@ -1152,6 +1160,7 @@ class _Send:
         """Make every packet still in flight due for retransmission now."""
         inflight = self.state[:self.next] == _INFLIGHT
         self.sent_at[:self.next][inflight] = -np.inf
+        self.answered_at = -np.inf
 
     def retransmit_due(self, now: float, cap: float) -> None:
         open_ = np.flatnonzero(self.state[self.lo:self.next] != _DONE)
@@ -1166,10 +1175,19 @@ class _Send:
         retries = self.retries[cand]
         rto = np.minimum(c._rtt.rto * np.exp2(retries.astype(np.float64)), cap)
         late = now - self.sent_at[cand] >= rto
+        if c._strategy.kind != StrategyKind.QUORUM and late.any():
+            # As TCP restarts its timer on every new acknowledgement (RFC 6298, 5.3): while
+            # answers come, a chunk times out only once answers to later chunks have passed it
+            # (lost); one they have not reached is waiting for a slow member. (Quorum rounds
+            # keep per-chunk timers: their retransmissions are the clock of the deadline.)
+            late &= (cand < self.hi_answered) | (now - self.answered_at >= rto)
         due = cand[late]
         if due.size == 0:
             return
-        if (retries[late] == 0).any():  # a first timeout: the path dropped something
+        first = due[retries[late] == 0]
+        if first.size and int(first[0]) < self.hi_answered:
+            # a first timeout of a chunk the answers have passed by: the path dropped it (a
+            # timeout with nothing later answered is the round waiting for a slow member)
             c._cwnd.lost(now, c._rtt.srtt or c._rtt.rto)
         pk = self.ring.pk
         idx = due % self.S

@@ -307,6 +307,41 @@ def test_lossy_aggregator_still_correct(path):
         for res in rs:
             check_close(res, exact, bound)
     assert sum(c.stats["retransmits"] for c in clients) > 0
+    # answers to later chunks came while lost ones timed out: the window was cut
+    assert all(c._cwnd.ssthresh < c._cwnd.limit for c in clients)
+
+
+def test_a_slow_member_does_not_shrink_the_window():
+    """Timeouts while nothing later is answered are the round waiting for its slowest member, not
+    losses: the fast member retransmits but keeps its window (and grows it once answers come)."""
+    from aggd_client.flow import INITIAL_WINDOW
+    world = 2
+    arrays = make_arrays(world, 300 * ELEMENTS, np.float32, seed=3)
+    with FakeAggregator(world) as fake:
+        clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), slots=1024,
+                             retransmit_timeout=0.02) for r in range(world)]
+        try:
+            fast = clients[0].allreduce_async(arrays[0])
+            fast.done()
+            time.sleep(0.05)
+            for _ in range(15):  # 0.3 s of timeouts while rank 1 has sent nothing
+                fast.done()
+                time.sleep(0.02)
+            assert clients[0].stats["retransmits"] > 0
+            assert clients[0].window >= INITIAL_WINDOW
+            slow = clients[1].allreduce_async(arrays[1])
+            results = [None, None]
+            t = threading.Thread(target=lambda: results.__setitem__(1, slow.wait(30)))
+            t.start()
+            results[0] = fast.wait(30)
+            t.join(30)
+            assert clients[0].window > INITIAL_WINDOW
+        finally:
+            for c in clients:
+                c.close()
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for res in results:
+        check_close(res, exact, bound)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])

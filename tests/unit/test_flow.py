@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from aggd_client.flow import MIN_WINDOW, CongestionWindow, RtoEstimator
+from aggd_client.flow import (MAX_INFLIGHT_BYTES, MIN_WINDOW, CongestionWindow, RtoEstimator,
+                              default_window)
 
 
 def test_rto_starts_at_initial_and_follows_rfc6298():
@@ -69,3 +70,11 @@ def test_a_small_limit_is_its_own_floor():
     assert w.size == 3
     with pytest.raises(ValueError):
         CongestionWindow(limit=0)
+
+
+def test_default_window_is_bounded_by_bytes_in_flight_and_by_slots():
+    assert default_window(4096, 3360) == MAX_INFLIGHT_BYTES // 3360  # 832-value packets: ~1,250
+    assert default_window(4096, 32800) == MAX_INFLIGHT_BYTES // 32800  # 8,192 values: ~128
+    assert default_window(64, 1056) == 64  # small packets: the slots bound it
+    assert default_window(4096, MAX_INFLIGHT_BYTES) == MIN_WINDOW  # never below the floor ...
+    assert default_window(3, MAX_INFLIGHT_BYTES) == 3  # ... unless the slots are fewer
