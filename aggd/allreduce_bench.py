@@ -32,6 +32,8 @@ from .lab import Lab
 from .labrun import LabJob, run_workers
 
 SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
+#: BPF map memory the bench's default slot pool may take (aggd.config.slot_bytes a slot).
+DEFAULT_SLOT_MEMORY = 128 << 20
 USERSPACE_PORT = 47100
 GLOO_PORT = 29600
 JOB = 1
@@ -84,6 +86,13 @@ def userspace_aggregator(lab: Lab, elements: int, port: int = USERSPACE_PORT):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def default_slots(elements: int) -> int:
+    """The job's slot pool when the caller does not say: 4096, or what ``DEFAULT_SLOT_MEMORY``
+    holds of slots of ``elements`` values (510 of 8,192: a jumbo slot's banks take 256 KiB)."""
+    from .config import slot_bytes
+    return max(64, min(4096, DEFAULT_SLOT_MEMORY // slot_bytes(elements)))
 
 
 def bpf_map_bytes(dp) -> int:

@@ -2,6 +2,7 @@
 
     {name}-sw    br0 (multicast snooping off, so results flood to every port)
                  ports sw-agg, sw-w0 .. sw-w{N-1}; nftables loss rules; XDP_PASS on sw-agg
+                 (at MTUs native XDP takes; above MAX_MTU the lab is for generic mode only)
     {name}-agg   agg0  10.77.0.1/24
     {name}-w{i}  eth0  10.77.0.{10+i}/24
 
@@ -46,6 +47,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,12}$")
 # Native XDP on a veth (non-frags program) needs the frame in one page: 4096 - 256 headroom
 # - 320 skb_shared_info - 14 Ethernet = 3506, which is what the kernel accepts here.
 MAX_MTU = 3506
+# Above it a lab serves generic (skb) mode XDP only, which takes any frame a veth carries: jumbo
+# packets (protocol.MAX_ELEMENTS) need a 32,836-byte MTU.
+JUMBO_MAX_MTU = 65535
 
 _CLONE_NEWNET = 0x40000000
 _SIOCETHTOOL = 0x8946
@@ -250,8 +254,9 @@ class Lab:
             raise ValueError(f"lab name {name!r}: use 1-12 letters, digits or underscores")
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {workers}")
-        if not 68 <= mtu <= MAX_MTU:
-            raise ValueError(f"mtu must be 68..{MAX_MTU} (native XDP on veth), got {mtu}")
+        if not 68 <= mtu <= JUMBO_MAX_MTU:
+            raise ValueError(f"mtu must be 68..{JUMBO_MAX_MTU} (above {MAX_MTU}: generic-mode XDP "
+                             f"only), got {mtu}")
         self.name = name
         self.workers = workers
         self.loss_percent = _check_percent(loss_percent)
@@ -362,7 +367,8 @@ class Lab:
                 ipr.link("set", index=idx, state="up")
                 ipr.route("add", dst=MULTICAST_NET, oif=idx)
             disable_tx_checksum(ns, ifname)
-        attach_xdp_pass(self.switch_ns, "sw-agg")
+        if self.mtu <= MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
+            attach_xdp_pass(self.switch_ns, "sw-agg")
         if self.loss_percent:
             self._apply_loss(self.loss_percent)
         self._save()

@@ -45,10 +45,13 @@ def bench():
 @click.option("--iters", default=5, show_default=True, help="timed allreduces per configuration")
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
-@click.option("--elements", default=proto.MAX_ELEMENTS, show_default=True,
-              help="int32 values a packet (default: the largest native XDP on veth takes)")
+@click.option("--elements", type=int, default=None,
+              help=f"int32 values a packet (default: the largest the mode takes: native "
+                   f"{proto.NATIVE_MAX_ELEMENTS}, generic {proto.MAX_ELEMENTS})")
 @click.option("--mtu", type=int, default=None, help="the lab's MTU (default: what a packet needs, at least 1500)")
-@click.option("--slots", default=4096, show_default=True, help="slots in the job's pool")
+@click.option("--slots", type=int, default=None,
+              help="slots in the job's pool (default: 4096, fewer where 4096 would hold more than "
+                   "128 MiB of BPF maps)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
@@ -66,8 +69,16 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         import importlib.util
         if importlib.util.find_spec("torch") is None:
             raise click.ClickException("gloo needs torch (pip install torch==2.13.0); or leave it out of --systems")
-    if not 1 <= elements <= proto.MAX_ELEMENTS:
-        raise click.BadParameter(f"must be 1..{proto.MAX_ELEMENTS}", param_hint="--elements")
+    largest = proto.NATIVE_MAX_ELEMENTS if mode == "native" else proto.MAX_ELEMENTS
+    if elements is None:
+        elements = largest
+    if not 1 <= elements <= largest:
+        hint = " (larger packets need --mode generic)" if mode == "native" else ""
+        raise click.BadParameter(f"must be 1..{largest} in {mode} mode{hint}", param_hint="--elements")
+    if slots is None:
+        slots = ab.default_slots(elements)
+    if slots < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--slots")
     worker_counts = _int_list(workers)
     if any(w < 1 for w in worker_counts):
         raise click.BadParameter("worker counts must be positive", param_hint="--workers")
@@ -108,7 +119,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
 
 
 @bench.command("xdp")
-@click.option("--elements", "elements_list", default=f"64,256,512,{proto.MAX_ELEMENTS}", show_default=True,
+@click.option("--elements", "elements_list", default=f"64,256,512,{proto.NATIVE_MAX_ELEMENTS}", show_default=True,
               help="packet sizes (int32 values a packet) to compile and time")
 @click.option("--strategies", default="sync,quorum:48:50ms,ssp:2,async,wbsp", show_default=True)
 @click.option("--packets", default=4096, show_default=True, help="timed packets per configuration")

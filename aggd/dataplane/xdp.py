@@ -119,6 +119,10 @@ class XdpDataPlane(DataPlane):
             raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
         if not 1 <= elements <= proto.MAX_ELEMENTS:
             raise XdpError(f"elements per packet must be 1..{proto.MAX_ELEMENTS}, not {elements}")
+        if ifname is not None and mode == "native" and elements > proto.NATIVE_MAX_ELEMENTS:
+            # a larger frame does not fit the page native XDP gives it (docs/protocol.md, Payload)
+            raise XdpError(f"native XDP takes at most {proto.NATIVE_MAX_ELEMENTS} elements a packet, "
+                           f"not {elements}: use mode generic for larger packets")
         if total_slots < 1:
             raise XdpError("total_slots must be at least 1")
         from bcc import BPF  # imported here so the rest of aggd works where bcc is absent

@@ -94,8 +94,10 @@ _GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, er
 #: errnos that lose the packet but leave the socket usable: loss recovery takes care of them.
 _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EPERM, errno.ECONNREFUSED, errno.EHOSTUNREACH,
               errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
-#: Largest receive batch handled at once, and largest admission batch (keeps temporaries small).
+#: Largest receive batch handled at once (at most STAGE_BYTES of packets: 256 of 832 values, 31 of
+#: 8,192), and largest admission batch (keeps temporaries small).
 STAGE = 256
+STAGE_BYTES = 1 << 20
 ADMIT_MAX = 64
 SOCKET_BUFFER = 8 << 20
 RTO_CAP = 1.0
@@ -297,13 +299,14 @@ class AggClient:
         self._group = None if group is None else (group[0], int(group[1]))
 
         self._fast = _fast.warm_up()  # numba kernels, compiled before anything is sent
-        self._stage = np.zeros(STAGE, self._dtype)  # receive staging
-        self._stage_u8 = self._stage.view(np.uint8).reshape(STAGE, self._rec)
+        stage = max(16, min(STAGE, STAGE_BYTES // self._rec))
+        self._stage = np.zeros(stage, self._dtype)  # receive staging
+        self._stage_u8 = self._stage.view(np.uint8).reshape(stage, self._rec)
         self._stage_i32 = self._stage_u8.view(np.int32)
         self._words = self._stage_u8.view(np.uint32)
-        self._sizes = np.zeros(STAGE, np.int64)
+        self._sizes = np.zeros(stage, np.int64)
         self._receiver = MultiReceiver(self._stage, self._rec, self._sizes)
-        self._acks = np.zeros(STAGE, np.int64)
+        self._acks = np.zeros(stage, np.int64)
         self._meta = np.zeros(3, np.int64)
         # Messages are classified by the first 8 header bytes (magic, version, type; job) compared
         # as native uint32 words of the staging buffer, whatever the host's byte order.

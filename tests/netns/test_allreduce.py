@@ -62,10 +62,10 @@ def test_64mib_all_dtypes(make_lab, world):
 
 
 def test_largest_packets_native_veth_xdp_takes(make_lab):
-    """MAX_ELEMENTS int32 a packet (a 3410-byte frame) on a lab at the largest native-XDP veth MTU:
-    sums are right, every packet was aggregated in the kernel (none handed up)."""
+    """NATIVE_MAX_ELEMENTS int32 a packet (a 3410-byte frame) on a lab at the largest native-XDP
+    veth MTU: sums are right, every packet was aggregated in the kernel (none handed up)."""
     from aggd.lab import MAX_MTU
-    from aggd_client.protocol import MAX_ELEMENTS
+    from aggd_client.protocol import NATIVE_MAX_ELEMENTS as MAX_ELEMENTS
 
     lab = make_lab(4, mtu=MAX_MTU)
     with xdp_aggregator(lab, elements=MAX_ELEMENTS) as dp:
@@ -79,6 +79,38 @@ def test_largest_packets_native_veth_xdp_takes(make_lab):
         assert stats.counters["released"] == 2 * (1 + 1 + 2 + -(-(MIB // 4) // MAX_ELEMENTS))
         assert stats.counters["to_userspace"] == 0
         assert sum(stats.drops.values()) == stats.drops["duplicate"]
+
+
+def test_jumbo_packets_in_generic_mode(make_lab):
+    """MAX_ELEMENTS int32 a packet (32 KiB, one datagram; no GSO) through the XDP program in generic
+    (skb) mode on a lab with a 32 KiB MTU, 1% loss both ways: sums are right, every packet was
+    aggregated in the kernel, and every chunk of the 4 MiB tensor was released in it."""
+    from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS
+
+    lab = make_lab(4, mtu=HEADER_SIZE + 4 * MAX_ELEMENTS + 28, loss_percent=1.0)
+    with xdp_aggregator(lab, elements=MAX_ELEMENTS, mode="generic", total_slots=128) as dp:
+        job = LabJob(job=1, workers=list(range(4)), slots=128)
+        dp.install_job(job.config(lab))
+        sizes = f"1,{MAX_ELEMENTS},{MAX_ELEMENTS + 1},{4 * MIB // 4}"
+        runs = run_workers(lab, job, timeout=300, elements=MAX_ELEMENTS, gso=False,
+                           extra=["--sizes", sizes, "--dtypes", "float32", "--rounds", "2",
+                                  "--give-up-after", "30"])
+        assert_all_right(runs, 4 * 2, dp)
+        stats = dp.job_stats(1)
+        assert stats.counters["released"] == 2 * (1 + 1 + 2 + -(-(4 * MIB // 4) // MAX_ELEMENTS))
+        assert stats.counters["to_userspace"] == 0
+        assert stats.counters["elements"] >= 4 * 2 * (4 * MIB // 4)
+        assert sum(stats.drops.values()) == stats.drops["duplicate"]
+
+
+def test_native_mode_refuses_jumbo_packets(make_lab):
+    from aggd.dataplane.xdp import XdpError
+    from aggd_client.protocol import MAX_ELEMENTS, NATIVE_MAX_ELEMENTS
+
+    lab = make_lab(1)
+    with pytest.raises(XdpError, match=f"at most {NATIVE_MAX_ELEMENTS} .*generic"):
+        with xdp_aggregator(lab, elements=MAX_ELEMENTS):
+            pass
 
 
 def test_two_percent_loss_both_ways(make_lab):

@@ -36,3 +36,23 @@ def test_bench_allreduce_refuses_an_unknown_system():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "unknown system" in out.stderr and "nccl" in out.stderr
+
+
+def test_bench_allreduce_jumbo_packets_in_generic_mode():
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp", "--mode", "generic",
+         "--size", "1M", "--workers", "2", "--iters", "2", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    from aggd_client.protocol import MAX_ELEMENTS
+    assert row["mode"] == "generic" and row["elements_per_packet"] == MAX_ELEMENTS
+    assert row["within_bound"] and row["errors"] == 0, row
+    assert row["aggregator_memory_bytes"] <= 160 << 20  # the default slot pool stays bounded
+
+
+def test_bench_allreduce_refuses_jumbo_packets_in_native_mode():
+    out = subprocess.run([sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp",
+                          "--elements", "8192"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert "--mode generic" in out.stderr

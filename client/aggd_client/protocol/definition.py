@@ -25,7 +25,12 @@ DEFAULT_ELEMENTS = 256
 #: Largest payload native XDP on veth takes: its MTU is at most 3506 (a page less XDP headroom and
 #: skb_shared_info), room for 859 int32 after the headers; 832 = 13 * 64 keeps P4's 64-lane passes
 #: whole (see docs/protocol.md). Larger packets amortise the per-packet cost (README, "The XDP loop").
-MAX_ELEMENTS = 832
+NATIVE_MAX_ELEMENTS = 832
+#: Largest payload of all ("jumbo" packets, 32 KiB: a 32,808-byte UDP payload in one IP datagram):
+#: XDP in generic (skb) mode sees such a packet as one linear buffer, and the XDP program's payload
+#: loops (ELEMS iterations each) pass the verifier up to here (16,000 does not: its 1M-instruction
+#: limit). The user-space path takes it too.
+MAX_ELEMENTS = 8192
 #: Members of a job are tracked by a 64-bit bitmap in every slot and every result.
 MAX_MEMBERS = 64
 MAX_JOBS = 256
