@@ -523,6 +523,14 @@ class AggClient:
                 more = self._admit()
                 now = time.monotonic()
                 if now >= self._next_scan:
+                    # Answers already in our sockets come first: a worker that was off the CPU
+                    # finds a backlog larger than one batch, and a scan before reading it would
+                    # resend chunks whose answers are here (duplicates the aggregator drops).
+                    while self._receive(0.0) >= len(self._stage):
+                        pass
+                    if until():
+                        return True
+                    now = time.monotonic()
                     self._retransmit(now)
                     self._next_scan = now + self._scan_every
                 if until():
@@ -688,7 +696,8 @@ class AggClient:
         self.stats["send_errors"] += 1
 
     # -- receiving ----------------------------------------------------------------------------
-    def _receive(self, timeout: float) -> None:
+    def _receive(self, timeout: float) -> int:
+        """Receive and hand on one batch (at most the staging array); how many messages."""
         m = 0
         if self._selector.select(timeout):
             m = self._drain(self._sock, m)
@@ -696,6 +705,7 @@ class AggClient:
                 m = self._drain(self._group_sock, m)
         if m:
             self._process(m)
+        return m
 
     def _drain(self, sock: socket.socket, m: int) -> int:
         """Receive into the staging array from position ``m`` until empty or full (one
