@@ -110,4 +110,18 @@ static __always_inline __u64 lanes_send(__u64 *v, __u32 *p, __u64 above, __u64 b
 	return high;
 }
 
+/* Send a bank's sum whose overflow is already known: the int32s only. */
+static __always_inline void lanes_copy(__u64 *v, __u32 *p, __u64 bias)
+{
+	if ((__u32)bias == 0) {
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS; i++)
+			p[i] = (__u32)v[i];
+	} else {
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS; i++)
+			p[i] = (__u32)(v[i] ^ LANE_FLIP);
+	}
+}
+
 #endif /* AGGD_LANES_H */

@@ -64,7 +64,8 @@ struct bank {
 	__s16 exponent;
 	__u16 version;       /* strategy entry governing this round, copied when it opened */
 	__u8 state;          /* enum bank_state */
-	__u8 flags;          /* AGGD_FLAG_OVERFLOW, AGGD_FLAG_CARRIED */
+	__u8 flags;          /* AGGD_FLAG_CARRIED; AGGD_FLAG_OVERFLOW once a released sum that does
+	                      * not fit int32 has been sent (later answers copy it unchecked) */
 	__u8 kind;
 	__u8 param;
 	__u8 unannounced;    /* released by its deadline: the next answer from it goes to the group */

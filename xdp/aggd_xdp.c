@@ -489,6 +489,10 @@ int aggd_xdp(struct xdp_md *ctx)
 	int out = sc->out;
 	if (out >= 0) {
 		struct bank *r = &s->bank[out & (NBANKS - 1)];
+		/* A released sum no longer changes: once it has been sent (by the packet that released
+		 * it, or the first answer after its deadline), its overflow is in its flags and later
+		 * answers copy it without the check. */
+		int sent_before = r->state == BANK_RELEASED && !r->unannounced && !sc->released;
 		if (r->unannounced) {
 			/* the first answer from a round released by its deadline goes to the whole group,
 			 * so every member (and any observer) sees that release once */
@@ -496,8 +500,14 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->out_group = 1;
 		}
 		__u64 high = sc->written_high;
-		if (!sc->written)
+		if (sent_before) {
+			lanes_copy(r->values, (__u32 *)payload, r->bias);
+			high = 0;
+		} else if (!sc->written) {
 			high = lanes_send(r->values, (__u32 *)payload, r->bias + SUM_BIAS, r->bias);
+		}
+		if ((high >> 32) && r->state == BANK_RELEASED)
+			r->flags |= AGGD_FLAG_OVERFLOW;
 		out_key = r->key;
 		out_bitmap = r->bitmap;
 		out_n = r->n_contrib;
