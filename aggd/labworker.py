@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
     ap.add_argument("--gloo", metavar="INIT_METHOD",
                     help="reduce with torch.distributed gloo (e.g. tcp://10.77.0.10:29500), not aggd")
-    ap.add_argument("--reuse", action="store_true", help="reduce the same tensor every round")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reduce the same tensor every round, into the same result buffer")
     args = ap.parse_args(argv)
 
     if args.gloo is not None:
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     with client:
         for dtype in args.dtypes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
-                out = x = None
+                out = x = buf = None
                 for i in range(args.warmup + args.rounds):
                     out = None  # the previous result is not held through this round
                     if x is None or not args.reuse:
@@ -191,7 +192,13 @@ def main(argv=None) -> int:
                         reset_peak_rss()
                         held = rss()
                     t0 = time.perf_counter()
-                    out = client.allreduce(x)
+                    if args.reuse and args.gloo is None:
+                        # one result buffer for every round, as gloo reduces into one buffer
+                        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                            buf = np.empty_like(x)
+                        out = client.allreduce(x, out=buf)
+                    else:
+                        out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
                     extra = peak_rss() - held
                     if i < args.warmup:

@@ -410,26 +410,30 @@ class AggClient:
         return (f"AggClient(server={self._server}, job={self._job}, rank={self._rank}, "
                 f"world={self._world}, round={self._next_round}, strategy={self._strategy})")
 
-    def allreduce(self, array, op: str = "sum") -> np.ndarray:
+    def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
         """Sum (``op="sum"``) or average (``op="mean"``) ``array`` over the job's members:
-        ``allreduce_async(array, op).wait()``.
+        ``allreduce_async(array, op, out=out).wait()``.
 
-        Returns a new array of the same shape and dtype (float16, float32 or float64). Every member
+        Returns a new array of the same shape and dtype (float16, float32 or float64), or ``out``
+        filled with the result (reusing a buffer spares the page faults of a new array). Every member
         must call ``allreduce`` with the same shape, in the same order. A mean divides each chunk by
         the number of contributions its result holds. Each element is within
         ``quant.error_bound(world, exponent, n_contrib)`` of the exact sum of those contributions
         (divided by the count for a mean), plus the rounding to the output dtype.
         """
-        return self.allreduce_async(array, op).wait()
+        return self.allreduce_async(array, op, out=out).wait()
 
-    def allreduce_async(self, array, op: str = "sum", *, block: bool = True) -> "AllreduceHandle":
+    def allreduce_async(self, array, op: str = "sum", *, block: bool = True,
+                        out: np.ndarray | None = None) -> "AllreduceHandle":
         """Start reducing ``array`` and return its handle (``wait()`` gives the result).
 
         The array is read until the handle is done: do not change it before. When the strategy in
         force admits no new round (``must_wait()``), this call makes progress on the earlier rounds
         until it does; with ``block=False`` it raises ``WouldBlock`` instead. Under ``wbsp`` a call
         made while a round of the same shape, dtype and ``op`` is outstanding is sent as that
-        round's next step and its handle resolves with that round's result.
+        round's next step and its handle resolves with that round's result (``out`` is then
+        ignored). ``out``: a C-contiguous, writable array of the same shape and dtype, not sharing
+        memory with ``array``, that receives the result instead of a new one.
         """
         self._check_open()
         if op not in ("sum", "mean"):
@@ -437,9 +441,11 @@ class AggClient:
         a = np.asarray(array)
         if a.dtype not in quant.FLOAT_DTYPES:
             raise TypeError(f"aggd reduces float16, float32 and float64 arrays, got {a.dtype}")
+        if out is not None:
+            _check_out(out, a)
         mean = op == "mean"
         if a.size == 0:  # nothing to send: the round is used up and answered at once
-            rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean)
+            rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean, out)
             self._next_round += 1
             return AllreduceHandle(self, rnd, None)
         x = np.ascontiguousarray(a).reshape(-1)
@@ -464,7 +470,7 @@ class AggClient:
                 self._last_progress = time.monotonic()  # nothing was outstanding: the clock starts
             self._round_chunks = -(-x.size // self._elements) or 1
             self._catch_up()  # a quorum round seen whole, now that we know what whole is
-            rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean)
+            rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean, out)
             self._next_round += 1
             self._rounds.append(rnd)
         else:
@@ -1002,15 +1008,29 @@ class AllreduceHandle:
         return f"<AllreduceHandle round {self._round.number} step {self.step} {state}>"
 
 
+def _check_out(out, a: np.ndarray) -> None:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a numpy array, not {type(out).__name__}")
+    if out.shape != a.shape or out.dtype != a.dtype:
+        raise ValueError(f"out must have the input's shape {a.shape} and dtype {a.dtype}, not "
+                         f"{out.shape} {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be C-contiguous and writable")
+    if np.may_share_memory(out, a):
+        # a result may arrive (a straggler's quorum answer) before the input's chunk was read
+        raise ValueError("out must not share memory with the input")
+
+
 class _Round:
     """One round's result: which chunks are answered, what each holds, the output array; ``sends``
     are its steps still in progress."""
 
-    def __init__(self, number: int, shape, dtype, size: int, E: int, mean: bool):
+    def __init__(self, number: int, shape, dtype, size: int, E: int, mean: bool,
+                 out: np.ndarray | None = None):
         self.number = number
         self.r32 = number & 0xFFFFFFFF
         self.shape, self.dtype, self.mean = shape, np.dtype(dtype), mean
-        self.result = np.empty(shape, dtype)
+        self.result = np.empty(shape, dtype) if out is None else out
         self.out = self.result.reshape(-1)
         n = -(-size // E)
         self.n_chunks = n

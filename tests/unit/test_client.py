@@ -496,3 +496,40 @@ def test_multicast_group_on_loopback():
     for rs in results:
         for res in rs:
             check_close(res, exact, bound)
+
+
+def test_out_receives_the_result_and_bad_out_is_refused(path):
+    world = 2
+    arrays = make_arrays(world, 5 * ELEMENTS + 3, np.float32, seed=9)
+    bufs = [np.full_like(a, np.nan) for a in arrays]
+    with FakeAggregator(world) as fake:
+        clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0)) for r in range(world)]
+        try:
+            results = [None, None]
+
+            def work(r):
+                results[r] = [clients[r].allreduce(arrays[r], out=bufs[r]) for _ in range(2)]
+            threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            c = clients[0]
+            with pytest.raises(ValueError, match="shape"):
+                c.allreduce(arrays[0], out=np.empty(3, np.float32))
+            with pytest.raises(ValueError, match="dtype"):
+                c.allreduce(arrays[0], out=np.empty_like(arrays[0], dtype=np.float64))
+            with pytest.raises(ValueError, match="share memory"):
+                c.allreduce(arrays[0], out=arrays[0])
+            with pytest.raises(ValueError, match="contiguous"):
+                c.allreduce(arrays[0], out=np.empty(arrays[0].size * 2, np.float32)[::2])
+            with pytest.raises(TypeError):
+                c.allreduce(arrays[0], out=[0.0] * arrays[0].size)
+        finally:
+            for c in clients:
+                c.close()
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for r in range(world):
+        for res in results[r]:
+            assert res is bufs[r]  # the caller's buffer, filled in place
+        check_close(bufs[r], exact, bound)
