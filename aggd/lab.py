@@ -492,25 +492,29 @@ def _lab_namespaces(name: str) -> list[str]:
     return sorted(n for n in entries if pattern.match(n))
 
 
-def icmp_ping(ns: str, dst: str, timeout: float = 1.0) -> bool:
-    """Send one ICMP echo request from namespace ``ns``; True if the reply arrives in time."""
+def icmp_ping(ns: str, dst: str, timeout: float = 1.0, attempts: int = 3) -> bool:
+    """ICMP echo requests from namespace ``ns`` to ``dst``, up to ``attempts`` of them, each given
+    ``timeout`` seconds; True as soon as a reply arrives. More than one, as ping does: the first
+    echo into a lab made a moment ago can be lost while the neighbour entry is still being resolved
+    on a busy host."""
     with in_netns(ns):
         sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
     with sock:
-        ident, seq = os.getpid() & 0xFFFF, 1
+        ident = os.getpid() & 0xFFFF
         payload = b"aggd-lab"
-        header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
-        csum = _inet_checksum(header + payload)
-        sock.sendto(struct.pack("!BBHHH", 8, 0, csum, ident, seq) + payload, (dst, 0))
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if not select.select([sock], [], [], left)[0]:
-                break
-            data, (src, _) = sock.recvfrom(2048)
-            ihl = (data[0] & 0x0F) * 4
-            typ, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
-            if typ == 0 and src == dst and rid == ident and rseq == seq:
-                return True
+        for seq in range(1, attempts + 1):
+            header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
+            csum = _inet_checksum(header + payload)
+            sock.sendto(struct.pack("!BBHHH", 8, 0, csum, ident, seq) + payload, (dst, 0))
+            deadline = time.monotonic() + timeout
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([sock], [], [], left)[0]:
+                    break
+                data, (src, _) = sock.recvfrom(2048)
+                ihl = (data[0] & 0x0F) * 4
+                typ, _, _, rid, rseq = struct.unpack("!BBHHH", data[ihl:ihl + 8])
+                if typ == 0 and src == dst and rid == ident and 1 <= rseq <= seq:
+                    return True
     return False
 
 
