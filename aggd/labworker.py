@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                     if i == 0:
                         reset_peak_rss()
                         held = rss()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     if args.reuse and args.gloo is None:
                         # one result buffer for every round, as gloo reduces into one buffer
                         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
@@ -200,11 +200,12 @@ def main(argv=None) -> int:
                     else:
                         out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
                     extra = peak_rss() - held
                     if i < args.warmup:
                         continue
                     rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
-                           "seconds": seconds, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
+                           "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
                            "extra_rss_bytes": extra, "tensor_bytes": x.nbytes}
                     if isinstance(client, AggClient):
                         rec.update(retransmits=client.stats["retransmits"],

@@ -51,19 +51,37 @@ _OVERFLOW = int(Flag.OVERFLOW)
 OK, ANOMALY = 0, 1
 
 
-def _fill(x, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0, clear_flags):  # pragma: no cover
-    """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1."""
+def _max_abs_bits(xb, absmask):  # pragma: no cover - jitted
+    """The largest ``bits & absmask`` of ``xb`` (a float array's bits): the bits of the largest
+    |value| when every value is finite (IEEE order on non-negative floats is their bits' order),
+    at least the exponent mask when one is not. An integer reduction: it vectorises, a float max
+    with NaN semantics does not."""
+    m = xb.dtype.type(0)
+    for j in range(xb.size):
+        m = max(m, xb[j] & absmask)
+    return m
+
+
+def _max_abs_bits_all(xb, absmask):  # pragma: no cover - jitted
+    return _max_abs_bits(xb, absmask)
+
+
+def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0,
+          clear_flags):  # pragma: no cover - jitted
+    """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1.
+    ``xb`` is ``x``'s bits (uint32 or uint64), ``absmask`` clears their sign; ``pick_b`` and
+    ``pick_f`` are one-element views of the same bytes, which turn the largest bits back into a
+    float. Loops run over slices: numba then knows the indices are in range and vectorises."""
     n = x.size
     for i in range(k):
         c = c0 + i
         r = r0 + i
         s = (xc0 + i) * E
         cnt = min(E, n - s)
-        m = 0.0
-        for j in range(cnt):
-            v = abs(np.float64(x[s + j]))
-            if v > m:
-                m = v
+        xs = x[s:s + cnt]
+        dst = ring_i32[r, _P:_P + E]
+        pick_b[0] = _max_abs_bits(xb[s:s + cnt], absmask)
+        m = np.float64(pick_f[0])
         if m == 0.0:
             e = ZERO_EXPONENT
         else:
@@ -74,12 +92,12 @@ def _fill(x, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0, clear_flags):  # prag
         if -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
             scale = math.ldexp(1.0, e)
             for j in range(cnt):
-                ring_i32[r, _P + j] = np.int32(np.rint(np.float64(x[s + j]) * scale))
+                dst[j] = np.int32(np.rint(np.float64(xs[j]) * scale))
         else:  # zero chunks and extreme magnitudes
             for j in range(cnt):
-                ring_i32[r, _P + j] = np.int32(np.rint(math.ldexp(np.float64(x[s + j]), e)))
+                dst[j] = np.int32(np.rint(math.ldexp(np.float64(xs[j]), e)))
         for j in range(cnt, E):
-            ring_i32[r, _P + j] = 0
+            dst[j] = 0
         ring_u8[r, _CHUNK] = (c >> 24) & 255
         ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
         ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
@@ -148,17 +166,19 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, hav
                 e -= 65536
             base = c * E
             div = np.float64(ncon) if mean else 1.0
+            src = st_i32[i, _P:_P + cnt]  # slices: the loops vectorise
+            dst = out[base:base + cnt]
             if -1000 <= e <= 1000:  # q * 2**-e rounds once, exactly as ldexp does
                 scale = math.ldexp(1.0, -e)
                 if mean:
                     for j in range(cnt):
-                        out[base + j] = (np.float64(st_i32[i, _P + j]) * scale) / div
+                        dst[j] = (np.float64(src[j]) * scale) / div
                 else:
                     for j in range(cnt):
-                        out[base + j] = np.float64(st_i32[i, _P + j]) * scale
+                        dst[j] = np.float64(src[j]) * scale
             else:
                 for j in range(cnt):
-                    out[base + j] = math.ldexp(np.float64(st_i32[i, _P + j]), -e) / div
+                    dst[j] = math.ldexp(np.float64(src[j]), -e) / div
             have[c] = 1
             ncontrib[c] = ncon
             meta[0] = st_u8[i, _STRATEGY]
@@ -191,7 +211,27 @@ def _ack(state, chunks, n, sent_at, retries, now, out):  # pragma: no cover - ji
     return k
 
 
-fill = scatter = ack = None  # the compiled kernels, once warm_up succeeded
+fill = scatter = ack = max_abs_bits = None  # the compiled kernels, once warm_up succeeded
+
+#: Per float dtype: its bits' dtype, the mask that clears the sign, the exponent mask (all ones:
+#: infinity or NaN).
+BITS = {np.dtype(np.float32): (np.uint32, np.uint32(0x7FFFFFFF), np.uint32(0x7F800000)),
+        np.dtype(np.float64): (np.uint64, np.uint64(0x7FFFFFFFFFFFFFFF),
+                               np.uint64(0x7FF0000000000000))}
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """Whether a contiguous float32/float64 array holds no NaN or infinity: one vectorised pass
+    over its bits (numpy's min and max are two). Needs ``warm_up()`` to have succeeded."""
+    utype, absmask, expmask = BITS[x.dtype]
+    return bool(max_abs_bits(x.view(utype), absmask) < expmask)
+
+
+def fill_args(dtype) -> tuple:
+    """(absmask, pick_bits, pick_float) for ``fill`` on arrays of ``dtype``."""
+    utype, absmask, _ = BITS[np.dtype(dtype)]
+    pick_b = np.zeros(1, utype)
+    return absmask, pick_b, pick_b.view(dtype)
 
 _warm = threading.Lock()
 _warmed: bool | None = None
@@ -215,12 +255,13 @@ def warm_up() -> bool:
 
 
 def _compile() -> None:
-    global fill, scatter, ack, _be16, _be32
+    global fill, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
-    fill, scatter, ack = jit(_fill), jit(_scatter), jit(_ack)
+    _max_abs_bits = jit(_max_abs_bits)
+    fill, scatter, ack, max_abs_bits = jit(_fill), jit(_scatter), jit(_ack), jit(_max_abs_bits_all)
 
     from .protocol import packet_dtype
     ring = np.zeros(2, packet_dtype(4))
@@ -234,7 +275,10 @@ def _compile() -> None:
     sizes = np.zeros(2, np.int64)
     ack(have, acks, 2, np.zeros(2), have, 0.0, np.zeros(2))
     for dt in (np.float32, np.float64):
-        fill(np.ones(5, dt), 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
+        x = np.ones(5, dt)
+        absmask, pick_b, pick_f = fill_args(dt)
+        fill(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
+        all_finite(x)
         for mean in (False, True):
             scatter(u8, i32, sizes, 2, 1, 0, 2, 4, 1, have, ncontrib, np.zeros(5, dt), mean, acks,
                     meta)

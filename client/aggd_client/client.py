@@ -99,7 +99,7 @@ _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EPERM, errno.ECONNREFUSED, errn
 STAGE = 256
 STAGE_BYTES = 1 << 20
 ADMIT_MAX = 64
-SOCKET_BUFFER = 8 << 20
+SOCKET_BUFFER = 16 << 20
 RTO_CAP = 1.0
 #: Rounds a worker may have outstanding under ``async``.
 ASYNC_OUTSTANDING = 3
@@ -184,6 +184,14 @@ def _grow_buffers(sock: socket.socket) -> None:
                 sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)  # capped by [rw]mem_max
             except OSError:
                 pass
+
+
+def _all_finite(x: np.ndarray, fast: bool) -> bool:
+    """No NaN or infinity in ``x`` (1-D, contiguous): checked before anything of it is sent."""
+    if fast and x.dtype in _fast.BITS:
+        return _fast.all_finite(x)
+    lo, hi = x.min(), x.max()  # NaN propagates; cheaper than isfinite(x).all()
+    return bool(np.isfinite(lo) and np.isfinite(hi))
 
 
 def _never() -> bool:
@@ -449,8 +457,7 @@ class AggClient:
             self._next_round += 1
             return AllreduceHandle(self, rnd, None)
         x = np.ascontiguousarray(a).reshape(-1)
-        lo, hi = x.min(), x.max()  # NaN propagates; cheaper than isfinite(x).all()
-        if not (np.isfinite(lo) and np.isfinite(hi)):
+        if not _all_finite(x, self._fast):
             raise ValueError("cannot allreduce an array holding NaN or infinity")
         if -(-x.size // self._elements) > 0xFFFFFFFF:
             raise ValueError(f"tensor too large: more than 2**32 chunks of {self._elements}")
@@ -1092,6 +1099,7 @@ class _Send:
         self.dropped = False
         self.last_ack = time.monotonic()
         self.fast_fill = c._fast
+        self.fill_args = None  # the numba fill's masks and scratch, for the input's dtype
 
     @property
     def finished(self) -> bool:
@@ -1144,7 +1152,11 @@ class _Send:
                 xs, xc0 = x[c0 * E:(c0 + k) * E].astype(np.float32), 0
             else:
                 xs, xc0 = x, c0
-            _fast.fill(xs, xc0, c0, k, E, self.fq, self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
+            if self.fill_args is None:
+                self.fill_args = _fast.fill_args(xs.dtype)
+            absmask, pick_b, pick_f = self.fill_args
+            _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
+                       self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
             return
         src = x[c0 * E:(c0 + k) * E]
         if src.size == k * E:

@@ -33,7 +33,7 @@ INITIAL_WINDOW = 64
 MIN_WINDOW = 16
 #: Packet bytes a worker keeps in flight by default: half its socket buffers (8 MiB), about 1,200
 #: packets of 832 values, 128 of 8,192.
-MAX_INFLIGHT_BYTES = 4 << 20
+MAX_INFLIGHT_BYTES = 16 << 20
 
 
 def default_window(slots: int, packet_bytes: int) -> int:

@@ -229,3 +229,38 @@ def test_kernels_can_be_disabled(monkeypatch, silent):
         assert not c._fast
         rnd, t = transfer(c, np.ones(3, np.float32), c._fast)
         assert not t.fast_fill
+
+
+any_float = {w: st.floats(width=w) for w in (32, 64)}  # NaN and infinities included
+
+
+@settings(max_examples=200, deadline=None)
+@given(width=st.sampled_from([32, 64]), data=st.data())
+def test_all_finite_agrees_with_numpy(width, data):
+    assert _fast.warm_up()
+    dtype = {32: np.float32, 64: np.float64}[width]
+    x = data.draw(hnp.arrays(dtype, st.integers(1, 300), elements=any_float[width]))
+    assert _fast.all_finite(x) == bool(np.isfinite(x).all())
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf])
+def test_all_finite_finds_one_bad_value_anywhere(dtype, bad):
+    assert _fast.warm_up()
+    info = np.finfo(dtype)
+    x = np.array([0.0, -0.0, info.max, -info.max, info.smallest_subnormal, 1.0] * 100, dtype)
+    assert _fast.all_finite(x)
+    for pos in (0, 17, x.size - 1):
+        y = x.copy()
+        y[pos] = bad
+        assert not _fast.all_finite(y)
+
+
+def test_a_nan_is_refused_before_anything_is_sent_on_the_fast_path(silent):
+    x = np.ones(10_000, np.float32)
+    x[9_999] = np.nan
+    with AggClient(silent, JOB, 0, 2, slots=16) as c:
+        assert c._fast
+        with pytest.raises(ValueError, match="NaN"):
+            c.allreduce(x)
+        assert c.stats["packets_sent"] == 0
