@@ -73,8 +73,9 @@ def test_a_small_limit_is_its_own_floor():
 
 
 def test_default_window_is_bounded_by_bytes_in_flight_and_by_slots():
-    assert default_window(4096, 3360) == MAX_INFLIGHT_BYTES // 3360  # 832-value packets: ~1,250
-    assert default_window(4096, 32800) == MAX_INFLIGHT_BYTES // 32800  # 8,192 values: ~128
+    assert default_window(8192, 3360) == MAX_INFLIGHT_BYTES // 3360  # 832-value packets: ~5,000
+    assert default_window(4096, 3360) == 4096  # ... of which the default 4096 slots hold fewer
+    assert default_window(4096, 32800) == MAX_INFLIGHT_BYTES // 32800  # 8,192 values: ~510
     assert default_window(64, 1056) == 64  # small packets: the slots bound it
     assert default_window(4096, MAX_INFLIGHT_BYTES) == MIN_WINDOW  # never below the floor ...
     assert default_window(3, MAX_INFLIGHT_BYTES) == 3  # ... unless the slots are fewer
