@@ -188,14 +188,15 @@ def main(argv=None) -> int:
                         x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
                     if args.gloo is not None:
                         client.load(x)  # gloo reduces in place
+                    elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
+                        # the caller's result buffer, made before the memory baseline as gloo's is
+                        buf = np.ones_like(x)
                     if i == 0:
                         reset_peak_rss()
                         held = rss()
                     t0, c0 = time.perf_counter(), time.process_time()
                     if args.reuse and args.gloo is None:
                         # one result buffer for every round, as gloo reduces into one buffer
-                        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-                            buf = np.empty_like(x)
                         out = client.allreduce(x, out=buf)
                     else:
                         out = client.allreduce(x)

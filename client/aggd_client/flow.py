@@ -25,6 +25,8 @@ duplicates the aggregator drops) and push the packets in flight out of the cache
 """
 from __future__ import annotations
 
+import math
+
 #: RFC 6298's gains.
 ALPHA = 1 / 8
 BETA = 1 / 4
@@ -64,8 +66,10 @@ class RtoEstimator:
 
     def sample(self, rtt: float) -> float:
         """Feed one answer time (seconds, of a chunk sent once); returns the new ``rto``."""
-        if rtt < 0:
-            return self._rto  # a clock step; ignore
+        if not 0 <= rtt < math.inf:
+            # a clock step, or a chunk whose send time was cleared to make it due at once
+            # (``hurry``): it says nothing about the path
+            return self._rto
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:

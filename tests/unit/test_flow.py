@@ -79,3 +79,12 @@ def test_default_window_is_bounded_by_bytes_in_flight_and_by_slots():
     assert default_window(64, 1056) == 64  # small packets: the slots bound it
     assert default_window(4096, MAX_INFLIGHT_BYTES) == MIN_WINDOW  # never below the floor ...
     assert default_window(3, MAX_INFLIGHT_BYTES) == 3  # ... unless the slots are fewer
+
+
+def test_an_answer_time_that_is_not_finite_or_negative_is_ignored():
+    est = RtoEstimator(0.05, 0.05, 1.0)
+    est.sample(0.1)
+    before = (est.srtt, est.rttvar, est.rto)
+    for bad in (float("inf"), float("nan"), -0.01):  # a hurried chunk's time is -inf: now - -inf
+        assert est.sample(bad) == before[2]
+    assert (est.srtt, est.rttvar, est.rto) == before
