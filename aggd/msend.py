@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import os
 import socket
 
 import numpy as np
 
 from aggd_client.mrecv import SOCKADDR_IN, Iovec, Mmsghdr
+from aggd_client.msend import libc_sendmmsg, send_prepared
 
 #: Errors a send may meet under load or from a firewall rule; the message is lost, serving goes on
 #: (the client retransmits), as with ``sendto``.
 TRANSIENT = (errno.EAGAIN, errno.ENOBUFS, errno.EPERM, errno.ECONNREFUSED)
 
 
-def _libc_sendmmsg():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sendmmsg
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SENDMMSG = _libc_sendmmsg()
+_SENDMMSG = libc_sendmmsg()
 AVAILABLE = _SENDMMSG is not None
 
 
@@ -64,17 +54,13 @@ class MultiSender:
         self._base[:m] = self._out_base + records.astype(np.uint64) * self.rec
         self._len[:m] = lengths
         self.dests[:m] = dests
-        fd, lost, k = sock.fileno(), 0, 0
-        while k < m:
-            sent = _SENDMMSG(fd, self._addr + k * self._stride, m - k, 0)
-            if sent < 0:
-                err = ctypes.get_errno()
-                if err == errno.EINTR:
-                    continue
-                if err not in TRANSIENT:
-                    raise OSError(err, os.strerror(err))
-                lost += 1       # the message at k; the others go on
-                k += 1
-                continue
-            k += sent
+        lost = 0
+
+        def refused(e: OSError) -> None:
+            nonlocal lost
+            if e.errno not in TRANSIENT:
+                raise e
+            lost += 1  # that message; the others go on
+
+        send_prepared(_SENDMMSG, sock.fileno(), self._addr, self._stride, m, refused)
         return lost

@@ -18,9 +18,9 @@ import numpy as np
 from .mrecv import SOCKADDR_IN, Iovec, Mmsghdr, sockaddr_in
 
 
-def _libc_sendmmsg():
-    if os.environ.get("AGGD_CLIENT_SENDMMSG", "1") == "0":
-        return None
+def libc_sendmmsg():
+    """libc's ``sendmmsg`` through ctypes, or None where there is none (the daemon's user-space
+    path uses it too: ``aggd.msend``)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sendmmsg
     except (OSError, AttributeError):
@@ -30,7 +30,26 @@ def _libc_sendmmsg():
     return fn
 
 
-_SENDMMSG = _libc_sendmmsg()
+def send_prepared(sendmmsg, fd: int, msgs: int, stride: int, m: int, on_error) -> int:
+    """Send the ``m`` messages of the ``mmsghdr`` array at address ``msgs`` (``stride`` bytes
+    each), in order, with as few calls as the kernel allows. A message it refuses is passed to
+    ``on_error(OSError)`` (which raises to stop) and skipped. Returns how many left."""
+    k = sent_total = 0
+    while k < m:
+        sent = sendmmsg(fd, msgs + k * stride, m - k, 0)
+        if sent < 0:
+            err = ctypes.get_errno()
+            if err == errno.EINTR:
+                continue
+            on_error(OSError(err, os.strerror(err)))
+            k += 1  # that message is lost; loss recovery sends it again
+            continue
+        k += sent
+        sent_total += sent
+    return sent_total
+
+
+_SENDMMSG = None if os.environ.get("AGGD_CLIENT_SENDMMSG", "1") == "0" else libc_sendmmsg()
 AVAILABLE = _SENDMMSG is not None
 
 
@@ -66,17 +85,6 @@ class RunSender:
         while done < count:
             m = min(self.n, count - done)
             self._base[:m] = self._offsets[:m] + np.uint64(addr + done * self.rec)
-            k = 0
-            while k < m:
-                sent = _SENDMMSG(fd, self._addr + k * self._stride, m - k, 0)
-                if sent < 0:
-                    err = ctypes.get_errno()
-                    if err == errno.EINTR:
-                        continue
-                    on_error(OSError(err, os.strerror(err)))
-                    k += 1  # that message is lost; loss recovery sends it again
-                    continue
-                k += sent
-                sent_total += sent
+            sent_total += send_prepared(_SENDMMSG, fd, self._addr, self._stride, m, on_error)
             done += m
         return sent_total
