@@ -7,14 +7,13 @@ all, in order, with as few calls as the kernel allows.
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import socket
 
 import numpy as np
 
-from aggd_client.mrecv import SOCKADDR_IN, Iovec, Mmsghdr
-from aggd_client.msend import libc_sendmmsg, send_prepared
+from aggd_client.mrecv import SOCKADDR_IN
+from aggd_client.msend import MessageArray, libc_sendmmsg
 
 #: Errors a send may meet under load or from a firewall rule; the message is lost, serving goes on
 #: (the client retransmits), as with ``sendto``.
@@ -31,18 +30,7 @@ class MultiSender:
     def __init__(self, out: np.ndarray, rec: int, n: int) -> None:
         self._out, self.rec, self.n = out, rec, n   # out kept alive: the iovecs point into it
         self.dests = np.zeros((n, SOCKADDR_IN), np.uint8)
-        self._iov = (Iovec * n)()
-        self._msgs = (Mmsghdr * n)()
-        for i in range(n):
-            self._msgs[i].msg_hdr.msg_iov = ctypes.pointer(self._iov[i])
-            self._msgs[i].msg_hdr.msg_iovlen = 1
-            self._msgs[i].msg_hdr.msg_name = self.dests.ctypes.data + i * SOCKADDR_IN
-            self._msgs[i].msg_hdr.msg_namelen = SOCKADDR_IN
-        iov = np.frombuffer((ctypes.c_char * ctypes.sizeof(self._iov)).from_address(ctypes.addressof(self._iov)),
-                            np.uint64).reshape(n, 2)
-        self._base, self._len = iov[:, 0], iov[:, 1]
-        self._addr = ctypes.addressof(self._msgs)
-        self._stride = ctypes.sizeof(Mmsghdr)
+        self._msgs = MessageArray(n, self.dests.ctypes.data, SOCKADDR_IN)
         self._out_base = out.ctypes.data
 
     def send(self, sock: socket.socket, records: np.ndarray, lengths: np.ndarray, dests: np.ndarray) -> int:
@@ -51,8 +39,8 @@ class MultiSender:
         m = len(records)
         if m > self.n:
             raise ValueError(f"{m} messages, room for {self.n}")
-        self._base[:m] = self._out_base + records.astype(np.uint64) * self.rec
-        self._len[:m] = lengths
+        self._msgs.base[:m] = self._out_base + records.astype(np.uint64) * self.rec
+        self._msgs.length[:m] = lengths
         self.dests[:m] = dests
         lost = 0
 
@@ -62,5 +50,5 @@ class MultiSender:
                 raise e
             lost += 1  # that message; the others go on
 
-        send_prepared(_SENDMMSG, sock.fileno(), self._addr, self._stride, m, refused)
+        self._msgs.send(_SENDMMSG, sock.fileno(), m, refused)
         return lost

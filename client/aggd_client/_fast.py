@@ -62,10 +62,6 @@ def _max_abs_bits(xb, absmask):  # pragma: no cover - jitted
     return m
 
 
-def _max_abs_bits_all(xb, absmask):  # pragma: no cover - jitted
-    return _max_abs_bits(xb, absmask)
-
-
 def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0,
           clear_flags):  # pragma: no cover - jitted
     """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1.
@@ -260,8 +256,8 @@ def _compile() -> None:
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
-    _max_abs_bits = jit(_max_abs_bits)
-    fill, scatter, ack, max_abs_bits = jit(_fill), jit(_scatter), jit(_ack), jit(_max_abs_bits_all)
+    _max_abs_bits = max_abs_bits = jit(_max_abs_bits)  # fill calls it; all_finite too
+    fill, scatter, ack = jit(_fill), jit(_scatter), jit(_ack)
 
     from .protocol import packet_dtype
     ring = np.zeros(2, packet_dtype(4))
