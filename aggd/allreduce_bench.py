@@ -174,7 +174,7 @@ def run_gloo(lab: Lab, cfg: Config, port: int) -> dict:
 
 def _worker_args(cfg: Config) -> list[str]:
     return ["--sizes", str(cfg.elements_total), "--rounds", str(cfg.iters), "--warmup", str(cfg.warmup),
-            "--check", "last", "--reuse", "--give-up-after", "30"]
+            "--check", "last", "--reuse", "--prime", "--give-up-after", "30"]
 
 
 def _timeout(cfg: Config, slow: bool = False) -> float:

@@ -8,7 +8,8 @@ per allreduce goes to stdout. Used by the netns tests, ``aggctl bench allreduce`
 baseline; ``--world`` members). ``--reuse`` reduces the same tensor every round (a benchmark times
 the allreduce, not the generation of tensors). Every record carries ``extra_rss_bytes``: this
 process's peak resident memory since the first round of its size began, over what it held then
-(the tensor, the client, the libraries).
+(the tensor, the client, the libraries, after one small allreduce that pages in the code every
+allreduce runs, with ``--prime``).
 """
 from __future__ import annotations
 
@@ -156,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
     ap.add_argument("--gloo", metavar="INIT_METHOD",
                     help="reduce with torch.distributed gloo (e.g. tcp://10.77.0.10:29500), not aggd")
+    ap.add_argument("--prime", action="store_true",
+                    help="one small allreduce first, outside every measurement (see _prime)")
     ap.add_argument("--reuse", action="store_true",
                     help="reduce the same tensor every round, into the same result buffer")
     args = ap.parse_args(argv)
@@ -179,6 +182,8 @@ def main(argv=None) -> int:
                            gso=not args.no_gso, give_up_after=args.give_up_after)
     status = 0
     with client:
+        if args.prime:
+            _prime(client, args.dtypes.split(",")[0], args.elements)
         for dtype in args.dtypes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
                 out = x = buf = None
@@ -223,6 +228,17 @@ def main(argv=None) -> int:
                             status = 1
                     print(json.dumps(rec), flush=True)
     return status
+
+
+def _prime(client, dtype: str, elements: int) -> None:
+    """One small allreduce before any measured one, so that what every allreduce of any size
+    needs once (library code paged in, the allocator's first growth) is not counted against the
+    first size measured. A training job has done this long before its steady state; gloo's
+    workers get the same."""
+    x = np.ones(2 * elements, dtype)
+    if isinstance(client, _GlooClient):
+        client.load(x)
+    client.allreduce(x)
 
 
 class _GlooClient:

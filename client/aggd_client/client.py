@@ -99,6 +99,13 @@ _TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EPERM, errno.ECONNREFUSED, errn
 STAGE = 256
 STAGE_BYTES = 1 << 20
 ADMIT_MAX = 64
+#: A batch of answers smaller than this, while at least ``4 * SMALL_BATCH`` packets await theirs and
+#: nothing can be sent, makes the client wait ``BATCH_WAIT`` s before reading again: each pass of
+#: the progress loop costs tens of microseconds of Python, so passes of a few answers each (what
+#: waking at every arrival gives when workers share cores) cost more CPU than the packets. The
+#: answers pile up meanwhile (the window holds far more) and the wait gives the CPU to the others.
+SMALL_BATCH = 16
+BATCH_WAIT = 0.001
 SOCKET_BUFFER = 16 << 20
 RTO_CAP = 1.0
 #: Rounds a worker may have outstanding under ``async``.
@@ -269,7 +276,8 @@ class AggClient:
         self._closed = False
         self._last_send_error: OSError | None = None
         self.stats = {"packets_sent": 0, "retransmits": 0, "results": 0, "ignored": 0,
-                      "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0}
+                      "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0,
+                      "batch_waits": 0}
 
         # Rounds and their sends; the strategy in force and the round whose result said so.
         self._next_round = 0
@@ -288,6 +296,7 @@ class AggClient:
         self._gso_cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", self._rec))]
         self._ring_pool: list[_Ring] = []
 
+        self._last_batch = 0  # messages the last receive took
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self._group_sock: socket.socket | None = None
         self._selector = selectors.DefaultSelector()
@@ -560,7 +569,12 @@ class AggClient:
                     wait = min(self._next_scan, self._last_progress + self._give_up) - now
                     if deadline is not None:
                         wait = min(wait, deadline - now)
-                self._receive(max(0.0, wait))
+                    if self._last_batch < SMALL_BATCH and wait > BATCH_WAIT and \
+                            sum(s.inflight for s in self._sends) >= 4 * SMALL_BATCH:
+                        time.sleep(BATCH_WAIT)
+                        wait -= BATCH_WAIT
+                        self.stats["batch_waits"] += 1
+                self._last_batch = self._receive(max(0.0, wait))
         except (AggdError, OSError) as e:
             self._fail_all(e)
             raise

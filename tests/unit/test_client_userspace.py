@@ -111,3 +111,39 @@ def test_nacks_from_userspace_aggregator(agg):
     with AggClient(agg.address, JOB, 1, 2, bind=("127.0.0.1", 0)) as c:
         with pytest.raises(NotMemberError):
             c.allreduce(np.ones(3, np.float32))
+
+
+def test_client_waits_for_answers_to_pile_up_only_when_many_are_due(agg, monkeypatch):
+    """With a full window and answers trickling in, a client naps BATCH_WAIT before reading again
+    (fewer passes of its loop); with fewer than 4 * SMALL_BATCH packets awaiting answers it never
+    does, so a small allreduce keeps its latency."""
+    import sys
+
+    import aggd_client.client as cl
+
+    naps: list[int] = []  # packets in flight of the napping client at each nap
+    real_sleep = cl.time.sleep
+
+    def recording_sleep(seconds):
+        caller = sys._getframe(1).f_locals.get("self")
+        if isinstance(caller, cl.AggClient):
+            naps.append(sum(s.inflight for s in caller._sends))
+        real_sleep(seconds)
+
+    monkeypatch.setattr(cl.time, "sleep", recording_sleep)
+    world = 3
+    rng = np.random.default_rng(2)
+    small = [rng.standard_normal(40 * E).astype(np.float32) for _ in range(world)]
+    out, clients = reduce_all(agg, world, small, rounds=3, slots=512)
+    assert all(c.stats["batch_waits"] == 0 for c in clients) and not naps  # never 64 in flight
+
+    agg.remove_job(JOB)
+    big = [rng.standard_normal(3000 * E).astype(np.float32) for _ in range(world)]
+    out, clients = reduce_all(agg, world, big, rounds=2, slots=512, window=256)
+    exact = np.sum([a.astype(np.float64) for a in big], axis=0)
+    bound = bound_for(big, world)
+    for rs in out:
+        for res in rs:
+            assert (np.abs(res - exact) <= bound + quant.output_rounding(res)).all()
+    assert sum(c.stats["batch_waits"] for c in clients) == len(naps) > 0
+    assert min(naps) >= 4 * cl.SMALL_BATCH
