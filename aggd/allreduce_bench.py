@@ -11,7 +11,9 @@ reduced ``iters`` times after ``warmup`` rounds) with the same workers in the sa
 
 A row's ``seconds_per_allreduce`` is the median over rounds of the slowest worker's time;
 ``worker_extra_rss_bytes`` the largest worker's peak resident memory during its rounds over what it
-held before them (its tensor, the client, the libraries), ``aggregator_memory_bytes`` the
+held before them (its tensor, the client, the libraries, after one small allreduce: ``--prime``),
+less library pages first touched meanwhile (``worker_extra_file_rss_bytes``: shared code, not
+memory for the tensor); ``aggregator_memory_bytes`` the
 aggregator's: the user-space process's peak RSS, or the XDP program's BPF maps (kernel memory; the
 daemon's own RSS does not grow with traffic).
 """
@@ -117,6 +119,7 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
     n = cfg.elements_total
     nbytes = n * 4
     extra_rss = max(rec["extra_rss_bytes"] for r in runs for rec in r.records)
+    extra_files = max(rec.get("extra_file_rss_bytes", 0) for r in runs for rec in r.records)
     row = {
         "system": system, "workers": cfg.workers, "bytes": nbytes, "elements": n, "iters": cfg.iters,
         "seconds_per_allreduce": sec, "seconds_min": min(per_round), "seconds_max": max(per_round),
@@ -126,6 +129,7 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
         "within_bound": all(r["within_bound"] for r in checked),
         "errors": sum(0 if r["within_bound"] and r["shape_ok"] else 1 for r in checked),
         "worker_extra_rss_bytes": extra_rss, "worker_extra_rss_ratio": extra_rss / nbytes,
+        "worker_extra_file_rss_bytes": extra_files,
     }
     row.update(extra)
     return row

@@ -8,8 +8,8 @@ per allreduce goes to stdout. Used by the netns tests, ``aggctl bench allreduce`
 baseline; ``--world`` members). ``--reuse`` reduces the same tensor every round (a benchmark times
 the allreduce, not the generation of tensors). Every record carries ``extra_rss_bytes``: this
 process's peak resident memory since the first round of its size began, over what it held then
-(the tensor, the client, the libraries, after one small allreduce that pages in the code every
-allreduce runs, with ``--prime``).
+(the tensor, the client, the libraries), less the library pages first touched meanwhile (shared
+code, not memory for the tensor). ``--prime`` runs one small allreduce before any of that.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from aggd_client import AggClient, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
 from .addresses import host_port
-from .memory import peak_rss, reset_peak_rss, rss
+from .memory import mapped_file_rss, peak_rss, reset_peak_rss, rss
 
 
 #: Tensors are generated, and results checked, in blocks of about this many values (a whole number
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
                         buf = np.ones_like(x)
                     if i == 0:
                         reset_peak_rss()
-                        held = rss()
+                        held, held_files = rss(), mapped_file_rss()
                     t0, c0 = time.perf_counter(), time.process_time()
                     if args.reuse and args.gloo is None:
                         # one result buffer for every round, as gloo reduces into one buffer
@@ -207,12 +207,14 @@ def main(argv=None) -> int:
                         out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
                     cpu = time.process_time() - c0
-                    extra = peak_rss() - held
+                    # library code paged in on a path's first use is shared, not this tensor's
+                    files = mapped_file_rss() - held_files
+                    extra = peak_rss() - held - files
                     if i < args.warmup:
                         continue
                     rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
                            "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
-                           "extra_rss_bytes": extra, "tensor_bytes": x.nbytes}
+                           "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
                     if isinstance(client, AggClient):
                         rec.update(retransmits=client.stats["retransmits"],
                                    packets_sent=client.stats["packets_sent"],

@@ -25,6 +25,7 @@ def test_bench_allreduce_emits_a_row_per_system(tmp_path):
         assert r["seconds_per_allreduce"] > 0 and r["algbw_gbps"] > 0
         # the result array is the only tensor-sized thing an allreduce must add
         assert 0 < r["worker_extra_rss_bytes"], r
+        assert r["worker_extra_file_rss_bytes"] >= 0, r  # library pages taken off it
     xdp, user, _ = rows
     assert xdp["aggregator_memory"] == "bpf_maps" and xdp["aggregator_memory_bytes"] > 0
     assert user["aggregator_memory"] == "peak_rss" and user["aggregator_memory_bytes"] > 0
