@@ -13,7 +13,9 @@ A row's ``seconds_per_allreduce`` is the median over rounds of the slowest worke
 ``worker_extra_rss_bytes`` the largest worker's peak resident memory during its rounds over what it
 held before them (its tensor, the client, the libraries, after one small allreduce: ``--prime``),
 less library pages first touched meanwhile (``worker_extra_file_rss_bytes``: shared code, not
-memory for the tensor); ``aggregator_memory_bytes`` the
+memory for the tensor); ``host_cpu_seconds_per_allreduce`` and ``host_cpu_split`` what the timed
+rounds cost the whole host (``aggd.hostcpu``: workers, aggregator and packet path share the cores);
+``aggregator_memory_bytes`` the
 aggregator's: the user-space process's peak RSS, or the XDP program's BPF maps (kernel memory; the
 daemon's own RSS does not grow with traffic).
 """
@@ -130,6 +132,7 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
         "errors": sum(0 if r["within_bound"] and r["shape_ok"] else 1 for r in checked),
         "worker_extra_rss_bytes": extra_rss, "worker_extra_rss_ratio": extra_rss / nbytes,
         "worker_extra_file_rss_bytes": extra_files,
+        **_host_cpu(runs[0].records[-1].get("host_cpu_seconds"), cfg.iters),
     }
     row.update(extra)
     return row
@@ -174,6 +177,19 @@ def run_gloo(lab: Lab, cfg: Config, port: int) -> dict:
     runs = run_workers(lab, job, timeout=_timeout(cfg), env=env,
                        extra=[*_worker_args(cfg), "--gloo", init])
     return _row("gloo", cfg, runs, {})
+
+
+def _host_cpu(host: dict | None, iters: int) -> dict:
+    """Rank 0's view of the whole host over the timed rounds: busy CPU seconds an allreduce, and
+    the share of each kind (user, system, softirq, other, idle) of all CPU time."""
+    if not host:
+        return {}
+    total = host["busy"] + host["idle"]
+    return {"host_cpu_seconds_per_allreduce": host["busy"] / iters,
+            # /proc/stat counts in ticks (10 ms): a window under a second is a coarse figure
+            "host_cpu_window_seconds": total / (os.cpu_count() or 1),
+            "host_cpu_split": {k: host[k] / total if total else 0.0
+                               for k in ("user", "system", "softirq", "other", "idle")}}
 
 
 def _worker_args(cfg: Config) -> list[str]:

@@ -9,7 +9,9 @@ baseline; ``--world`` members). ``--reuse`` reduces the same tensor every round 
 the allreduce, not the generation of tensors). Every record carries ``extra_rss_bytes``: this
 process's peak resident memory since the first round of its size began, over what it held then
 (the tensor, the client, the libraries), less the library pages first touched meanwhile (shared
-code, not memory for the tensor). ``--prime`` runs one small allreduce before any of that.
+code, not memory for the tensor). ``--prime`` runs one small allreduce before any of that. The
+last record of a size carries ``host_cpu_seconds``: the whole host's CPU time by kind from the
+start of the first timed round to the end of the last (``aggd.hostcpu``).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import numpy as np
 from aggd_client import AggClient, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
+from . import hostcpu
 from .addresses import host_port
 from .memory import mapped_file_rss, peak_rss, reset_peak_rss, rss
 
@@ -199,6 +202,8 @@ def main(argv=None) -> int:
                     if i == 0:
                         reset_peak_rss()
                         held, held_files = rss(), mapped_file_rss()
+                    if i == args.warmup:
+                        host0 = hostcpu.snapshot()
                     t0, c0 = time.perf_counter(), time.process_time()
                     if args.reuse and args.gloo is None:
                         # one result buffer for every round, as gloo reduces into one buffer
@@ -207,6 +212,8 @@ def main(argv=None) -> int:
                         out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
                     cpu = time.process_time() - c0
+                    last = i == args.warmup + args.rounds - 1
+                    host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
                     # library code paged in on a path's first use is shared, not this tensor's
                     files = mapped_file_rss() - held_files
                     extra = peak_rss() - held - files
@@ -219,9 +226,10 @@ def main(argv=None) -> int:
                         rec.update(retransmits=client.stats["retransmits"],
                                    packets_sent=client.stats["packets_sent"],
                                    retransmit_timeout=client.retransmit_timeout, window=client.window)
+                    if host is not None:
+                        rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
                     if args.digest:
                         rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
-                    last = i == args.warmup + args.rounds - 1
                     if args.check == "all" or (args.check == "last" and last):
                         ref = 0 if args.reuse else i
                         rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
