@@ -213,7 +213,8 @@ def main(argv=None) -> int:
                     seconds = time.perf_counter() - t0
                     cpu = time.process_time() - c0
                     last = i == args.warmup + args.rounds - 1
-                    host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
+                    timed_last = last and i >= args.warmup  # (with --rounds 0 nothing is timed)
+                    host = hostcpu.between(host0, hostcpu.snapshot()) if timed_last else None
                     # library code paged in on a path's first use is shared, not this tensor's
                     files = mapped_file_rss() - held_files
                     extra = peak_rss() - held - files
