@@ -212,14 +212,13 @@ def main(argv=None) -> int:
                         out = client.allreduce(x)
                     seconds = time.perf_counter() - t0
                     cpu = time.process_time() - c0
-                    last = i == args.warmup + args.rounds - 1
-                    timed_last = last and i >= args.warmup  # (with --rounds 0 nothing is timed)
-                    host = hostcpu.between(host0, hostcpu.snapshot()) if timed_last else None
                     # library code paged in on a path's first use is shared, not this tensor's
                     files = mapped_file_rss() - held_files
                     extra = peak_rss() - held - files
                     if i < args.warmup:
                         continue
+                    last = i == args.warmup + args.rounds - 1
+                    host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
                     rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
                            "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
                            "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
