@@ -27,8 +27,8 @@ import numpy as np
 from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
-from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, VERSION, Counter, DropReason, Flag, \
-    MsgType, StrategyKind
+from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
+    Flag, MsgType, StrategyKind
 
 from .kernels import accumulate, load, narrow
 from .model import (ASYNC_MAX_OPEN, BANKS, RESULT_RANK, STEPS, AggregatorModel, BankState,
@@ -40,7 +40,7 @@ O_MAGIC, O_VERSION, O_TYPE, O_JOB = _OFF["magic"], _OFF["version"], _OFF["type"]
 O_RANK, O_ROUND, O_CHUNK, O_COUNT = _OFF["rank"], _OFF["round"], _OFF["chunk"], _OFF["count"]
 O_SVERSION, O_EXPONENT, O_FLAGS = _OFF["strategy_version"], _OFF["exponent"], _OFF["flags"]
 O_CONTRIBUTORS, O_NCONTRIB, O_STEP = _OFF["contributors"], _OFF["n_contrib"], _OFF["step"]
-O_STRATEGY, O_PARAM = _OFF["strategy"], _OFF["param"]
+O_STRATEGY, O_PARAM, O_SKIP = _OFF["strategy"], _OFF["param"], _OFF["skip"]
 HDR = HEADER_SIZE
 HDR32 = HEADER_SIZE // 4
 CONTRIB, RESULT = int(MsgType.CONTRIB), int(MsgType.RESULT)
@@ -206,12 +206,25 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
             b = found
         elif not newest or _key_less(nr, nc, round_, chunk):  # rule 3: open a bank
             top = -1
+            held = False
             for b2 in range(BANKS):
-                if bi[s, b2, F_STATE] != EMPTY and bi[s, b2, F_CHUNK] == chunk and bi[s, b2, F_ROUND] > top:
+                if bi[s, b2, F_STATE] == EMPTY or bi[s, b2, F_CHUNK] != chunk:
+                    continue
+                if bi[s, b2, F_HOLDING]:
+                    held = True
+                elif bi[s, b2, F_ROUND] > top:
                     top = bi[s, b2, F_ROUND]
             e = _governing(table, round_)
             kind = table[e, T_KIND]
-            busy = top >= 0 and round_ != top + 1
+            skip = _be16(p, O_SKIP)
+            if top < 0:
+                busy = False
+            elif skip >= SKIP_MAX:
+                busy = round_ < top + 1 + SKIP_MAX
+            else:
+                busy = round_ != top + 1 + skip
+            if held and not busy:
+                break                                         # a holding bank to adopt: the model's
             if not busy:
                 n_open = 0
                 for b2 in range(BANKS):

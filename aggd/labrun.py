@@ -121,10 +121,10 @@ class StrategyRun:
 
     def __init__(self, lab: Lab, job: LabJob, observer_worker: int, *, steps: int, delay: float,
                  slow: dict[int, float] | None = None, jitter: float = 0.0, slow_steps: str = "",
-                 give_up_after: float = 30.0):
+                 give_up_after: float = 30.0, sizes: str | None = None):
         self.lab, self.job, self.obs_w = lab, job, observer_worker
         self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
-                         give_up_after=give_up_after)
+                         give_up_after=give_up_after, sizes=sizes)
         self.procs: list[subprocess.Popen] = []
         self.outs: list[tuple[PipeLines, PipeLines]] = []
         self.observer: subprocess.Popen | None = None
@@ -146,6 +146,8 @@ class StrategyRun:
                     "--give-up-after", str(a["give_up_after"])]
             if a["slow_steps"] and rank in a["slow"]:
                 argv += ["--slow-steps", a["slow_steps"]]
+            if a["sizes"]:
+                argv += ["--sizes", a["sizes"]]
             p = lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self.procs.append(p)
             self.outs.append((PipeLines(p.stdout), PipeLines(p.stderr)))

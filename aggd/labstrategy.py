@@ -52,9 +52,12 @@ def worker(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-steps", default="", help="A:B: slow only for steps A..B-1 (a middle phase)")
     ap.add_argument("--give-up-after", type=float, default=20.0)
+    ap.add_argument("--sizes", default=str(SIZE),
+                    help="tensor sizes taken in turn, one a step (unequal buckets, as DDP's)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed * 1000 + args.rank)
-    sent = np.zeros(SIZE)
+    sizes = [int(v) for v in args.sizes.split(",")]
+    sent = 0.0
     pending: deque = deque()
     max_outstanding = 0
 
@@ -79,10 +82,10 @@ def worker(argv=None) -> int:
                 a, b = (int(v) for v in args.slow_steps.split(":"))
                 slow = args.slow if a <= step < b else 1.0
             time.sleep(args.delay * slow * (1 + args.jitter * rng.random()))
-            g = gradient(args.rank, step)
+            g = gradient(args.rank, step, sizes[step % len(sizes)])
             t0 = time.monotonic()
             h = client.allreduce_async(g)
-            sent += g
+            sent += float(g.sum(dtype=np.float64))
             pending.append((h, t0))
             max_outstanding = max(max_outstanding, client.outstanding)
             while pending and pending[0][0].done():
@@ -91,7 +94,7 @@ def worker(argv=None) -> int:
         while pending:
             report(*pending.popleft())
         stats = dict(client.stats)
-    print(json.dumps({"rank": args.rank, "final": True, "sent_sum": float(sent.sum()),
+    print(json.dumps({"rank": args.rank, "final": True, "sent_sum": sent,
                       "max_outstanding": max_outstanding, "client": stats}), flush=True)
     return 0
 
@@ -123,11 +126,14 @@ def observer(argv=None) -> int:
         h = Header.unpack(data)
         if h.type != MsgType.RESULT or h.job != args.job:
             continue
-        q = np.frombuffer(data, "<i4", offset=HEADER_SIZE)[:h.count].astype(np.float64)
+        whole = np.frombuffer(data, "<i4", offset=HEADER_SIZE).astype(np.float64)
+        q = whole[:h.count]
         print(json.dumps({"t": time.monotonic(), "round": h.round, "chunk": h.chunk,
                           "version": h.strategy_version, "kind": h.strategy,
                           "param": h.param, "n_contrib": h.n_contrib, "contributors": h.contributors,
-                          "flags": h.flags, "sum": float(np.ldexp(q, -h.exponent).sum())}), flush=True)
+                          "flags": h.flags, "sum": float(np.ldexp(q, -h.exponent).sum()),
+                          # beyond count too: a gradient carried from a round of a larger tensor
+                          "sum_all": float(np.ldexp(whole, -h.exponent).sum())}), flush=True)
     return 0
 
 

@@ -146,6 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="256", help="comma-separated element counts")
     ap.add_argument("--dtypes", default="float32")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--interleave", action="store_true",
+                    help="each round reduces every size in turn (DDP's buckets), not size by size")
     ap.add_argument("--warmup", type=int, default=0, help="untimed, unchecked rounds first")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--elements", type=int, default=256)
@@ -187,6 +189,8 @@ def main(argv=None) -> int:
     with client:
         if args.prime:
             _prime(client, args.dtypes.split(",")[0], args.elements)
+        if args.interleave:
+            return _interleaved(client, args)
         for dtype in args.dtypes.split(","):
             for size in (int(s) for s in args.sizes.split(",")):
                 out = x = buf = None
@@ -237,6 +241,27 @@ def main(argv=None) -> int:
                         if not rec["within_bound"] or not rec["shape_ok"]:
                             status = 1
                     print(json.dumps(rec), flush=True)
+    return status
+
+
+def _interleaved(client, args) -> int:
+    """Every round reduces each size in turn, as DDP reduces its buckets each step: chunks of the
+    larger tensors sit out the smaller ones' rounds. Every result is checked."""
+    status = 0
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for dtype in args.dtypes.split(","):
+        for i in range(args.rounds):
+            for size in sizes:
+                x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
+                t0 = time.perf_counter()
+                out = client.allreduce(x)
+                rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
+                       "seconds": time.perf_counter() - t0,
+                       "shape_ok": out.shape == x.shape and out.dtype == x.dtype}
+                rec.update(check(out, args.seed, args.world, size, dtype, i, args.elements, args.pattern))
+                if not rec["within_bound"] or not rec["shape_ok"]:
+                    status = 1
+                print(json.dumps(rec), flush=True)
     return status
 
 

@@ -94,7 +94,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
-                                  STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
+                                  SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
                                   Flag, Header, MsgType, NackCode, StrategyKind)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
@@ -266,6 +266,13 @@ class Bank:
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
 
+    def adopt(self, key: Key, entry: TableEntry) -> None:
+        """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
+        carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
+        self.key = key
+        self.version, self.kind = entry.version, StrategyKind(entry.kind)
+        self.param, self.timeout_us = entry.param, entry.timeout_us
+
     def counted(self, rank: int, step: int) -> bool:
         """Has this contribution, (member, step), already been added to this round? Every
         strategy deduplicates so; only wbsp clients send steps > 0."""
@@ -324,6 +331,9 @@ class Slot:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
                 and (state is None or b.state == state)]
 
+    def holding_of(self, chunk: int) -> list[Bank]:
+        return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
+
     def free_bank(self) -> Bank | None:
         """Rule 3's choice: an empty bank, else the released bank with the smallest key."""
         empty = [b for b in self.banks if b.state == BankState.EMPTY]
@@ -331,6 +341,14 @@ class Slot:
             return empty[0]
         released = [b for b in self.banks if b.state == BankState.RELEASED]
         return min(released, key=lambda b: b.key, default=None)
+
+
+def follows(round_: int, skip: int, previous: int) -> bool:
+    """Is ``round_``, whose packet says ``skip``, the round after ``previous`` of its chunk?
+    ``skip`` counts the rounds in between that left the chunk out; SKIP_MAX means that many or more."""
+    if skip >= SKIP_MAX:
+        return round_ >= previous + 1 + SKIP_MAX
+    return round_ == previous + 1 + skip
 
 
 def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
@@ -538,17 +556,17 @@ class AggregatorModel:
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
         if newest is None or key > newest:                                       # rule 3
-            bank = self._open(job, slot, key, now)
+            bank = self._open(job, slot, key, hdr.skip, now)
             if bank is None:
                 return self._drop(job.cfg.job, DropReason.BUSY)
-            return self._contribute(job, bank, hdr, values, src, fresh=True, now=now)
+            return self._contribute(job, bank, hdr, values, src, fresh=not bank.holding, now=now)
         return self._late(job, slot, None, hdr, values, src, now)                # rule 4
 
     def _hold(self, job: JobState, slot: Slot, round_: int, chunk: int, now: int) -> Bank | None:
         """Rule 4's new round for a carry: a holding bank for the next round of ``chunk`` (after its
         newest bank, and after the slot's newest key, so its members will still come to it),
         if another bank stays free for the rounds in progress; None means busy."""
-        r2 = max((b.key[0] for b in slot.of_chunk(chunk)), default=round_) + 1
+        r2 = max((b.key[0] for b in slot.of_chunk(chunk) if not b.holding), default=round_) + 1
         newest = slot.newest()
         if newest is not None and (r2, chunk) <= newest:
             r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
@@ -558,13 +576,18 @@ class AggregatorModel:
         bank.open((r2, chunk), governing(job.table, r2), now, holding=True)
         return bank
 
-    def _open(self, job: JobState, slot: Slot, key: Key, now: int) -> Bank | None:
-        """Rule 3: open a bank for a new round if it is the next round of its chunk and its
-        strategy admits it; None means busy."""
-        rounds = [b.key[0] for b in slot.of_chunk(key[1])]
-        if rounds and key[0] != max(rounds) + 1:
+    def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
+        """Rule 3: open a bank for a new round if it is the next round of its chunk (the packet's
+        ``skip`` says which round that follows) and its strategy admits it; the chunk's holding
+        bank, if any, becomes that round. None means busy."""
+        rounds = [b.key[0] for b in slot.of_chunk(key[1]) if not b.holding]
+        if rounds and not follows(key[0], skip, max(rounds)):
             return None           # a round whose predecessor was refused must not open first
         entry = governing(job.table, key[0])
+        held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
+        if held is not None:      # the carries wait for the chunk's next round: this one
+            held.adopt(key, entry)
+            return held
         if not admits(entry, slot, key[0]):
             return None
         bank = slot.free_bank()

@@ -18,7 +18,8 @@ from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
 from aggd_client import protocol as proto
 
 from .bpf.conftest import ELEMENTS
-from .unit.test_model_strategies import SCENARIOS, T0_NS, Scenario, Sent, Swap, Traffic, check, entry, swap_table
+from .unit.test_model_strategies import (SCENARIOS, T0_NS, Scenario, Sent, Swap, Traffic, check, entry, layout_of,
+                                         swap_table)
 
 KINDS = ("sync", "quorum", "ssp", "async", "wbsp")
 MIN_OPS, MAX_OPS = 20, 80   #: packets per sequence
@@ -94,7 +95,7 @@ def run_sequence(h, runs: collections.Counter, label: str, entries: list[TableEn
     have ``elements`` values (the data planes' packet size). Counts the sequence in ``runs[label]``."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
-    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=elements,
+    traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=elements,
                       addr_of=member, junk=True)
     h.start(world, slots, 8, entries)
     table = StrategyTable(parse("sync"))

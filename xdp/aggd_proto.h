@@ -13,6 +13,7 @@
 #define AGGD_MAX_JOBS 256
 #define AGGD_STRATEGY_VERSIONS 4
 #define AGGD_ZERO_EXPONENT 16383
+#define AGGD_SKIP_MAX 65535
 #define AGGD_HDR_SIZE 40
 
 enum aggd_msg_type {
@@ -103,7 +104,7 @@ struct aggd_hdr {
 	__be16 step;	/* local step within the round (wbsp); 0 otherwise */
 	__u8 strategy;	/* StrategyKind that governed the round (results), so clients adapt */
 	__u8 param;	/* that strategy's parameter: quorum k or ssp staleness */
-	__be16 reserved;	/* 0 */
+	__be16 skip;	/* contributions and re-reads: rounds since the chunk's previous round that did not include it (0 when it took part in the round before, or never took part); SKIP_MAX: that many or more. 0 in results and NACKs */
 } __attribute__((packed));
 
 #endif /* AGGD_PROTO_H */

@@ -68,7 +68,7 @@ static __always_inline int nack(struct xdp_md *ctx, __u8 code)
 	h->step = 0;
 	h->strategy = 0;
 	h->param = 0;
-	h->reserved = 0;
+	h->skip = 0;
 	address_to_sender(eth, ip, udp);
 	return XDP_TX;
 }
@@ -219,6 +219,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	__u64 all = cfg->all_members;
 	__s16 exp_in = (__s16)ntohs(HDR(h, __be16, exponent));
 	__u32 step = ntohs(HDR(h, __be16, step));
+	__u32 skip = ntohs(HDR(h, __be16, skip));
 	int retransmit = h->flags & AGGD_FLAG_RETRANSMIT;
 	struct strategy_entry *st_new = strategy_for(cfg, round);
 	__u64 now = clock_now();
@@ -232,11 +233,11 @@ int aggd_xdp(struct xdp_md *ctx)
 
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
-	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = -1;
+	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
 	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
-	sc->rel_old_key = sc->target_key = ~0ULL;
+	sc->rel_old_key = sc->target_key = sc->hold_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
 	sc->partial = sc->released = sc->written = 0;
@@ -258,18 +259,23 @@ int aggd_xdp(struct xdp_md *ctx)
 		__u64 k = b->key;
 		if (k == key)
 			sc->ik = i;
-		if ((__u32)k == chunk && (!sc->have_chunk || k > sc->chunk_newest)) {
-			sc->chunk_newest = k;
-			sc->have_chunk = 1;
-		}
 		if (b->holding) {
-			/* a carry's holding bank: a target for later carries of its chunk, nothing else */
+			/* a carry's holding bank: a target for later carries of its chunk, and the bank
+			 * the chunk's next round adopts; nothing else */
 			sc->nhold++;
 			if ((__u32)k == chunk && k > key && k < sc->target_key) {
 				sc->target_key = k;
 				sc->itarget = i;
 			}
+			if ((__u32)k == chunk && k < sc->hold_key) {
+				sc->hold_key = k;
+				sc->ihold = i;
+			}
 			continue;
+		}
+		if ((__u32)k == chunk && (!sc->have_chunk || k > sc->chunk_newest)) {
+			sc->chunk_newest = k;
+			sc->have_chunk = 1;
 		}
 		sc->used++;
 		if (sc->used == 1 || k > sc->newest)
@@ -328,8 +334,19 @@ int aggd_xdp(struct xdp_md *ctx)
 	} else if (sc->used == 0 || key > sc->newest) {
 		/* Rounds of a chunk open in order: a round whose predecessor was refused (busy) must
 		 * not open first, or the predecessor could never open after it. */
-		int in_order = !sc->have_chunk || round == (__u32)(sc->chunk_newest >> 32) + 1;
-		if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
+		__u64 after = (__u64)(__u32)(sc->chunk_newest >> 32) + 1 + skip;
+		int in_order = !sc->have_chunk ||
+			       (skip >= AGGD_SKIP_MAX ? (__u64)round >= after : (__u64)round == after);
+		if (in_order && sc->ihold >= 0) {
+			/* the carries held for the chunk's next round: this round takes them over */
+			struct bank *hb = &s->bank[sc->ihold & (NBANKS - 1)];
+			hb->key = key;
+			hb->version = st_new ? st_new->version : 0;
+			hb->kind = st_new ? st_new->kind : AGGD_STRATEGY_KIND_SYNC;
+			hb->param = st_new ? st_new->param : 0;
+			hb->timeout_us = st_new ? st_new->timeout_us : 0;
+			sc->add = sc->ihold;
+		} else if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
 			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0);
 			sc->add = pick;
 			sc->add_fresh = 1;
@@ -571,7 +588,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	HDR(h, __be16, strategy_version) = htons(out_version);
 	h->strategy = out_kind;
 	h->param = out_param;
-	HDR(h, __be16, reserved) = 0;
+	HDR(h, __be16, skip) = 0;
 	HDR(h, __be64, contributors) = __builtin_bswap64(out_bitmap);
 	HDR(h, __be16, n_contrib) = htons(out_n);
 	HDR(h, __be16, step) = 0;

@@ -13,6 +13,7 @@ const bit<32> AGGD_MAX_MEMBERS = 64;
 const bit<32> AGGD_MAX_JOBS = 256;
 const bit<32> AGGD_STRATEGY_VERSIONS = 4;
 const bit<32> AGGD_ZERO_EXPONENT = 16383;
+const bit<32> AGGD_SKIP_MAX = 65535;
 const bit<32> AGGD_HDR_SIZE = 40;
 
 const bit<8> AGGD_MSG_TYPE_CONTRIB = 1;
@@ -86,7 +87,7 @@ header aggd_h {
     bit<16> step;  // local step within the round (wbsp); 0 otherwise
     bit<8> strategy;  // StrategyKind that governed the round (results), so clients adapt
     bit<8> param;  // that strategy's parameter: quorum k or ssp staleness
-    bit<16> reserved;  // 0
+    bit<16> skip;  // contributions and re-reads: rounds since the chunk's previous round that did not include it (0 when it took part in the round before, or never took part); SKIP_MAX: that many or more. 0 in results and NACKs
 }
 
 #endif

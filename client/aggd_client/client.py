@@ -71,7 +71,7 @@ from .mrecv import MultiReceiver
 from .errors import (AggdError, AggregationOverflowError, NoAnswerError, NotMemberError,
                      ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
-from .protocol.definition import (MAGIC, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, VERSION, Flag,
+from .protocol.definition import (MAGIC, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, SKIP_MAX, VERSION, Flag,
                                   MsgType, NackCode, StrategyKind)
 
 __all__ = ["AggClient", "AllreduceHandle", "StrategyInfo", "WouldBlock", "ASYNC_OUTSTANDING",
@@ -283,6 +283,14 @@ class AggClient:
         self._next_round = 0
         self._round_chunks = 0     # chunks of the newest round started (what a whole round is; 0: none yet)
         self._seen_quorum: dict[int, set[int]] = {}   # quorum rounds seen on the group: chunks
+        # Per chunk index, the newest round it took part in (-1: none): each packet's ``skip``
+        # tells the aggregator which round of its chunk it follows (docs/protocol.md, rule 3).
+        self._chunk_last = np.full(0, -1, np.int64)
+        # Whether every round so far reduced a tensor of one size: a quorum straggler may then
+        # skip to a later round, which (as far as it can tell) holds the same tensor.
+        self._first_size: int | None = None
+        self._uniform = True
+        self._own_next = 0   # the round after our newest own one (no quorum catch-up)
         self._rounds: list[_Round] = []
         self._sends: list[_Send] = []
         self._strategy = info
@@ -468,6 +476,7 @@ class AggClient:
         if a.size == 0:  # nothing to send: the round is used up and answered at once
             rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean, out)
             self._next_round += 1
+            self._own_next = self._next_round
             return AllreduceHandle(self, rnd, None)
         x = np.ascontiguousarray(a).reshape(-1)
         if not _all_finite(x, self._fast):
@@ -489,9 +498,19 @@ class AggClient:
             if not any(not r.complete for r in self._rounds):
                 self._last_progress = time.monotonic()  # nothing was outstanding: the clock starts
             self._round_chunks = -(-x.size // self._elements) or 1
+            if self._first_size is None:
+                self._first_size = x.size
+            self._uniform = self._uniform and x.size == self._first_size
+            if not self._uniform:
+                # a round we moved to on seeing a quorum's results may hold another tensor
+                # than this one: keep our own order (docs/protocol.md, "Tensors of different sizes")
+                self._next_round = self._own_next
+                self._seen_quorum.clear()
             self._catch_up()  # a quorum round seen whole, now that we know what whole is
             rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean, out)
+            rnd.skips = self._skips_for(rnd)
             self._next_round += 1
+            self._own_next = self._next_round
             self._rounds.append(rnd)
         else:
             rnd = into
@@ -822,20 +841,46 @@ class AggClient:
             # round, not a round beyond it: a member ahead of the quorum would open a round in a
             # slot that still expects the quorum's chunks of the current round (keys grow per
             # slot) and stall them.
+            self._note_rounds(rounds[caught_up], chunks[caught_up])
             to_us = caught_up & ((h["flags"] & _REREAD) != 0)
             seen = caught_up & ~to_us
+            if not self._uniform:
+                # Rounds are a sequence of tensors: one of the quorum's later rounds holds another
+                # tensor than our next call. We keep our order; our late rounds are carried and
+                # answered at once, so we catch up by running through them.
+                to_us[:] = seen[:] = False
             if to_us.any():
                 self._next_round = max(self._next_round, int(rounds[to_us].max()) + 1)
             if seen.any():
                 self._catch_up(rounds[seen], chunks[seen])
         return new, acked
 
+    def _skips_for(self, rnd: "_Round") -> np.ndarray | None:
+        """The ``skip`` of each chunk of a new round (None: all 0), and the chunks' newest round."""
+        n, last = rnd.n_chunks, self._chunk_last
+        if n > last.size:
+            last = self._chunk_last = np.concatenate([last, np.full(n - last.size, -1, np.int64)])
+        skips = np.minimum(rnd.number - last[:n] - 1, SKIP_MAX)
+        last[:n] = rnd.number
+        return skips.astype(np.uint16) if skips.any() else None
+
+    def _note_rounds(self, rounds: np.ndarray, chunks: np.ndarray) -> None:
+        """Results of rounds we did not send (a quorum's, seen by a straggler) move their chunks'
+        newest round on, so our next round of each says the right ``skip``."""
+        last = self._chunk_last
+        ok = chunks < last.size
+        if ok.any():
+            np.maximum.at(last, chunks[ok], rounds[ok])
+
     def _catch_up(self, rounds: np.ndarray | None = None, chunks: np.ndarray | None = None) -> None:
         """Quorum results seen on the group (``rounds``, ``chunks``; none: re-evaluate): join the
         newest round seen, or the round after it once every chunk of it (as many as our newest
         round has) has been released."""
+        if not self._uniform:
+            return
         seen = self._seen_quorum
-        if rounds is not None:
+        if rounds is not None and self._first_size is not None:
+            # (before our first call we know nothing of the job's tensors: we start at round 0)
             for r, c in zip(rounds.tolist(), chunks.tolist()):
                 if r >= self._next_round - 1:
                     seen.setdefault(r, set()).add(c)
@@ -887,11 +932,16 @@ class AggClient:
         bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + 4 * cnt)
         if bad.any():
             j = int(np.argmax(bad))
+            if self._sizes[idx][j] >= HEADER_SIZE + 4 * cnt[j]:  # a whole packet: the members differ
+                why = ("the members reduced tensors of different sizes in that round (every member "
+                       "must make the same sequence of calls; under quorum a straggler that caught "
+                       "up to a later round reduces a different tensor than the quorum did there)")
+            else:
+                why = f"is the job's packet size {self._elements} elements?"
             self._fail_round(rnd, ProtocolError(
                 f"aggregator {self._server[0]}:{self._server[1]} sent a result for job {self._job}, "
                 f"round {rounds[j]}, chunk {chunks[j]} with count {cnt[j]} in {self._sizes[idx][j]} "
-                f"bytes; expected {expect[j]} values (is the job's packet size {self._elements} "
-                f"elements?)"))
+                f"bytes; expected {expect[j]} values ({why})"))
             return 0, acked
         ncon = h["n_contrib"]
         divisor = None
@@ -1071,6 +1121,7 @@ class _Round:
         self.n_contrib = np.zeros(n, np.uint16)
         self.n_have = 0
         self.answered = number
+        self.skips: np.ndarray | None = None  # per chunk: the packets' ``skip`` (None: all 0)
         self.info: StrategyInfo | None = None
         self.sends: list[_Send] = []
         self.steps = 0
@@ -1155,6 +1206,12 @@ class _Send:
         self._fill(c0, first, r0)
         if first < k:
             self._fill(c0 + first, k - first, 0)
+        skips = self.rnd.skips
+        if skips is not None:
+            h = self.ring.pk["hdr"]
+            h["skip"][r0:r0 + first] = skips[c0:c0 + first]
+            if first < k:
+                h["skip"][0:k - first] = skips[c0 + first:c0 + k]
         self.state[c0:c0 + k] = _INFLIGHT
         self.inflight += k
         self.sent_at[c0:c0 + k] = time.monotonic()

@@ -17,7 +17,7 @@ from aggd.strategy import StrategyTable, from_entry, parse
 from aggd_client.mrecv import sockaddr_in
 from aggd_client.protocol import HEADER_SIZE, DropReason, Header
 
-from .test_model_strategies import (E, JOB, STRATEGY_TEXTS, Traffic, addr, entry, job_config,
+from .test_model_strategies import (E, JOB, STRATEGY_TEXTS, Traffic, addr, entry, job_config, layout_of,
                                     swap_table)
 
 REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
@@ -34,7 +34,7 @@ def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, in
     """The sequence through the plain model: [(sent, verdict) or ("swap", entries)], the model."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4, 8)[(shape >> 4) % 5], 1 + (shape >> 7) % 4
-    traffic = Traffic(world=world, slots=slots, chunks=chunks, max_chunks=8, window=window, elements=E,
+    traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=E,
                       junk=True, noise=bool(shape >> 9 & 1))
     entries = [entry(text)]
     m = new_model(world, slots, entries)

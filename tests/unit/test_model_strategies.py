@@ -478,10 +478,16 @@ class Traffic:
     Shrinking towards 0 means: rank 0 sends the next key of its window, 2 µs later.
     """
 
-    def __init__(self, *, world: int, slots: int, chunks: int, max_chunks: int, window: int,
-                 elements: int, addr_of: Callable[[int], tuple[str, int]] = addr,
+    def __init__(self, *, world: int, slots: int, chunks: int | tuple[int, ...], max_chunks: int,
+                 window: int, elements: int, addr_of: Callable[[int], tuple[str, int]] = addr,
                  exact: bool = False, noise: bool = True, junk: bool = False) -> None:
-        self.world, self.slots, self.chunks, self.max_chunks = world, slots, chunks, max_chunks
+        # ``chunks``: every round's chunks, or a cycle of rounds' chunks (tensors of several sizes,
+        # as DDP's buckets): a chunk sits out the rounds with fewer, and its packets say ``skip``.
+        self.layout = (chunks,) if isinstance(chunks, int) else tuple(chunks)
+        self.per_cycle = sum(self.layout)
+        self.starts = [sum(self.layout[:j]) for j in range(len(self.layout))]
+        self.chunks = max(self.layout)
+        self.world, self.slots, self.max_chunks = world, slots, max_chunks
         self.window, self.elements, self.addr_of = window, elements, addr_of
         self.exact, self.noise, self.junk = exact, noise, junk
         self.done: list[set[int]] = [set() for _ in range(world)]
@@ -491,7 +497,19 @@ class Traffic:
         self.max_round = 0
 
     def key(self, idx: int) -> tuple[int, int]:
-        return divmod(idx, self.chunks)
+        cycle, rem = divmod(idx, self.per_cycle)
+        j = max(j for j, start in enumerate(self.starts) if start <= rem)
+        return cycle * len(self.layout) + j, rem - self.starts[j]
+
+    def index(self, round_: int, chunk: int) -> int:
+        cycle, j = divmod(round_, len(self.layout))
+        return cycle * self.per_cycle + self.starts[j] + chunk
+
+    def skip(self, round_: int, chunk: int) -> int:
+        """Rounds since ``chunk``'s previous round that left it out (its first: from round -1)."""
+        prev = next((r for r in range(round_ - 1, -1, -1)
+                     if self.layout[r % len(self.layout)] > chunk), -1)
+        return round_ - prev - 1
 
     def _pick(self, keys: list[int], a: int) -> int | None:
         return keys[a % len(keys)] if keys else None
@@ -535,9 +553,9 @@ class Traffic:
             self.max_round = max(self.max_round, round_)
         values, exponent = self._values(op)
         hdr = Header(type=typ, job=JOB, rank=rank, round=round_, chunk=chunk, count=self.elements,
-                     flags=flags, step=step, exponent=exponent)
+                     flags=flags, step=step, exponent=exponent, skip=self.skip(round_, chunk))
         if self.junk and (op >> 21) % 8 == 0:
-            hdr.strategy_version, hdr.strategy, hdr.param, hdr.reserved = 0xBEEF, 0xA5, 0x5A, 0x1234
+            hdr.strategy_version, hdr.strategy, hdr.param = 0xBEEF, 0xA5, 0x5A
             hdr.contributors, hdr.n_contrib, hdr.code = 0xDEADBEEF, 77, 3
         data = hdr.pack() + values.tobytes()
         contribution = (rank, round_, chunk, step) if typ == MsgType.CONTRIB else None
@@ -557,12 +575,13 @@ class Traffic:
         """Malformed, foreign or misdirected packets, one of each check's refusals."""
         sub = (op >> 11) & 7
         rank = (op & 3) % self.world
-        hdr = Header(type=MsgType.CONTRIB, job=JOB, rank=rank, round=self.lo[rank] // self.chunks,
-                     chunk=self.lo[rank] % self.chunks, count=self.elements)
+        round_, chunk = self.key(self.lo[rank])
+        hdr = Header(type=MsgType.CONTRIB, job=JOB, rank=rank, round=round_, chunk=chunk,
+                     count=self.elements, skip=self.skip(round_, chunk))
         payload = SMALL[(op >> 21) % 64, :self.elements].astype("<i4").tobytes()
         src = self.addr_of(rank)
         if self.junk and (op >> 21) % 2:     # NACKs must zero what they do not echo
-            hdr.strategy_version, hdr.strategy, hdr.param, hdr.reserved = 0xBEEF, 0xA5, 0x5A, 0x1234
+            hdr.strategy_version, hdr.strategy, hdr.param, hdr.skip = 0xBEEF, 0xA5, 0x5A, 0x1234
             hdr.contributors, hdr.n_contrib, hdr.step, hdr.exponent = 0xDEADBEEF, 77, 9, -3
         if a == 0:
             data = (hdr.pack() + payload)[:sub * 5]                          # too short
@@ -601,13 +620,24 @@ class Traffic:
         if v.action != "tx" or v.header.type != MsgType.RESULT:
             return
         hdr = v.header
-        got = hdr.round * self.chunks + hdr.chunk
+        got = self.index(hdr.round, hdr.chunk)
         for r in (range(self.world) if v.dest == "group" else (sent.rank,)):
             self.done[r].add(got)
             if v.dest != "group":
                 self.done[r].add(sent.key)
             while self.lo[r] in self.done[r]:
                 self.lo[r] += 1
+
+
+#: Rounds' chunk counts a random run may take (shape bits 12-14): a constant, or tensors of several
+#: sizes in turn (DDP's unequal buckets), so chunks sit out rounds and shrink and grow.
+LAYOUTS: tuple[int | tuple[int, ...], ...] = (1, 2, 4, 3, (2, 1), (1, 3, 2), (3, 1, 1, 4), (1, 4))
+
+
+def layout_of(shape: int, constant: int) -> int | tuple[int, ...]:
+    """Half the shapes keep ``constant`` chunks a round; the others take a layout of LAYOUTS."""
+    pick = (shape >> 12) % 8
+    return constant if pick < 4 else LAYOUTS[pick]
 
 
 STRATEGY_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:10ms", "quorum:4:10ms", "ssp:1", "ssp:2", "ssp:0",
@@ -636,7 +666,7 @@ def test_property_conservation_with_swaps(ops, shape, swaps):
     most once, and n_contrib accounts for every one."""
     world = 1 + shape % 4
     slots = 1 + (shape >> 2) % 2
-    traffic = Traffic(world=world, slots=slots, chunks=1 + (shape >> 3) % 4, max_chunks=8,
+    traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, 1 + (shape >> 3) % 4), max_chunks=8,
                       window=1 + (shape >> 5) % 3, elements=E, exact=True)
     m = AggregatorModel(E)
     m.add_job(job_config(world, slots, 8))

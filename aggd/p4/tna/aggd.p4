@@ -362,6 +362,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             drops.count(AGGD_NO_JOB * AGGD_DROP_STRIDE + (bit<32>)AGGD_DROP_REASON_UNKNOWN_JOB);
             hdr.aggd.type = AGGD_MSG_TYPE_NACK;
             hdr.aggd.code = AGGD_NACK_CODE_UNKNOWN_JOB;
+            hdr.aggd.skip = 0;          /* the contribution's skip is not echoed */
             hdr.lanes.setInvalid();
             to_sender();
             return;
@@ -372,6 +373,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             drops.count((bit<32>)hdr.aggd.job * AGGD_DROP_STRIDE + (bit<32>)AGGD_DROP_REASON_NOT_MEMBER);
             hdr.aggd.type = AGGD_MSG_TYPE_NACK;
             hdr.aggd.code = AGGD_NACK_CODE_NOT_MEMBER;
+            hdr.aggd.skip = 0;
             hdr.lanes.setInvalid();
             to_sender();
             return;
@@ -501,7 +503,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
         hdr.aggd.param = meta.s_param;
         hdr.aggd.code = 0;
         hdr.aggd.step = 0;
-        hdr.aggd.reserved = 0;
+        hdr.aggd.skip = 0;
         hdr.aggd.contributors = (bit<64>)((meta.seen_hi | meta.bit_hi) ++ (meta.seen_lo | meta.bit_lo));
         if (meta.to_group == 1) {
             job_events.count((bit<32>)hdr.aggd.job * AGGD_COUNTER_STRIDE + (bit<32>)AGGD_COUNTER_RELEASED);

@@ -108,7 +108,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     /* 1: released by its deadline, not yet announced: the first answer from it goes to the group */
     register<bit<8>>(AGGD_BANK_CELLS) bank_unannounced;
     /* 1: opened by a carry (rule 4), no member's own contribution yet: outside the slot's key
-     * order, admission (but async's count of open banks) and the quorum deadline */
+     * order, admission (but async's count of open banks) and the quorum deadline; the chunk's
+     * next round adopts it */
     register<bit<8>>(AGGD_BANK_CELLS) bank_holding;
     /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
      * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
@@ -225,7 +226,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         hdr.aggd.step = 0;
         hdr.aggd.strategy = 0;
         hdr.aggd.param = 0;
-        hdr.aggd.reserved = 0;
+        hdr.aggd.skip = 0;
         hdr.lanes.setInvalid();
 #if AGGD_PASSES > 1
         hdr.tail[0].setInvalid();
@@ -291,8 +292,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<8> irel_old = NO_BANK;
         bit<8> irel_chunk = NO_BANK;
         bit<64> newest = 0;
-        bit<64> chunk_newest = 0;
+        bit<64> chunk_newest = 0;  /* newest key of the packet's chunk, holding banks aside */
         bit<1> have_chunk = 0;
+        bit<8> iheld = NO_BANK;    /* the chunk's open holding bank with the smallest key */
+        bit<64> held_key = 0;
         bit<64> target_key = 0xFFFFFFFFFFFFFFFF;
         bit<64> rel_old_key = 0xFFFFFFFFFFFFFFFF;
         bit<64> rel_chunk_key = 0;
@@ -455,9 +458,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             base = meta.slot * AGGD_BANKS;
 
             /* Rule 0 (expiry) and the scan of the four banks. A carry's holding bank (bank_holding)
-             * has no deadline and counts only as a target for later carries of its chunk (and in
-             * the chunk's newest round, and async's count of open banks): not in the slot's newest
-             * key, `used`, the open banks admission looks at, or the banks a new round may take. */
+             * has no deadline and counts only as a target for later carries of its chunk, as the
+             * bank the chunk's next round adopts (and in async's count of open banks): not in the
+             * slot's or the chunk's newest key, `used`, the open banks admission looks at, or the
+             * banks a new round may take. */
 #define SCAN(i) \
             bank_state.read(st##i, base + i); \
             bank_round.read(rd##i, base + i); \
@@ -479,7 +483,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             } else { \
                 k = rd##i ++ ch##i; \
                 if (k == key) { ik = i; } \
-                if (ch##i == hdr.aggd.chunk && (have_chunk == 0 || k > chunk_newest)) { \
+                if (ch##i == hdr.aggd.chunk && hd##i == 0 && (have_chunk == 0 || k > chunk_newest)) { \
                     chunk_newest = k; \
                     have_chunk = 1; \
                 } \
@@ -489,6 +493,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
                     target_key = k; \
                     itarget = i; \
+                } \
+                if (st##i == BANK_OPEN && ch##i == hdr.aggd.chunk && (iheld == NO_BANK || k < held_key)) { \
+                    held_key = k; \
+                    iheld = i; \
                 } \
             } else if (st##i != BANK_EMPTY) { \
                 used = used + 1; \
@@ -624,10 +632,19 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 meta.s_round = open_round;
                 strategy.apply();
                 bit<1> admitted = 0;
-                /* a round of a chunk opens only as the next round of that chunk */
+                /* a round of a chunk opens only as the next round of that chunk: the one `skip`
+                 * rounds after its newest (SKIP_MAX: at least that many); 48 bits do not wrap */
                 bit<1> in_order = 1;
-                if (hold == 0 && have_chunk == 1 && (bit<33>)open_round != (bit<33>)chunk_newest[63:32] + 1) {
-                    in_order = 0;
+                if (hold == 0 && have_chunk == 1) {
+                    if (hdr.aggd.skip < (bit<16>)AGGD_SKIP_MAX) {
+                        if ((bit<48>)open_round !=
+                            (bit<48>)chunk_newest[63:32] + 1 + (bit<48>)hdr.aggd.skip) {
+                            in_order = 0;
+                        }
+                    } else if ((bit<48>)open_round <
+                               (bit<48>)chunk_newest[63:32] + 1 + (bit<48>)AGGD_SKIP_MAX) {
+                        in_order = 0;
+                    }
                 }
                 if (hold == 1) {
                     /* a carry's holding bank: no admission, no order; only while another bank
@@ -648,7 +665,16 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 } else if (nopen == 0) {
                     admitted = 1;
                 }
-                if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
+                if (hold == 0 && in_order == 1 && iheld != NO_BANK) {
+                    /* the chunk's holding bank becomes this round (its carries wait for it): no
+                     * admission, this round's strategy; the add below starts the round proper */
+                    bank_round.write(base + (bit<32>)iheld, open_round);
+                    bank_version.write(base + (bit<32>)iheld, meta.s_version);
+                    bank_kind.write(base + (bit<32>)iheld, meta.s_kind);
+                    bank_param.write(base + (bit<32>)iheld, meta.s_param);
+                    bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
+                    add = iheld;
+                } else if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
                     if (carried == 1) {
                         refuse_late = 1;
@@ -839,7 +865,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 hdr.aggd.strategy_version = b_version;
                 hdr.aggd.strategy = b_kind;
                 hdr.aggd.param = b_param;
-                hdr.aggd.reserved = 0;
+                hdr.aggd.skip = 0;
                 hdr.aggd.contributors = b_bitmap;
                 hdr.aggd.n_contrib = b_n;
                 hdr.aggd.step = 0;

@@ -36,6 +36,8 @@ MAX_MEMBERS = 64
 MAX_JOBS = 256
 #: Versions of a job's strategy table kept at once (a ring; see the strategies issue).
 STRATEGY_VERSIONS = 4
+#: ``skip`` saturates here: "the chunk's previous round is at least this many rounds back".
+SKIP_MAX = 0xFFFF
 #: Exponent sent with an all-zero chunk: larger than any real one, so it never lowers the sum's scale.
 ZERO_EXPONENT = 0x3FFF
 
@@ -133,7 +135,9 @@ HEADER: tuple[Field, ...] = (
     Field("step", "u16", "local step within the round (wbsp); 0 otherwise"),
     Field("strategy", "u8", "StrategyKind that governed the round (results), so clients adapt"),
     Field("param", "u8", "that strategy's parameter: quorum k or ssp staleness"),
-    Field("reserved", "u16", "0"),
+    Field("skip", "u16", "contributions and re-reads: rounds since the chunk's previous round that "
+                         "did not include it (0 when it took part in the round before, or never "
+                         "took part); SKIP_MAX: that many or more. 0 in results and NACKs"),
 )
 
 SIZES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i16": 2}
