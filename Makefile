@@ -17,7 +17,7 @@ test: setup
 	echo "make test: $$(( $$(date +%s) - start ))s"; exit $$rc
 
 test-unit: setup
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest tests/unit tests/client
 
 gen: setup
 	$(PY) -m aggd_client.protocol.codegen --write

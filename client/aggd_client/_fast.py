@@ -4,7 +4,7 @@
 ``scatter`` checks a batch of received messages and dequantises one round's new results into its
 output (the client calls it once per round in flight); ``ack`` marks answered chunks of a send.
 Both do in one pass what the numpy path does in a dozen, which matters when batches are small.
-They give bit-identical results (tests/unit/test_client_fast.py): the same exact power-of-two
+They give bit-identical results (tests/client/test_client_fast.py): the same exact power-of-two
 scaling, round-half-even and float64 dequantisation followed by one cast.
 
 Used only when numba imports, the host is little-endian (the kernels write the big-endian header by

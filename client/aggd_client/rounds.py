@@ -1,0 +1,373 @@
+"""Rounds in flight and their retransmission: what each round holds, how its steps (sends) leave
+chunk by chunk under the window and the order rules, and what is sent again when.
+
+* ``_Round``: one round's result as it fills (chunks answered, their ``n_contrib``, the output).
+* ``_Send``: one step of a round on its way: a ring of packets (``_Ring``) indexed by
+  ``chunk % slots``, per-chunk send state, quantisation into the ring, acknowledgements and the
+  per-chunk retransmission timers.
+* ``RoundScheduler``: a mixin of ``AggClient`` over all rounds and sends: admits chunks within the
+  congestion window and the per-slot order, scans for timeouts, drops finished sends, fails rounds.
+
+Packets leave through the client's transport (``AggClient._send``); answers come back through the
+result handling (``results``), which calls ``_Send.ack``.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _fast, quant
+from .errors import AggdError
+from .protocol.definition import MAGIC, VERSION, Flag, MsgType, StrategyKind
+
+if TYPE_CHECKING:
+    from .client import AggClient
+    from .strategy import StrategyInfo
+
+log = logging.getLogger("aggd_client")  # one logger for the whole client, whatever the module
+
+#: Largest admission batch (keeps temporaries small); without GSO, also the packets one sendmmsg
+#: carries (``transport``).
+ADMIT_MAX = 64
+#: The longest a chunk waits between retransmissions (outside ``quorum``), unless
+#: ``retransmit_timeout`` is longer.
+RTO_CAP = 1.0
+#: Rings kept for reuse by the next sends.
+RING_POOL = 4
+
+_PENDING, _INFLIGHT, _DONE = 0, 1, 2
+# plain ints: numpy compares against enum members far more slowly
+_CONTRIB, _RETRANSMIT = int(MsgType.CONTRIB), int(Flag.RETRANSMIT)
+
+
+class _Round:
+    """One round's result: which chunks are answered, what each holds, the output array; ``sends``
+    are its steps still in progress."""
+
+    def __init__(self, number: int, shape, dtype, size: int, E: int, mean: bool,
+                 out: np.ndarray | None = None):
+        self.number = number
+        self.r32 = number & 0xFFFFFFFF
+        self.shape, self.dtype, self.mean = shape, np.dtype(dtype), mean
+        self.result = np.empty(shape, dtype) if out is None else out
+        self.out = self.result.reshape(-1)
+        n = -(-size // E)
+        self.n_chunks = n
+        self.n_full = size // E
+        self.last_count = size - (n - 1) * E if n else 0
+        self.out_full = self.out[:self.n_full * E].reshape(self.n_full, E)
+        self.have = np.zeros(n, np.uint8)
+        self.n_contrib = np.zeros(n, np.uint16)
+        self.n_have = 0
+        self.answered = number
+        self.skips: np.ndarray | None = None  # per chunk: the packets' ``skip`` (None: all 0)
+        self.info: StrategyInfo | None = None
+        self.sends: list[_Send] = []
+        self.steps = 0
+        self.error: BaseException | None = None
+        self.fast = self.dtype != np.float16  # numba has no float16
+
+    @property
+    def complete(self) -> bool:
+        return self.n_have == self.n_chunks
+
+
+class _Ring:
+    """``size`` contribution packets, built in place and sent from."""
+
+    __slots__ = ("size", "pk", "u8", "i32", "buf")
+
+    def __init__(self, dtype: np.dtype, size: int):
+        self.size = size
+        self.pk = np.zeros(size, dtype)
+        self.u8 = self.pk.view(np.uint8).reshape(size, dtype.itemsize)
+        self.i32 = self.u8.view(np.int32)
+        self.buf = memoryview(self.pk.view(np.uint8))
+
+
+class _Send:
+    """One step of a round on its way: the input, a ring of packets, per-chunk send state."""
+
+    def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind):
+        self.c, self.rnd, self.x, self.step = c, rnd, x, step
+        self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
+        self.terms = quant.terms_for(c._world, kind)  # headroom for what the result may hold
+        self.fq, self.jq = quant._q_frexp(c._world, self.terms)
+        self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
+        self.ring: _Ring | None = c._take_ring(self.R)
+        h = self.ring.pk[:self.R]["hdr"]
+        h[...] = 0
+        h["magic"], h["version"], h["type"] = MAGIC, VERSION, _CONTRIB
+        h["job"], h["rank"], h["round"], h["step"] = c._job, c._rank, rnd.r32, step
+        h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
+        self.state = np.zeros(self.n, np.uint8)
+        self.sent_at = np.zeros(self.n, np.float64)
+        self.retries = np.zeros(self.n, np.uint8)
+        self.next = 0        # next chunk to admit
+        self.lo = 0          # lowest chunk without an answer
+        self.inflight = 0
+        self.hi_answered = -1  # highest chunk answered: chunks below it still in flight were lost
+        self.answered_at = -np.inf  # when an answer last stopped a chunk in flight
+        self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
+        self.dropped = False
+        self.last_ack = time.monotonic()
+        self.fast_fill = c._fast
+        self.fill_args = None  # the numba fill's masks and scratch, for the input's dtype
+
+    @property
+    def finished(self) -> bool:
+        return self.next >= self.n and self.inflight == 0
+
+    def drop(self) -> None:
+        if self.ring is not None:
+            self.c._give_ring(self.ring)
+        self.ring = None
+        self.x = None
+        self.dropped = True
+
+    # -- admission ----------------------------------------------------------------------------
+    def admit(self, limit: int, budget: int) -> tuple[int, bool]:
+        """Quantise and send chunks from ``next`` up to ``limit`` (exclusive) that the window and
+        the slot rule allow; (chunks sent, whether more could be sent right away)."""
+        S, c0 = self.S, self.next
+        k = min(budget, limit - c0, ADMIT_MAX)
+        if k <= 0:
+            return 0, False
+        if c0 + k > S:  # chunk c >= slots waits for the answer to chunk c - slots
+            start = max(c0, S)
+            blocked = self.state[start - S:c0 + k - S] != _DONE
+            if blocked.any():
+                k = start - c0 + int(np.argmax(blocked))
+                if k == 0:
+                    return 0, False
+        r0 = c0 % S
+        first = min(k, self.R - r0)  # the ring may wrap once
+        self._fill(c0, first, r0)
+        if first < k:
+            self._fill(c0 + first, k - first, 0)
+        skips = self.rnd.skips
+        if skips is not None:
+            h = self.ring.pk["hdr"]
+            h["skip"][r0:r0 + first] = skips[c0:c0 + first]
+            if first < k:
+                h["skip"][0:k - first] = skips[c0 + first:c0 + k]
+        self.state[c0:c0 + k] = _INFLIGHT
+        self.inflight += k
+        self.sent_at[c0:c0 + k] = time.monotonic()
+        self.next = c0 + k
+        if self.next >= self.n:
+            self.x = None  # everything is in packets now: the caller's array is free
+        rec, buf = self.c._rec, self.ring.buf
+        self.c._send(buf[r0 * rec:(r0 + first) * rec], first)
+        if first < k:
+            self.c._send(buf[0:(k - first) * rec], k - first)
+        return k, k == ADMIT_MAX and self.next < limit
+
+    def _fill(self, c0: int, k: int, r0: int) -> None:
+        """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
+        E, x, ring = self.E, self.x, self.ring
+        if self.fast_fill:
+            if x.dtype == np.float16:
+                xs, xc0 = x[c0 * E:(c0 + k) * E].astype(np.float32), 0
+            else:
+                xs, xc0 = x, c0
+            if self.fill_args is None:
+                self.fill_args = _fast.fill_args(xs.dtype)
+            absmask, pick_b, pick_f = self.fill_args
+            _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
+                       self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
+            return
+        src = x[c0 * E:(c0 + k) * E]
+        if src.size == k * E:
+            block = src.reshape(k, E)
+        else:  # the last, partial chunk: pad with zeros
+            block = np.zeros((k, E), x.dtype)
+            block.reshape(-1)[:src.size] = src
+        pk = ring.pk[r0:r0 + k]
+        h = pk["hdr"]
+        h["exponent"] = quant._quantise_rows(block, self.c._world, pk["payload"], self.terms)
+        h["chunk"] = np.arange(c0, c0 + k, dtype=np.uint32)
+        if self.flags_dirty:
+            h["flags"] = 0
+        if c0 + k == self.n:
+            h["count"][k - 1] = self.rnd.last_count
+
+    # -- answers and loss recovery ------------------------------------------------------------
+    def ack(self, chunks: np.ndarray, now: float) -> int:
+        """Chunks answered (repeats allowed): those in flight stop being retransmitted. Returns
+        how many. The longest answer time among those sent once feeds the timeout estimate."""
+        c = self.c
+        if c._fast:
+            out = c._ack_out
+            n = _fast.ack(self.state, chunks, chunks.size, self.sent_at, self.retries, now, out)
+            longest, once = out[0], out[1]
+        else:
+            hit = chunks[self.state[chunks] == _INFLIGHT]
+            if hit.size > 1:
+                hit = np.unique(hit)
+            self.state[hit] = _DONE
+            n = int(hit.size)
+            first = hit[self.retries[hit] == 0]
+            once = first.size
+            longest = now - float(self.sent_at[first].min()) if once else 0.0
+        if chunks.size:
+            self.hi_answered = max(self.hi_answered, int(chunks.max()))
+        if n:
+            self.inflight -= n
+            self.last_ack = self.answered_at = now
+            if once:
+                c._rtt.sample(longest)
+            c._cwnd.acked(n)
+        return n
+
+    def hurry(self) -> None:
+        """Make every packet still in flight due for retransmission now."""
+        inflight = self.state[:self.next] == _INFLIGHT
+        self.sent_at[:self.next][inflight] = -np.inf
+        self.answered_at = -np.inf
+
+    def retransmit_due(self, now: float, cap: float) -> None:
+        open_ = np.flatnonzero(self.state[self.lo:self.next] != _DONE)
+        if open_.size == 0:
+            self.lo = self.next
+            return
+        self.lo += int(open_[0])
+        cand = self.lo + np.flatnonzero(self.state[self.lo:self.next] == _INFLIGHT)
+        if cand.size == 0:
+            return
+        c = self.c
+        retries = self.retries[cand]
+        rto = np.minimum(c._rtt.rto * np.exp2(retries.astype(np.float64)), cap)
+        late = now - self.sent_at[cand] >= rto
+        if c._strategy.kind != StrategyKind.QUORUM and late.any():
+            # As TCP restarts its timer on every new acknowledgement (RFC 6298, 5.3): while
+            # answers come, a chunk times out only once answers to later chunks have passed it
+            # (lost); one they have not reached is waiting for a slow member. (Quorum rounds
+            # keep per-chunk timers: their retransmissions are the clock of the deadline.)
+            late &= (cand < self.hi_answered) | (now - self.answered_at >= rto)
+        due = cand[late]
+        if due.size == 0:
+            return
+        first = due[retries[late] == 0]
+        if first.size and int(first[0]) < self.hi_answered:
+            # a first timeout of a chunk the answers have passed by: the path dropped it (a
+            # timeout with nothing later answered is the round waiting for a slow member)
+            c._cwnd.lost(now, c._rtt.srtt or c._rtt.rto)
+        pk = self.ring.pk
+        idx = due % self.S
+        pk["hdr"]["flags"][idx] = _RETRANSMIT
+        self.flags_dirty = True
+        packets = pk[idx]  # contiguous copy of the (few) packets to send again
+        c._send(memoryview(packets.view(np.uint8)), due.size)
+        c.stats["retransmits"] += int(due.size)
+        self.sent_at[due] = now
+        self.retries[due] = np.minimum(self.retries[due], 29) + 1
+
+
+class RoundScheduler:
+    """The rounds and sends of ``AggClient`` (see the module's docstring)."""
+
+    def _init_rounds(self) -> None:
+        self._rounds: list[_Round] = []
+        self._sends: list[_Send] = []
+        self._ring_pool: list[_Ring] = []
+
+    # -- failing ------------------------------------------------------------------------------
+    def _fail_all(self, exc: BaseException) -> None:
+        for rnd in self._rounds:
+            if not rnd.complete and rnd.error is None:
+                rnd.error = exc
+        for s in self._sends:
+            s.drop()
+        self._sends.clear()
+        for rnd in self._rounds:
+            rnd.sends.clear()
+        self._rounds.clear()
+
+    def _fail_round(self, rnd: "_Round", exc: AggdError) -> None:
+        log.warning("round %d failed: %s", rnd.number, exc)
+        rnd.error = exc
+        for s in rnd.sends:
+            s.drop()
+            self._sends.remove(s)
+        rnd.sends.clear()
+        if rnd in self._rounds:
+            self._rounds.remove(rnd)
+
+    # -- sending ------------------------------------------------------------------------------
+    def _admit(self) -> bool:
+        """Let every send admit what the window and the order rules allow; whether more could be
+        admitted right away."""
+        self._tidy()
+        budget = self._cwnd.size - sum(s.inflight for s in self._sends if not s.rnd.complete)
+        more = False
+        for i, s in enumerate(self._sends):
+            if budget <= 0:
+                break
+            if s.next >= s.n:
+                continue
+            limit = self._limit(i, s)
+            if limit <= s.next:
+                continue
+            k, again = s.admit(limit, budget)
+            budget -= k
+            more = more or again
+        return more and budget > 0
+
+    def _limit(self, i: int, s: "_Send") -> int:
+        """First chunk of send ``i`` that must wait for an earlier send: one whose slot still has an
+        unsent chunk of an earlier round (keys grow per slot), or, for an earlier step of the same
+        round, a chunk that step has not sent yet."""
+        limit, S = s.n, self._slots
+        for p in self._sends[:i]:
+            left = p.n - p.next
+            if left <= 0:
+                continue
+            if p.rnd is s.rnd:
+                limit = min(limit, p.next)
+                continue
+            if left >= S:  # every slot still has a chunk of p to send
+                return s.next
+            d = (s.next - p.next) % S  # p's unsent chunks cover slots p.next % S .. + left - 1
+            if d < left:
+                return s.next
+            limit = min(limit, s.next + S - d)
+        return limit
+
+    def _tidy(self) -> None:
+        if any(s.finished for s in self._sends):
+            for s in [s for s in self._sends if s.finished]:
+                s.drop()
+                self._sends.remove(s)
+                s.rnd.sends.remove(s)
+        if any(r.complete and not r.sends for r in self._rounds):
+            self._rounds = [r for r in self._rounds if not (r.complete and not r.sends)]
+
+    def _retransmit(self, now: float) -> None:
+        cap = self._quorum_cap if self._strategy.kind == StrategyKind.QUORUM else self._rto_cap
+        for s in list(self._sends):
+            if s.rnd.complete and now - s.last_ack >= self._give_up:
+                # answers to contributions sent after the round's result came (a wbsp step, a
+                # straggler's carried chunk) that never arrived: stop asking
+                self.stats["abandoned"] += s.inflight + s.n - s.next
+                s.drop()
+                self._sends.remove(s)
+                s.rnd.sends.remove(s)
+            else:
+                s.retransmit_due(now, cap)
+
+    def _take_ring(self, size: int) -> "_Ring":
+        fits = [r for r in self._ring_pool if r.size >= size]
+        if fits:
+            ring = min(fits, key=lambda r: r.size)
+            self._ring_pool.remove(ring)
+            return ring
+        return _Ring(self._dtype, size)
+
+    def _give_ring(self, ring: "_Ring") -> None:
+        self._ring_pool.append(ring)
+        if len(self._ring_pool) > RING_POOL:
+            self._ring_pool.remove(min(self._ring_pool, key=lambda r: r.size))

@@ -1,0 +1,194 @@
+"""The client's sockets: contributions out (UDP GSO, else ``sendmmsg`` runs, else one ``sendto`` a
+packet), results and NACKs in, a batch at a time, into one preallocated staging array.
+
+``UdpTransport`` is a mixin of ``AggClient``: the sockets and the staging array are the client's
+own attributes, which the rounds (``rounds``) send from and the result handling (``results``)
+reads. It knows nothing of rounds or chunks: it moves runs of back-to-back records.
+"""
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import selectors
+import socket
+import struct
+
+import numpy as np
+
+from . import msend
+from .mrecv import MultiReceiver
+from .rounds import ADMIT_MAX
+
+log = logging.getLogger("aggd_client")  # one logger for the whole client, whatever the module
+
+#: Linux socket options Python does not name on every version.
+UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
+IP_MULTICAST_ALL = getattr(socket, "IP_MULTICAST_ALL", 49)
+SOL_UDP = getattr(socket, "SOL_UDP", 17)
+#: The kernel takes at most 64 segments in one GSO send (UDP_MAX_SEGMENTS on older kernels) and a
+#: UDP datagram carries at most 65507 bytes of payload.
+GSO_MAX_SEGMENTS = 64
+UDP_MAX_PAYLOAD = 65507
+#: errnos that mean "this kernel/path cannot do UDP GSO".
+#: EMSGSIZE: GSO segments must fit the MTU; a job with larger packets (served by the daemon in user
+#: space) needs plain sends, which IP fragments.
+_GSO_REFUSED = {errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, errno.EMSGSIZE}
+#: errnos that lose the packet but leave the socket usable: loss recovery takes care of them.
+_TRANSIENT = {errno.ENOBUFS, errno.EAGAIN, errno.EPERM, errno.ECONNREFUSED, errno.EHOSTUNREACH,
+              errno.ENETUNREACH, errno.EHOSTDOWN, errno.ENETDOWN}
+#: Largest receive batch handled at once: at most STAGE_BYTES of packets (256 of 832 values, 31 of
+#: 8,192).
+STAGE = 256
+STAGE_BYTES = 1 << 20
+SOCKET_BUFFER = 16 << 20
+
+
+def _local_ip_towards(server: tuple[str, int]) -> str:
+    """The local address the kernel would send from to reach ``server`` (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(server)
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def _grow_buffers(sock: socket.socket) -> None:
+    for opt, force in ((socket.SO_RCVBUF, getattr(socket, "SO_RCVBUFFORCE", 33)),
+                       (socket.SO_SNDBUF, getattr(socket, "SO_SNDBUFFORCE", 32))):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)  # needs CAP_NET_ADMIN
+        except OSError:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)  # capped by [rw]mem_max
+            except OSError:
+                pass
+
+
+class UdpTransport:
+    """Sockets, sends and batched receives of ``AggClient`` (see the module's docstring)."""
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _open_sockets(self, bind: tuple[str, int], group: tuple[str, int] | None) -> None:
+        """Bind the member socket (``bind``) and join ``group``; the client is closed if that
+        fails."""
+        self._gso_segments = max(1, min(GSO_MAX_SEGMENTS, UDP_MAX_PAYLOAD // self._rec))
+        self._run_sender = msend.RunSender(ADMIT_MAX, self._rec, self._server) if msend.AVAILABLE else None
+        self._gso_cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", self._rec))]
+
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._group_sock: socket.socket | None = None
+        self._selector = selectors.DefaultSelector()
+        try:
+            self._sock.bind((bind[0], int(bind[1])))
+            _grow_buffers(self._sock)
+            host, port = self._sock.getsockname()[:2]
+            if host == "0.0.0.0":
+                host = _local_ip_towards(self._server)
+            self._address = (host, port)
+            self._selector.register(self._sock, selectors.EVENT_READ)
+            if group is not None:
+                self._group_sock = self._join(group)
+                self._selector.register(self._group_sock, selectors.EVENT_READ)
+        except BaseException:
+            self.close()
+            raise
+        self._group = None if group is None else (group[0], int(group[1]))
+
+    def _init_staging(self) -> None:
+        """The receive staging array: a batch of messages lands in its records, their sizes in
+        ``_sizes``."""
+        stage = max(16, min(STAGE, STAGE_BYTES // self._rec))
+        self._stage = np.zeros(stage, self._dtype)  # receive staging
+        # written once now: the client's fixed buffers are resident from the start, so an
+        # allreduce's memory is what it adds (its ring of packets), whatever it is the first of
+        self._stage.view(np.uint8).fill(0)
+        self._stage_u8 = self._stage.view(np.uint8).reshape(stage, self._rec)
+        self._stage_i32 = self._stage_u8.view(np.int32)
+        self._sizes = np.zeros(stage, np.int64)
+        self._receiver = MultiReceiver(self._stage, self._rec, self._sizes)
+
+    def _close_sockets(self) -> None:
+        """Release the sockets (``close`` does, after its last progress)."""
+        try:
+            self._selector.close()
+        finally:
+            self._sock.close()
+            if self._group_sock is not None:
+                self._group_sock.close()
+
+    def _join(self, group: tuple[str, int]) -> socket.socket:
+        ip = ipaddress.IPv4Address(group[0])
+        if not ip.is_multicast:
+            raise ValueError(f"group {group[0]} is not an IPv4 multicast address")
+        local = _local_ip_towards(self._server)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind(("0.0.0.0", int(group[1])))
+            mreq = struct.pack("4s4s", socket.inet_aton(str(ip)), socket.inet_aton(local))
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+            s.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+            _grow_buffers(s)
+        except BaseException:
+            s.close()
+            raise
+        return s
+
+    # -- sending ------------------------------------------------------------------------------
+    def _send(self, buf: memoryview, npk: int) -> None:
+        """Send ``npk`` back-to-back packets held in ``buf``."""
+        rec, i = self._rec, 0
+        while i < npk:
+            if self._gso and npk - i > 1:
+                j = min(npk, i + self._gso_segments)
+                try:
+                    self._sock.sendmsg([buf[i * rec:j * rec]], self._gso_cmsg, 0, self._server)
+                except OSError as e:
+                    if e.errno in _GSO_REFUSED:
+                        self._gso = False
+                        self.stats["gso_fallbacks"] += 1
+                        log.warning("UDP GSO refused by the kernel (%s); sending packets one by one",
+                                    e)
+                        continue  # the same packets again, plainly
+                    self._send_failed(e)
+                self.stats["packets_sent"] += j - i
+                i = j
+            elif self._run_sender is not None and npk - i > 1:
+                # no GSO (XDP in generic mode): one sendmmsg for the rest of the run
+                self._run_sender.send(self._sock, buf[i * rec:npk * rec], npk - i, self._send_failed)
+                self.stats["packets_sent"] += npk - i
+                i = npk
+            else:
+                try:
+                    self._sock.sendto(buf[i * rec:(i + 1) * rec], self._server)
+                except OSError as e:
+                    self._send_failed(e)
+                self.stats["packets_sent"] += 1
+                i += 1
+
+    def _send_failed(self, e: OSError) -> None:
+        if e.errno not in _TRANSIENT:
+            raise e
+        self._last_send_error = e  # the packets are lost; loss recovery sends them again
+        self.stats["send_errors"] += 1
+
+    # -- receiving ----------------------------------------------------------------------------
+    def _receive(self, timeout: float) -> int:
+        """Receive and hand on one batch (at most the staging array) to ``_process``; how many
+        messages."""
+        m = 0
+        if self._selector.select(timeout):
+            m = self._drain(self._sock, m)
+            if self._group_sock is not None:
+                m = self._drain(self._group_sock, m)
+        if m:
+            self._process(m)
+        return m
+
+    def _drain(self, sock: socket.socket, m: int) -> int:
+        """Receive into the staging array from position ``m`` until empty or full (one
+        recvmmsg a batch: ``mrecv``); new ``m``."""
+        return self._receiver.drain(sock, m)
