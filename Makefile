@@ -25,11 +25,11 @@ gen: setup
 # The P4 programs (docs/p4.md): compiled by p4c-bm2-ss (BMv2) and/or bf-p4c (Tofino) where installed;
 # fails, saying where they come from, when neither is. P4FLAGS="-DAGGD_ELEMENTS=128" for other sizes.
 p4:
-	@bash aggd/p4/build.sh
+	@bash aggd/dataplane/p4/programs/build.sh
 
 # The committed P4Info files, from the programs' declarations (no compiler needed).
 p4info: setup
-	$(PY) -m aggd.p4.p4info --write
+	$(PY) -m aggd.dataplane.p4.p4info --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

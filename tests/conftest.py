@@ -14,7 +14,7 @@ def unique_lab_name() -> str:
 @pytest.fixture
 def make_lab():
     """Factory ``make_lab(workers=2, **Lab kwargs)`` -> a running Lab, always torn down after the test."""
-    from aggd.lab import Lab
+    from aggd.lab.namespaces import Lab
 
     labs = []
 

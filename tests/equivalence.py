@@ -12,8 +12,8 @@ import struct
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from aggd.model import TableEntry
-from aggd.strategy import StrategyTable, from_entry, parse
+from aggd.core.model import TableEntry
+from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
 from aggd_client import protocol as proto
 

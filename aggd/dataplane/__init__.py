@@ -1,7 +1,7 @@
 """Data planes behind one interface: the XDP program (``xdp``) and the P4 program on a switch (``p4``).
 
 The deciding logic (job registry, strategies, policies, metrics) talks only to :class:`DataPlane`;
-``aggd.service`` picks the implementation from ``[dataplane] kind``. What one data plane cannot
+``aggd.daemon.service`` picks the implementation from ``[dataplane] kind``. What one data plane cannot
 tell (a P4 target without per-member counters, say) reads as ``None``: absent, never made up.
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     def set_strategy(self, job: int, entries) -> None:
-        """Install a job's strategy table (``aggd.strategy.TableEntry`` rows, newest last)."""
+        """Install a job's strategy table (``aggd.core.strategy.TableEntry`` rows, newest last)."""
 
     def check_strategies(self, entries) -> None:
         """Raise DataPlaneError if this data plane cannot run these strategy rows (checked before

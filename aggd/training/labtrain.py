@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..childlines import PipeLines
-from ..config import to_toml
-from ..control import ControlClient, ControlError
-from ..lab import Lab
+from aggd.lab.childlines import PipeLines
+from aggd.daemon.config import to_toml
+from aggd.daemon.control import ControlClient, ControlError
+from aggd.lab.namespaces import Lab
 
 #: The job names the daemon's policy manages in a LabDaemon (the dynamic runs).
 DYNAMIC_PREFIX = "dyn"
@@ -135,7 +135,7 @@ class LabDaemon:
         self._write_config()
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "aggd.daemon", "--config", str(self.config_path)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "aggd.daemon.main", "--config", str(self.config_path)],
                                          stdout=log, stderr=subprocess.STDOUT)
         finally:
             log.close()
@@ -165,7 +165,7 @@ class LabDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        from ..dataplane.xdp import remove_pinned
+        from aggd.dataplane.xdp.loader import remove_pinned
         remove_pinned(self.pin_dir)
 
     def close(self) -> None:
@@ -183,7 +183,7 @@ def strategy_text(strategy: str, world: int) -> str | None:
     text = STRATEGIES[strategy]
     if text is None:
         return None
-    from ..policy import fill
+    from aggd.core.policy import fill
     return fill(text, world, 1)
 
 

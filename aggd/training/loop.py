@@ -34,8 +34,8 @@ import numpy as np
 
 from aggd_client.protocol import StrategyKind
 
-from .data import Batches, Dataset
-from .model import MLP
+from aggd.training.data import Batches, Dataset
+from aggd.training.networks import MLP
 
 #: Each part of a contribution starts on a multiple of this many values (a packet boundary for
 #: every packet size that divides it: 64, 128, 256, 512).

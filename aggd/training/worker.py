@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from ..addresses import host_port
+from aggd.core.addresses import host_port
 
 
 def main(argv=None) -> int:
@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--give-up-after", type=float, default=20.0)
     args = ap.parse_args(argv)
 
-    from .data import load_digits
-    from .loop import GlooExchange, TrainConfig, train
+    from aggd.training.data import load_digits
+    from aggd.training.loop import GlooExchange, TrainConfig, train
 
     slow_from, slow_until = 0, None
     if args.slow_rounds:

@@ -49,7 +49,7 @@ class _Mmsghdr(ctypes.Structure):
     _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
 
 
-#: The structures, for the aggregator's sendmmsg (aggd.msend).
+#: The structures, for the aggregator's sendmmsg (aggd.dataplane.userspace.msend).
 Iovec, Mmsghdr = _Iovec, _Mmsghdr
 
 

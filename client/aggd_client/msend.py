@@ -20,7 +20,7 @@ from .mrecv import SOCKADDR_IN, Iovec, Mmsghdr, sockaddr_in
 
 def libc_sendmmsg():
     """libc's ``sendmmsg`` through ctypes, or None where there is none (the daemon's user-space
-    path uses it too: ``aggd.msend``)."""
+    path uses it too: ``aggd.dataplane.userspace.msend``)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sendmmsg
     except (OSError, AttributeError):

@@ -22,7 +22,7 @@ def xdp_program():
     """The production XDP program, loaded once (not attached): run through BPF_PROG_TEST_RUN."""
     if os.geteuid() != 0:
         pytest.fail("tests/bpf need root (CI runs as root)")
-    from aggd.dataplane.xdp import XdpDataPlane
+    from aggd.dataplane.xdp.loader import XdpDataPlane
     dp = XdpDataPlane(None, elements=ELEMENTS, total_slots=256)
     yield dp
     dp.close()

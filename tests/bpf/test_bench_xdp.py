@@ -4,7 +4,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from aggd.cli import main as aggctl
+from aggd.cli.main import main as aggctl
 
 pytestmark = pytest.mark.root
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggd.dataplane.bpf_syscall import prog_test_run
-from aggd.dataplane.xdp import XdpDataPlane, XdpError
+from aggd.dataplane.xdp.bpf_syscall import prog_test_run
+from aggd.dataplane.xdp.loader import XdpDataPlane, XdpError
 from aggd.testing.frames import frame
 from aggd_client.protocol import MAX_ELEMENTS, Header, MsgType
 

@@ -1,6 +1,6 @@
 """The reference model and the real XDP program, packet by packet (BPF_PROG_TEST_RUN).
 
-Every packet goes through ``aggd.model.AggregatorModel`` and through the production XDP program; they
+Every packet goes through ``aggd.core.model.AggregatorModel`` and through the production XDP program; they
 must agree on the verdict (XDP_DROP / XDP_TX / XDP_PASS), on the bytes of the aggd message sent and
 on where it goes (the job's group or the sender), and, at the end of each sequence, on every per-job
 counter and drop counter (the job's and the "no job" bucket). Time is frozen: the model gets
@@ -27,9 +27,9 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from aggd.dataplane.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
-from aggd.dataplane.xdp import multicast_mac
-from aggd.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
+from aggd.dataplane.xdp.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+from aggd.dataplane.xdp.loader import multicast_mac
+from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd.testing.frames import AGG_IP
 from aggd_client.protocol import Counter, DropReason
 
@@ -159,7 +159,7 @@ def test_random_sequences(harness, kind):
 def odd_harness():
     """The program built for an odd packet size: the payload loops that take lanes in pairs end with a
     lone lane (xdp/aggd_lanes.h)."""
-    from aggd.dataplane.xdp import XdpDataPlane
+    from aggd.dataplane.xdp.loader import XdpDataPlane
     dp = XdpDataPlane(None, elements=ODD_ELEMENTS, total_slots=64)
     yield Harness(dp, ODD_ELEMENTS)
     dp.close()

@@ -4,8 +4,8 @@ import secrets
 import numpy as np
 import pytest
 
-from aggd.dataplane.bpf_syscall import prog_test_run
-from aggd.dataplane.xdp import XdpDataPlane, XdpError, remove_pinned
+from aggd.dataplane.xdp.bpf_syscall import prog_test_run
+from aggd.dataplane.xdp.loader import XdpDataPlane, XdpError, remove_pinned
 from aggd.testing.frames import frame, parse
 from aggd_client.protocol import Header, MsgType
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggd.dataplane.bpf_syscall import prog_test_run
+from aggd.dataplane.xdp.bpf_syscall import prog_test_run
 from aggd.testing.frames import AGG_IP, AGG_MAC, frame, parse, worker_addr
 from aggd_client import protocol as proto
 from aggd_client.protocol import DropReason, Flag, Header, MsgType

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggd import strategy as strat
-from aggd.dataplane.bpf_syscall import prog_test_run
+from aggd.core import strategy as strat
+from aggd.dataplane.xdp.bpf_syscall import prog_test_run
 from aggd.testing.frames import frame, parse, worker_addr
 from aggd_client.protocol import Flag, Header, MsgType, StrategyKind
 

@@ -1,5 +1,5 @@
-"""allreduce_async and the strategies against the reference model (aggd.model) served by the
-user-space aggregator (aggd.userspace) on 127.0.0.1: the client and the aggregator's rules agree.
+"""allreduce_async and the strategies against the reference model (aggd.core.model) served by the
+user-space aggregator (aggd.dataplane.userspace.server) on 127.0.0.1: the client and the aggregator's rules agree.
 
 Skipped when the daemon package is not installed (the client does not depend on it).
 """
@@ -16,9 +16,9 @@ from aggd_client.protocol.definition import StrategyKind
 from .test_client_async import (DELAYS, E, STRATEGIES, Workers, assert_close, check_training,
                                 close_all, grad, train)
 
-userspace = pytest.importorskip("aggd.userspace")
-model = pytest.importorskip("aggd.model")
-strategy = pytest.importorskip("aggd.strategy")
+userspace = pytest.importorskip("aggd.dataplane.userspace.server")
+model = pytest.importorskip("aggd.core.model")
+strategy = pytest.importorskip("aggd.core.strategy")
 
 JOB = 13
 

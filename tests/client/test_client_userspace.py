@@ -1,4 +1,4 @@
-"""AggClient against the real user-space aggregator (aggd.userspace) on 127.0.0.1.
+"""AggClient against the real user-space aggregator (aggd.dataplane.userspace.server) on 127.0.0.1.
 
 Skipped when the daemon package is not installed: the client does not depend on it.
 """
@@ -12,8 +12,8 @@ import pytest
 
 from aggd_client import AggClient, NotMemberError, UnknownJobError, quant
 
-userspace = pytest.importorskip("aggd.userspace")
-model = pytest.importorskip("aggd.model")
+userspace = pytest.importorskip("aggd.dataplane.userspace.server")
+model = pytest.importorskip("aggd.core.model")
 
 JOB = 11
 E = 256

@@ -1,7 +1,7 @@
 """Workers in their own namespaces allreduce through the real XDP program on the lab's aggregator.
 
 Every worker checks its own result against the exact float64 sum of all members' tensors and the
-documented error bound (aggd.labworker), so each assertion here covers every member.
+documented error bound (aggd.lab.worker), so each assertion here covers every member.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from aggd.labrun import LabJob, run_workers, xdp_aggregator
+from aggd.lab.runner import LabJob, run_workers, xdp_aggregator
 
 pytestmark = pytest.mark.root
 
@@ -64,7 +64,7 @@ def test_64mib_all_dtypes(make_lab, world):
 def test_largest_packets_native_veth_xdp_takes(make_lab):
     """NATIVE_MAX_ELEMENTS int32 a packet (a 3410-byte frame) on a lab at the largest native-XDP
     veth MTU: sums are right, every packet was aggregated in the kernel (none handed up)."""
-    from aggd.lab import MAX_MTU
+    from aggd.lab.namespaces import MAX_MTU
     from aggd_client.protocol import NATIVE_MAX_ELEMENTS as MAX_ELEMENTS
 
     lab = make_lab(4, mtu=MAX_MTU)
@@ -104,7 +104,7 @@ def test_jumbo_packets_in_generic_mode(make_lab):
 
 
 def test_native_mode_refuses_jumbo_packets(make_lab):
-    from aggd.dataplane.xdp import XdpError
+    from aggd.dataplane.xdp.loader import XdpError
     from aggd_client.protocol import MAX_ELEMENTS, NATIVE_MAX_ELEMENTS
 
     lab = make_lab(1)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.root
 def test_bench_allreduce_emits_a_row_per_system(tmp_path):
     png = tmp_path / "allreduce.png"
     out = subprocess.run(
-        [sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp,aggd-user,gloo",
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp,aggd-user,gloo",
          "--size", "256K", "--workers", "2", "--iters", "2", "--json", "--plot", str(png)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -33,7 +33,7 @@ def test_bench_allreduce_emits_a_row_per_system(tmp_path):
 
 
 def test_bench_allreduce_refuses_an_unknown_system():
-    out = subprocess.run([sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "nccl"],
+    out = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "nccl"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "unknown system" in out.stderr and "nccl" in out.stderr
@@ -41,7 +41,7 @@ def test_bench_allreduce_refuses_an_unknown_system():
 
 def test_bench_allreduce_jumbo_packets_in_generic_mode():
     out = subprocess.run(
-        [sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp", "--mode", "generic",
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp", "--mode", "generic",
          "--size", "1M", "--workers", "2", "--iters", "2", "--json"],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -53,7 +53,7 @@ def test_bench_allreduce_jumbo_packets_in_generic_mode():
 
 
 def test_bench_allreduce_refuses_jumbo_packets_in_native_mode():
-    out = subprocess.run([sys.executable, "-m", "aggd.cli", "bench", "allreduce", "--systems", "aggd-xdp",
+    out = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp",
                           "--elements", "8192"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--mode generic" in out.stderr

@@ -13,10 +13,10 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from aggd.cli import main as aggctl
-from aggd.commands.lab import LossPercent
-import aggd.lab as lab_module
-from aggd.lab import Lab, LabError, in_netns, xdp_prog_id
+from aggd.cli.main import main as aggctl
+from aggd.cli.commands.lab import LossPercent
+import aggd.lab.namespaces as lab_module
+from aggd.lab.namespaces import Lab, LabError, in_netns, xdp_prog_id
 from tests.conftest import unique_lab_name
 
 pytestmark = pytest.mark.root

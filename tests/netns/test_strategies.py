@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from aggd import strategy as strat
-from aggd.hotswap import swap
-from aggd.labrun import LabJob, StrategyRun, xdp_aggregator
+from aggd.core import strategy as strat
+from aggd.core.hotswap import swap
+from aggd.lab.runner import LabJob, StrategyRun, xdp_aggregator
 from aggd_client.protocol import Flag, StrategyKind
 
 pytestmark = pytest.mark.root

@@ -1,8 +1,8 @@
 """Tensors of different sizes in one job, as DDP's unequal buckets: chunks sit out rounds.
 
-Real workers in lab namespaces through the real XDP program. ``aggd.labworker --interleave``
+Real workers in lab namespaces through the real XDP program. ``aggd.lab.worker --interleave``
 reduces every size in turn each round and checks each result against the exact sum and the
-documented error bound; the strategy runs (``aggd.labstrategy --sizes``) check that every
+documented error bound; the strategy runs (``aggd.lab.strategy_worker --sizes``) check that every
 gradient sent is released exactly once. Before the ``skip`` header field a chunk that sat out a
 round was refused ``busy`` in its next one and the job hung (512, 256, 512 hung on the third call;
 buckets of 362 and 2048 values on the fourth).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from aggd import strategy as strat
-from aggd.labrun import LabJob, StrategyRun, run_workers, xdp_aggregator
+from aggd.core import strategy as strat
+from aggd.lab.runner import LabJob, StrategyRun, run_workers, xdp_aggregator
 from aggd_client.protocol import Flag
 
 from .test_allreduce import assert_all_right

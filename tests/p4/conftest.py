@@ -17,7 +17,7 @@ def port_of(ip: str) -> int:
 
 @pytest.fixture(scope="session")
 def info():
-    from aggd.dataplane.p4 import P4Info
+    from aggd.dataplane.p4.backend import P4Info
     return P4Info()
 
 
@@ -31,7 +31,7 @@ def sim(info):
 
 @pytest.fixture
 def p4dp(sim):
-    from aggd.dataplane.p4 import P4DataPlane
+    from aggd.dataplane.p4.backend import P4DataPlane
     dp = P4DataPlane(sim.address, address=AGG_IP, hosts=HOSTS, registers=sim.registers, elements=256)
     yield dp
     dp.close()

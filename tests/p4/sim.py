@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from aggd.dataplane import p4_layout as L
-from aggd.dataplane.p4 import P4Info, RegisterAccess, decode, multicast_mac
-from aggd.dataplane.p4_proto import SERVICE, p4info_pb2, p4runtime_pb2 as p
-from aggd.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
+from aggd.dataplane.p4 import layout as L
+from aggd.dataplane.p4.backend import P4Info, RegisterAccess, decode, multicast_mac
+from aggd.dataplane.p4.proto import SERVICE, p4info_pb2, p4runtime_pb2 as p
+from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd_client import protocol as proto
 
 U32_MAX = (1 << 32) - 1
@@ -540,7 +540,7 @@ def _i64(value: int) -> int:
 
 class ThriftRegisterServer:
     """The register and counter calls of BMv2's Thrift "standard" service (the ones
-    ``aggd.dataplane.p4_thrift.Bmv2Registers`` makes), served on 127.0.0.1 (of ``netns``) from ``registers``
+    ``aggd.dataplane.p4.thrift.Bmv2Registers`` makes), served on 127.0.0.1 (of ``netns``) from ``registers``
     (a MemoryRegisters: bounds and widths as the P4Info says). An unknown name or index fails the
     call as BMv2 does (InvalidRegisterOperation / InvalidCounterOperation)."""
 
@@ -583,7 +583,7 @@ class ThriftRegisterServer:
         server = TServer.TThreadedServer(mux, self._sock, TTransport.TBufferedTransportFactory(),
                                          TBinaryProtocol.TBinaryProtocolFactory(), daemon=True)
         if netns:  # listening in that namespace (a switch's), as BMv2's Thrift server would
-            from aggd.lab import in_netns
+            from aggd.lab.namespaces import in_netns
             with in_netns(netns):
                 self._sock.listen()
         else:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from aggd.dataplane.p4 import P4INFO, P4DataPlane, P4Info
-from aggd.lab import in_netns
-from aggd.model import AggregatorModel, JobConfig
+from aggd.dataplane.p4.backend import P4INFO, P4DataPlane, P4Info
+from aggd.lab.namespaces import in_netns
+from aggd.core.model import AggregatorModel, JobConfig
 from aggd_client import protocol as proto
 
 from ..unit.test_model_strategies import GROUP, JOB, SCENARIOS, T0_NS, Swap, check
@@ -83,7 +83,7 @@ class Bmv2Lab:
             time.sleep(0.1)
         self.hosts = {lab.agg_ip: (lab.agg_mac, AGG_SWITCH_PORT)}
         self.hosts |= {lab.worker_ip(i): (lab.worker_mac(i), i + 1) for i in range(lab.workers)}
-        from aggd.dataplane.p4_thrift import Bmv2Registers
+        from aggd.dataplane.p4.thrift import Bmv2Registers
         with in_netns(lab.switch_ns):                       # the Thrift socket lives in the switch's namespace
             registers = Bmv2Registers("127.0.0.1:9090")
         self.dp = P4DataPlane(self.grpc, address=lab.agg_ip, hosts=self.hosts, registers=registers,

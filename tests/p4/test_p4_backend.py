@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd.dataplane import p4_layout as L
-from aggd.dataplane.p4 import (P4DataPlane, P4Error, P4Info, encode, strategy_plan, strategy_segments)
-from aggd.dataplane.p4_proto import p4runtime_pb2 as p
-from aggd.model import TableEntry, governing
-from aggd.strategy import StrategyTable, parse, to_entry
+from aggd.dataplane.p4 import layout as L
+from aggd.dataplane.p4.backend import (P4DataPlane, P4Error, P4Info, encode, strategy_plan, strategy_segments)
+from aggd.dataplane.p4.proto import p4runtime_pb2 as p
+from aggd.core.model import TableEntry, governing
+from aggd.core.strategy import StrategyTable, parse, to_entry
 from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 
@@ -189,7 +189,7 @@ def test_refusals(p4dp, sim):
 def test_tofino_target(tmp_path):
     """The TNA program's control plane: same tables plus the rank bits, sync and quorum only,
     power-of-two slot counts, its own counters."""
-    from aggd.dataplane.p4 import TNA_P4INFO
+    from aggd.dataplane.p4.backend import TNA_P4INFO
     info = P4Info(TNA_P4INFO)
     s = SimSwitch(info, HOSTS)
     dp = P4DataPlane(s.address, address=AGG_IP, hosts=HOSTS, registers=s.registers, target="tofino",
@@ -224,7 +224,7 @@ def test_tofino_target(tmp_path):
 def test_bfrt_registers_name_mapping():
     """BF Runtime access against a stand-in of the SDE's bfrt_grpc.client (the SDE is not here):
     table names get the pipeline prefix, registers read the largest per-pipe value."""
-    from aggd.dataplane.p4_bfrt import BfrtRegisters
+    from aggd.dataplane.p4.bfrt import BfrtRegisters
     calls = []
 
     class Data(dict):
@@ -372,7 +372,7 @@ def thrift_server(info):
 
 
 def test_bmv2_thrift_registers(thrift_server):
-    from aggd.dataplane.p4_thrift import Bmv2Registers
+    from aggd.dataplane.p4.thrift import Bmv2Registers
     registers, address = thrift_server
     regs = Bmv2Registers(address)
     try:

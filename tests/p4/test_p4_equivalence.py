@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd.dataplane.bpf_syscall import prog_test_run
-from aggd.model import AggregatorModel, JobConfig, TableEntry, Verdict
+from aggd.dataplane.xdp.bpf_syscall import prog_test_run
+from aggd.core.model import AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 from google.protobuf import text_format
 
-from aggd.dataplane import p4_layout as L
-from aggd.dataplane.p4 import P4INFO, P4DataPlane, P4Info
-from aggd.dataplane.p4_proto import p4info_pb2
-from aggd.p4 import p4info as gen
+from aggd.dataplane.p4 import layout as L
+from aggd.dataplane.p4.backend import P4INFO, P4DataPlane, P4Info
+from aggd.dataplane.p4.proto import p4info_pb2
+from aggd.dataplane.p4 import p4info as gen
 from aggd_client import protocol as proto
 
-P4_DIR = Path(L.__file__).resolve().parents[1] / "p4"
+P4_DIR = Path(L.__file__).resolve().parent / "programs"
 V1MODEL = P4_DIR / "v1model" / "aggd.p4"
 TNA = P4_DIR / "tna" / "aggd.p4"
 COMMON = P4_DIR / "common"
@@ -79,7 +79,7 @@ def test_ids_are_p4cs():
 @pytest.mark.parametrize("path,target", list(gen.FILES.items()), ids=list(gen.FILES.values()))
 def test_the_committed_p4info_describes_the_program(path, target):
     """The committed P4Info (hand-kept, or p4c's after `make p4`) has every object of the program's
-    description in aggd/p4/p4info.py, with the same id, fields, widths and sizes."""
+    description in aggd/dataplane/p4/p4info.py, with the same id, fields, widths and sizes."""
     committed = text_format.Parse(path.read_text(), p4info_pb2.P4Info())
     wanted = gen.build(target)
     for kind in ("tables", "actions", "registers", "counters"):
@@ -91,8 +91,8 @@ def test_the_committed_p4info_describes_the_program(path, target):
             for f in ("match_fields", "params", "size", "type_spec", "spec", "action_refs"):
                 if f in {d.name for d in o.DESCRIPTOR.fields}:
                     assert getattr(got, f) == getattr(o, f), (o.preamble.name, f)
-    if path.read_text().startswith("# P4Info of aggd/p4/"):     # the hand-kept file (a compiler's has no header)
-        assert path.read_text() == gen.render(target), "run `python -m aggd.p4.p4info --write` (or `make p4`)"
+    if path.read_text().startswith("# P4Info of aggd/dataplane/p4/programs/"):     # the hand-kept file (a compiler's has no header)
+        assert path.read_text() == gen.render(target), "run `python -m aggd.dataplane.p4.p4info --write` (or `make p4`)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def test_sources_are_balanced(path):
 
 
 def test_make_p4_without_a_compiler_fails_saying_where_they_come_from(tmp_path):
-    """`make p4` (aggd/p4/build.sh) with neither p4c-bm2-ss nor bf-p4c on the PATH: exit 1, nothing
+    """`make p4` (aggd/dataplane/p4/programs/build.sh) with neither p4c-bm2-ss nor bf-p4c on the PATH: exit 1, nothing
     written, and the message names both compilers, where they come from, and `make p4info`."""
     import shutil
     import subprocess

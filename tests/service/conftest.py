@@ -3,7 +3,7 @@ with the XDP data plane in a lab's aggregator namespace (``dataplane.netns``), i
 state and pinned maps in per-test places, and a NOTIFY_SOCKET the test reads.
 
 Every daemon runs under ``setpriv`` with exactly the capability bounding set of
-``systemd/aggd.service``, so every service test also checks that the unit's capabilities suffice.
+``systemd/aggd.daemon.service``, so every service test also checks that the unit's capabilities suffice.
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aggd.cli import main as aggctl_main
-from aggd.config import to_toml
-from aggd.control import ControlClient
+from aggd.cli.main import main as aggctl_main
+from aggd.daemon.config import to_toml
+from aggd.daemon.control import ControlClient
 
 ROOT = Path(__file__).resolve().parents[2]
-UNIT = ROOT / "systemd" / "aggd.service"
+UNIT = ROOT / "systemd" / "aggd.daemon.service"
 
 
 def unit_capabilities() -> list[str]:
@@ -106,7 +106,7 @@ class Daemon:
     def start(self, *extra: str, wait: bool = True, env: dict | None = None) -> None:
         caps = ",".join("+" + c.lower().removeprefix("cap_") for c in unit_capabilities())
         argv = ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all",
-                sys.executable, "-m", "aggd.daemon", "--config", str(self.config_path), *extra]
+                sys.executable, "-m", "aggd.daemon.main", "--config", str(self.config_path), *extra]
         self._mark = len(self.notify.messages)
         full_env = {**os.environ, "NOTIFY_SOCKET": str(self.notify.path), **(env or {})}
         log = open(self.log_path, "a")
@@ -149,7 +149,7 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
         self.notify.close()
-        from aggd.dataplane.xdp import remove_pinned
+        from aggd.dataplane.xdp.loader import remove_pinned
         remove_pinned(self.pin_dir)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -179,5 +179,5 @@ def make_daemon():
 @pytest.fixture(scope="session")
 def slot_bytes():
     """Kernel bytes one slot takes (the daemon's own probe), to size budgets in slots."""
-    from aggd.xdp_ops import probe_value_sizes
+    from aggd.dataplane.xdp.ops import probe_value_sizes
     return probe_value_sizes(256)["slots"]

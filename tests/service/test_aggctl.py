@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from aggd.dataplane.xdp import XdpDataPlane
+from aggd.dataplane.xdp.loader import XdpDataPlane
 
 pytestmark = pytest.mark.root
 

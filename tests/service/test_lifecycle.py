@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aggd.lab import xdp_prog_id
+from aggd.lab.namespaces import xdp_prog_id
 
 pytestmark = pytest.mark.root
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from aggd.labrun import LabJob, run_workers
+from aggd.lab.runner import LabJob, run_workers
 
 pytestmark = pytest.mark.root
 

@@ -1,10 +1,10 @@
 """The overflow path: what the kernel cannot hold is served in user space, and a worker gets the same
-sums whichever path served it. Workers join with tokens (aggd.labworker --token)."""
+sums whichever path served it. Workers join with tokens (aggd.lab.worker --token)."""
 from __future__ import annotations
 
 import pytest
 
-from aggd.labrun import LabJob, run_workers
+from aggd.lab.runner import LabJob, run_workers
 
 pytestmark = pytest.mark.root
 

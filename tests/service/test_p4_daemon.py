@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from aggd.dataplane import p4_layout as L
-from aggd.hotswap import SWAP_MARGIN
-from aggd.strategy import parse, to_entry
+from aggd.dataplane.p4 import layout as L
+from aggd.core.hotswap import SWAP_MARGIN
+from aggd.core.strategy import parse, to_entry
 from aggd_client import protocol as proto
 from tests.p4.sim import SimSwitch, ThriftRegisterServer, settled_rows, switch_config
 
@@ -39,7 +39,7 @@ def hosts_of(lab) -> dict[str, tuple[str, int]]:
 
 @pytest.fixture
 def switch():
-    from aggd.dataplane.p4 import P4Info
+    from aggd.dataplane.p4.backend import P4Info
     sim = SimSwitch(P4Info(), {})
     thrift = ThriftRegisterServer(sim.registers)
     yield sim, thrift
@@ -63,7 +63,7 @@ JOIN = textwrap.dedent("""
 
 
 def scrape(lab) -> str:
-    from aggd.lab import in_netns
+    from aggd.lab.namespaces import in_netns
     with in_netns(lab.agg_ns), urllib.request.urlopen("http://127.0.0.1:9477/metrics", timeout=10) as resp:
         return resp.read().decode()
 
@@ -81,7 +81,7 @@ def test_daemon_drives_the_switch(make_lab, make_daemon, tmp_path):
     """As docs/p4.md sets up BMv2 in a lab: P4Runtime on a Unix socket, the Thrift register server
     in the switch's namespace (p4.registers_netns), the daemon's user-space path in the
     aggregator's (dataplane.netns)."""
-    from aggd.dataplane.p4 import P4Info
+    from aggd.dataplane.p4.backend import P4Info
     lab = make_lab(2)
     hosts = hosts_of(lab)
     sim = SimSwitch(P4Info(), {})
@@ -202,7 +202,7 @@ def test_tofino_target(make_lab, make_daemon):
     wbsp and slot counts that are not powers of two are refused by aggctl with the reason, and
     nothing changes; counters the TNA program does not keep are absent. Without bfrt_grpc the
     daemon does not start, saying so."""
-    from aggd.dataplane.p4 import TNA_P4INFO, P4Info
+    from aggd.dataplane.p4.backend import TNA_P4INFO, P4Info
     sim = SimSwitch(P4Info(TNA_P4INFO), {})
     lab = make_lab(1)
     hosts = hosts_of(lab)

@@ -42,7 +42,7 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "${__rate_interval}": "1m", "$__i
 
 
 def free_port(ns: str) -> int:
-    from aggd.lab import in_netns
+    from aggd.lab.namespaces import in_netns
     with in_netns(ns):
         s = socket.socket()
     with s:
@@ -80,7 +80,7 @@ class Prometheus:
         self.wait(lambda: self._get("/-/ready", raw=True) is not None, 60, "Prometheus ready")
 
     def _get(self, path: str, raw: bool = False, **params):
-        from aggd.lab import in_netns
+        from aggd.lab.namespaces import in_netns
         url = f"http://127.0.0.1:{self.port}{path}"
         if params:
             url += "?" + urllib.parse.urlencode(params)

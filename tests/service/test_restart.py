@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from aggd.lab import xdp_prog_id
-from aggd.labrun import LabJob, run_workers
+from aggd.lab.namespaces import xdp_prog_id
+from aggd.lab.runner import LabJob, run_workers
 
 pytestmark = pytest.mark.root
 

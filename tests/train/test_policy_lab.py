@@ -10,7 +10,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from aggd.cli import main as aggctl
+from aggd.cli.main import main as aggctl
 from aggd.training.labtrain import RunParams, Scenario, run
 
 pytestmark = pytest.mark.root

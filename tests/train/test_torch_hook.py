@@ -41,7 +41,7 @@ def free_ports(n: int) -> list[int]:
 
 @pytest.fixture
 def aggregator():
-    from aggd.userspace import UserspaceAggregator
+    from aggd.dataplane.userspace.server import UserspaceAggregator
     agg = UserspaceAggregator(("127.0.0.1", 0), E)
     agg.start()
     try:
@@ -51,7 +51,7 @@ def aggregator():
 
 
 def add_job(agg, job: int, ports: list[int]) -> None:
-    from aggd.model import JobConfig
+    from aggd.core.model import JobConfig
     agg.add_job(JobConfig(job=job, world=len(ports), slots=64, max_chunks=1 << 20,
                           members={r: ("127.0.0.1", p) for r, p in enumerate(ports)}, group=None, elements=E))
 

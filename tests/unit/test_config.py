@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aggd import config as c
-from aggd.cli import main as aggctl
+from aggd.daemon import config as c
+from aggd.cli.main import main as aggctl
 
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "aggd.toml"
 
@@ -127,8 +127,8 @@ def test_p4_defaults_and_kind():
 def test_p4_section_is_typed():
     cfg = c.parse({"dataplane": {"kind": "p4", "elements_per_packet": 32},
                    "p4": {"target": "tofino", "grpc": "unix:/run/aggd/p4rt.sock", "device_id": 3, "election_id": 7,
-                          "registers": "10.0.0.2:50052", "p4info": "/usr/lib/aggd/p4/tna/aggd.p4info.txtpb",
-                          "device_config": "/usr/lib/aggd/p4/tna/build/tofino.bin", "slots": 512, "timeout": 2,
+                          "registers": "10.0.0.2:50052", "p4info": "/usr/lib/aggd/dataplane/p4/programs/tna/aggd.p4info.txtpb",
+                          "device_config": "/usr/lib/aggd/dataplane/p4/programs/tna/build/tofino.bin", "slots": 512, "timeout": 2,
                           "hosts": HOSTS}})
     p4 = cfg.p4
     assert (p4.target, p4.grpc, p4.device_id, p4.election_id, p4.registers) == \

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from aggd.control import ControlClient, ControlError, ControlServer, DaemonUnreachable, answer
+from aggd.daemon.control import ControlClient, ControlError, ControlServer, DaemonUnreachable, answer
 
 
 def dispatch(cmd, args):

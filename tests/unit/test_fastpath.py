@@ -1,4 +1,4 @@
-"""The user-space fast path (aggd.fastpath) against the plain model: random sequences of packets
+"""The user-space fast path (aggd.dataplane.userspace.fastpath) against the plain model: random sequences of packets
 (every strategy, swaps, retransmissions, late and early packets, re-reads, noise, deadlines) are
 played once through ``AggregatorModel.process`` packet by packet and once through
 ``FastPath.process`` in batches of random sizes, the model serving what the kernel leaves; every
@@ -11,9 +11,11 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggd import fastpath, kernels
-from aggd.model import NO_JOB, AggregatorModel, BankState, Verdict
-from aggd.strategy import StrategyTable, from_entry, parse
+from aggd.dataplane.userspace import fastpath
+
+from aggd.dataplane.userspace import kernels
+from aggd.core.model import NO_JOB, AggregatorModel, BankState, Verdict
+from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd_client.mrecv import sockaddr_in
 from aggd_client.protocol import HEADER_SIZE, DropReason, Header
 

@@ -1,9 +1,9 @@
-"""aggd.hostcpu: the host's CPU time by kind between two /proc/stat snapshots."""
+"""aggd.lab.hostcpu: the host's CPU time by kind between two /proc/stat snapshots."""
 from __future__ import annotations
 
 import time
 
-from aggd import hostcpu
+from aggd.lab import hostcpu
 
 
 def test_a_busy_loop_shows_as_busy_user_time():

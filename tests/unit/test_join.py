@@ -8,9 +8,9 @@ import threading
 import numpy as np
 import pytest
 
-from aggd.model import JobConfig
-from aggd.registry import Limits, Registry, answer_join
-from aggd.userspace import UserspaceAggregator
+from aggd.core.model import JobConfig
+from aggd.core.registry import Limits, Registry, answer_join
+from aggd.dataplane.userspace.server import UserspaceAggregator
 from aggd_client import BadTokenError, NoAnswerError, NotMemberError, UnknownJobError, join
 from aggd_client.protocol import MsgType, NackCode
 
@@ -19,7 +19,7 @@ E = 16
 
 @pytest.fixture
 def daemon():
-    """A registry and a user-space aggregator answering JOINs the way aggd.service does."""
+    """A registry and a user-space aggregator answering JOINs the way aggd.daemon.service does."""
     reg = Registry(Limits(kernel_budget=0, elements=E, port=0, userspace_port=1, result_port=47001))
     holder = {}
 

@@ -3,7 +3,7 @@ it must judge exactly as the whole-array computation would."""
 import numpy as np
 import pytest
 
-from aggd import labworker as lw
+from aggd.lab import worker as lw
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
 WORLD, ELEMENTS = 3, 832

@@ -1,9 +1,9 @@
-"""aggd.memory: the resident-memory figures the benchmarks report."""
+"""aggd.lab.memory: the resident-memory figures the benchmarks report."""
 from __future__ import annotations
 
 import mmap
 
-from aggd import memory
+from aggd.lab import memory
 
 
 def test_anonymous_growth_shows_in_the_peak_and_not_in_file_pages():

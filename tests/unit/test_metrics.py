@@ -1,4 +1,4 @@
-"""aggd.metrics against a fake map reader: names, units and labels by the Prometheus conventions,
+"""aggd.metrics.collector against a fake map reader: names, units and labels by the Prometheus conventions,
 values from the data planes' counters, the strategy in force, releases by strategy across a swap,
 policy decisions, truncation of jobs and ranks, per-rank lag and blocking; the daemon's reader over
 fake data planes; and aggctl top's view of two scrapes."""
@@ -12,9 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggd import metrics as m
-from aggd.addresses import host_port
-from aggd.commands import top
+from aggd.metrics import collector as m
+from aggd.core.addresses import host_port
+from aggd.cli.commands import top
 from aggd.dataplane import JobStats
 from aggd_client.protocol import Counter, DropReason
 
@@ -333,7 +333,7 @@ class FakeUs:
 def test_service_reader_over_the_daemon_state():
     import threading
 
-    from aggd.registry import Limits, Registry
+    from aggd.core.registry import Limits, Registry
 
     reg = Registry(Limits(kernel_budget=100, elements=256, port=47000, userspace_port=47002, result_port=47001))
     j = reg.create("train", 3, slots=16, kernel_slots=0)
@@ -423,7 +423,7 @@ def test_top_endpoint_from_the_daemon_config(tmp_path):
 def test_top_unreachable_exits_3():
     from click.testing import CliRunner
 
-    from aggd.cli import main
+    from aggd.cli.main import main
 
     res = CliRunner().invoke(main, ["top", "--url", "http://127.0.0.1:1/metrics", "--once"])
     assert res.exit_code == 3 and "cannot read metrics" in res.output

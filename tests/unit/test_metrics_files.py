@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggd import metrics as m
+from aggd.metrics import collector as m
 from aggd.dataplane import JobStats
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd.model import (NO_JOB, RESULT_RANK, AggregatorModel, JobConfig, Strategy, StrategyTable,
+from aggd.core.model import (NO_JOB, RESULT_RANK, AggregatorModel, JobConfig, Strategy, StrategyTable,
                         Verdict)
 from aggd_client.protocol import (HEADER_SIZE, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
                                   MsgType, NackCode, StrategyKind, decode)

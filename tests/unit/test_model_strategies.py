@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aggd.model import (BANKS, AggregatorModel, BankState, JobConfig, TableEntry, Verdict, check_table,
+from aggd.core.model import (BANKS, AggregatorModel, BankState, JobConfig, TableEntry, Verdict, check_table,
                         governing)
-from aggd.strategy import StrategyTable, parse, to_entry
+from aggd.core.strategy import StrategyTable, parse, to_entry
 from aggd_client.protocol import (HEADER_SIZE, MAGIC, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
                                   MsgType, StrategyKind, decode)
 

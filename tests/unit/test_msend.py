@@ -1,4 +1,4 @@
-"""Batched sends (aggd.msend): one sendmmsg sends chosen records, each with its own length, to
+"""Batched sends (aggd.dataplane.userspace.msend): one sendmmsg sends chosen records, each with its own length, to
 each one's address, in order."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import numpy as np
 import pytest
 
-from aggd import msend
+from aggd.dataplane.userspace import msend
 from aggd_client.mrecv import sockaddr_in
 
 REC = 64

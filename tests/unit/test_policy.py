@@ -1,11 +1,11 @@
-"""The dynamic-hybrid policy (aggd.policy) against reference sequences of detector outputs."""
+"""The dynamic-hybrid policy (aggd.core.policy) against reference sequences of detector outputs."""
 from __future__ import annotations
 
 import pytest
 
-from aggd import config
-from aggd.policy import JobPolicy, PolicyError, PolicyRules, fill, rules_from_config
-from aggd.straggler import Detector, Observation, WorkerState
+from aggd.daemon import config
+from aggd.core.policy import JobPolicy, PolicyError, PolicyRules, fill, rules_from_config
+from aggd.core.straggler import Detector, Observation, WorkerState
 
 from .test_straggler import const, simulate
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from aggd.registry import Limits, Registry, RegistryError, answer_join
+from aggd.core.registry import Limits, Registry, RegistryError, answer_join
 from aggd_client.membership import decode_join_ack, encode_join
 from aggd_client.protocol import MAX_ELEMENTS, MsgType, NackCode
 

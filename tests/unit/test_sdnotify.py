@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from aggd.sdnotify import Notifier
+from aggd.daemon.sdnotify import Notifier
 
 
 @pytest.fixture(params=["path", "abstract"])

@@ -1,4 +1,4 @@
-"""The straggler detector (aggd.straggler) against synthetic data-plane counters.
+"""The straggler detector (aggd.core.straggler) against synthetic data-plane counters.
 
 ``simulate`` plays a job the way the XDP program counts it: per member, each round's chunks arrive
 at once after that member's step time; under ``sync`` a round is released when the last member
@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from aggd.straggler import Detector, DetectorConfig, Snapshot
+from aggd.core.straggler import Detector, DetectorConfig, Snapshot
 
 CHUNKS = 19
 

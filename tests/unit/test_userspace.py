@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd import kernels
-from aggd.model import (NO_JOB, NUMPY_ARITHMETIC, AggregatorModel, JobConfig, np_accumulate, np_load,
+from aggd.dataplane.userspace import kernels
+from aggd.core.model import (NO_JOB, NUMPY_ARITHMETIC, AggregatorModel, JobConfig, np_accumulate, np_load,
                         np_narrow)
-from aggd.userspace import UserspaceAggregator
+from aggd.dataplane.userspace.server import UserspaceAggregator
 from aggd_client.protocol import (HEADER_SIZE, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
                                   MsgType, NackCode, decode)
 
@@ -106,7 +106,7 @@ def test_model_with_kernels_gives_identical_verdicts():
 @pytest.mark.parametrize("text", ["sync", "quorum:3:10ms", "ssp:2", "async", "wbsp"])
 def test_model_with_kernels_gives_identical_verdicts_for_every_strategy(text):
     """The user-space path is the model with the numba arithmetic: same bytes, same counters."""
-    from aggd.strategy import parse, to_entry
+    from aggd.core.strategy import parse, to_entry
     from tests.unit.test_model_strategies import JOB, Traffic, job_config
 
     rng = random.Random(text)
@@ -274,7 +274,7 @@ def test_serve_once_without_thread(workers):
 
 def test_strategies_over_udp(server, workers):
     """set_strategy reaches the model; async answers each contribution at once, the clock runs."""
-    from aggd.strategy import StrategyTable, parse
+    from aggd.core.strategy import StrategyTable, parse
 
     members = {r: s.getsockname() for r, s in enumerate(workers)}
     server.add_job(JobConfig(job=5, world=3, slots=2, max_chunks=8, members=members, group=None))

@@ -15,7 +15,7 @@ from .codec import HEADER_SIZE
 
 ROOT = Path(__file__).resolve().parents[3]
 C_HEADER = ROOT / "xdp" / "aggd_proto.h"
-P4_HEADER = ROOT / "aggd" / "p4" / "aggd_proto.p4"
+P4_HEADER = ROOT / "aggd" / "dataplane" / "p4" / "programs" / "aggd_proto.p4"
 
 _BANNER = "GENERATED from client/aggd_client/protocol/definition.py by codegen.py: do not edit."
 _C_TYPES = {"u8": "__u8", "u16": "__be16", "u32": "__be32", "u64": "__be64", "i16": "__be16"}

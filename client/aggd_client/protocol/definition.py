@@ -2,7 +2,7 @@
 
 Everything else is derived from this module: the Python codec (``codec.py``), the numpy dtype the
 client uses to build whole windows of packets at once, the C header of the XDP program
-(``xdp/aggd_proto.h``) and the P4 header (``aggd/p4/aggd_proto.p4``). ``tests/unit/test_protocol_codegen.py``
+(``xdp/aggd_proto.h``) and the P4 header (``aggd/dataplane/p4/programs/aggd_proto.p4``). ``tests/unit/test_protocol_codegen.py``
 fails when a generated file drifts from this definition. ``docs/protocol.md`` explains the fields.
 
 Header fields are big-endian (network order) so a switch parser reads them natively. The payload is

@@ -1,4 +1,4 @@
-"""The part of the SDE's ``bfrt_grpc.client`` that ``aggd.dataplane.p4_bfrt.BfrtRegisters`` uses,
+"""The part of the SDE's ``bfrt_grpc.client`` that ``aggd.dataplane.p4.bfrt.BfrtRegisters`` uses,
 over an in-memory register file in the process that imports it: registers and counters as BF
 Runtime tables named "pipe.<P4 name>", keyed by ``$REGISTER_INDEX`` / ``$COUNTER_INDEX``, with one
 register value per pipe ("<P4 name>.f1", four pipes) and ``$COUNTER_SPEC_PKTS``. It checks names

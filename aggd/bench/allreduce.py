@@ -1,0 +1,274 @@
+"""``aggctl bench allreduce``: aggd's XDP path, aggd's user-space path and Gloo on one lab.
+
+Every system reduces the same float32 tensors (``aggd.lab.worker --reuse``: one tensor a size,
+reduced ``iters`` times after ``warmup`` rounds) with the same workers in the same namespaces:
+
+* ``aggd-xdp``: the XDP program on the aggregator's interface (port 47000);
+* ``aggd-user``: the user-space aggregator (``aggd.dataplane.userspace.server``, numba kernels) in a process of its
+  own in the aggregator's namespace (``aggd.lab.aggregator``), on another port, so XDP passes its
+  packets up the stack untouched;
+* ``gloo``: torch.distributed's allreduce (gloo backend, TCP through the same bridge).
+
+A row's ``seconds_per_allreduce`` is the median over rounds of the slowest worker's time;
+``worker_extra_rss_bytes`` the largest worker's peak resident memory during its rounds over what it
+held before them (its tensor, the client, the libraries, after one small allreduce: ``--prime``),
+less library pages first touched meanwhile (``worker_extra_file_rss_bytes``: shared code, not
+memory for the tensor); ``host_cpu_seconds_per_allreduce`` and ``host_cpu_split`` what the timed
+rounds cost the whole host (``aggd.lab.hostcpu``: workers, aggregator and packet path share the cores);
+``aggregator_memory_bytes`` the
+aggregator's: the user-space process's peak RSS, or the XDP program's BPF maps (kernel memory; the
+daemon's own RSS does not grow with traffic).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from aggd_client import protocol as proto
+
+from aggd.lab.namespaces import Lab
+from aggd.lab.runner import LabJob, run_workers
+
+SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
+#: BPF map memory the bench's default slot pool may take (aggd.daemon.config.slot_bytes a slot).
+DEFAULT_SLOT_MEMORY = 128 << 20
+USERSPACE_PORT = 47100
+GLOO_PORT = 29600
+JOB = 1
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Config:
+    workers: int
+    elements_total: int
+    iters: int
+    warmup: int
+    elements: int  # int32 values a packet
+    slots: int
+    mode: str = "native"
+
+
+@contextlib.contextmanager
+def userspace_aggregator(lab: Lab, elements: int, port: int = USERSPACE_PORT):
+    """``aggd.lab.aggregator`` in the lab's aggregator namespace; yields a function sending it one
+    command (a dict) and returning its answer."""
+    proc = lab.run(lab.agg_ns, [sys.executable, "-m", "aggd.lab.aggregator", "--bind",
+                                f"{lab.agg_ip}:{port}", "--elements", str(elements)],
+                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def call(**req) -> dict:
+        proc.stdin.write(json.dumps(req) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise BenchError(f"the user-space aggregator exited: {proc.stderr.read()[-2000:]}")
+        out = json.loads(line)
+        if "error" in out:
+            raise BenchError(out["error"])
+        return out
+
+    try:
+        ready = proc.stdout.readline()
+        if not ready:
+            raise BenchError(f"the user-space aggregator did not start: {proc.stderr.read()[-2000:]}")
+        yield call
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def default_slots(elements: int) -> int:
+    """The job's slot pool when the caller does not say: 4096, or what ``DEFAULT_SLOT_MEMORY``
+    holds of slots of ``elements`` values (510 of 8,192: a jumbo slot's banks take 256 KiB)."""
+    from aggd.daemon.config import slot_bytes
+    return max(64, min(4096, DEFAULT_SLOT_MEMORY // slot_bytes(elements)))
+
+
+def bpf_map_bytes(dp) -> int:
+    """Kernel memory the XDP data plane's maps hold (entries × (key + value); per CPU where so)."""
+    total = 0
+    for name in ("jobs", "members", "slots", "stats", "clock", "member_stats"):
+        t = dp.bpf[name.encode()]
+        per = ctypes.sizeof(t.Key) + ctypes.sizeof(t.Leaf)
+        cpus = os.cpu_count() if "PerCpu" in type(t).__name__ else 1
+        total += t.max_entries * per * cpus
+    return total
+
+
+def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
+    failed = [r for r in runs if r.returncode != 0 or len(r.records) != cfg.iters]
+    if failed:
+        f = failed[0]
+        raise BenchError(f"{system}: worker rank {f.rank} failed ({f.returncode}): {f.stderr.strip()[-2000:]}")
+    per_round = [max(r.records[i]["seconds"] for r in runs) for i in range(cfg.iters)]
+    sec = statistics.median(per_round)
+    checked = [rec for r in runs for rec in r.records if "max_abs_error" in rec]
+    n = cfg.elements_total
+    nbytes = n * 4
+    extra_rss = max(rec["extra_rss_bytes"] for r in runs for rec in r.records)
+    extra_files = max(rec.get("extra_file_rss_bytes", 0) for r in runs for rec in r.records)
+    row = {
+        "system": system, "workers": cfg.workers, "bytes": nbytes, "elements": n, "iters": cfg.iters,
+        "seconds_per_allreduce": sec, "seconds_min": min(per_round), "seconds_max": max(per_round),
+        "algbw_gbps": nbytes * 8 / sec / 1e9, "elements_per_s": n / sec,
+        "max_abs_error": max(r["max_abs_error"] for r in checked),
+        "error_bound": max(r["error_bound"] for r in checked),
+        "within_bound": all(r["within_bound"] for r in checked),
+        "errors": sum(0 if r["within_bound"] and r["shape_ok"] else 1 for r in checked),
+        "worker_extra_rss_bytes": extra_rss, "worker_extra_rss_ratio": extra_rss / nbytes,
+        "worker_extra_file_rss_bytes": extra_files,
+        **_host_cpu(runs[0].records[-1].get("host_cpu_seconds"), cfg.iters),
+    }
+    row.update(extra)
+    return row
+
+
+def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots)
+    dp.install_job(job.config(lab))
+    try:
+        runs = run_workers(lab, job, elements=cfg.elements, gso=(cfg.mode == "native"),
+                           timeout=_timeout(cfg), extra=_worker_args(cfg))
+        retransmits = dp.job_stats(JOB).counters["retransmits"]
+    finally:
+        dp.remove_job(JOB)
+    return _row("aggd-xdp", cfg, runs, {
+        "mode": cfg.mode, "elements_per_packet": cfg.elements, "retransmits": retransmits,
+        "aggregator_memory_bytes": bpf_map_bytes(dp), "aggregator_memory": "bpf_maps"})
+
+
+def run_aggd_user(lab: Lab, agg, cfg: Config) -> dict:
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots)
+    c = job.config(lab)
+    agg(cmd="add_job", job=JOB, world=c.world, slots=c.slots, max_chunks=c.max_chunks,
+        members={r: list(a) for r, a in c.members.items()}, group=list(c.group), elements=cfg.elements)
+    agg(cmd="reset_peak")
+    try:
+        runs = run_workers(lab, job, elements=cfg.elements, gso=True, server_port=USERSPACE_PORT,
+                           timeout=_timeout(cfg, slow=True), extra=_worker_args(cfg))
+        stats = agg(cmd="stats", job=JOB)
+    finally:
+        agg(cmd="remove_job", job=JOB)
+    return _row("aggd-user", cfg, runs, {
+        "elements_per_packet": cfg.elements, "retransmits": stats["counters"]["retransmits"],
+        "aggregator_send_errors": stats["send_errors"],
+        "aggregator_memory_bytes": stats["peak_rss_bytes"], "aggregator_memory": "peak_rss"})
+
+
+def run_gloo(lab: Lab, cfg: Config, port: int) -> dict:
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.worker_ifname}
+    init = f"tcp://{lab.worker_ip(0)}:{port}"
+    runs = run_workers(lab, job, timeout=_timeout(cfg), env=env,
+                       extra=[*_worker_args(cfg), "--gloo", init])
+    return _row("gloo", cfg, runs, {})
+
+
+def _host_cpu(host: dict | None, iters: int) -> dict:
+    """Rank 0's view of the whole host over the timed rounds: busy CPU seconds an allreduce, and
+    the share of each kind (user, system, softirq, other, idle) of all CPU time."""
+    if not host:
+        return {}
+    total = host["busy"] + host["idle"]
+    return {"host_cpu_seconds_per_allreduce": host["busy"] / iters,
+            # /proc/stat counts in ticks (10 ms): a window under a second is a coarse figure
+            "host_cpu_window_seconds": total / (os.cpu_count() or 1),
+            "host_cpu_split": {k: host[k] / total if total else 0.0
+                               for k in ("user", "system", "softirq", "other", "idle")}}
+
+
+def _worker_args(cfg: Config) -> list[str]:
+    return ["--sizes", str(cfg.elements_total), "--rounds", str(cfg.iters), "--warmup", str(cfg.warmup),
+            "--check", "last", "--reuse", "--prime", "--give-up-after", "30"]
+
+
+def _timeout(cfg: Config, slow: bool = False) -> float:
+    per_round = cfg.elements_total / 1e6 * cfg.workers * (2.0 if slow else 0.3)
+    return 120 + (cfg.iters + cfg.warmup) * per_round + 2 * cfg.elements_total / 1e6 * cfg.workers
+
+
+def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
+        mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None) -> list[dict]:
+    """Every (workers, size) with every system, in that order; returns the rows."""
+    from aggd.lab.runner import xdp_aggregator
+
+    mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
+    rows = []
+    with contextlib.ExitStack() as stack:
+        lab = stack.enter_context(Lab(lab_name, max(worker_counts), mtu=mtu))
+        dp = stack.enter_context(xdp_aggregator(lab, elements=elements, mode=mode,
+                                                total_slots=max(slots, 64))) \
+            if "aggd-xdp" in systems else None
+        agg = stack.enter_context(userspace_aggregator(lab, elements)) if "aggd-user" in systems else None
+        port = GLOO_PORT
+        for n in worker_counts:
+            for nbytes in sizes:
+                cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode)
+                for system in systems:
+                    if system == "aggd-xdp":
+                        row = run_aggd_xdp(lab, dp, cfg)
+                    elif system == "aggd-user":
+                        row = run_aggd_user(lab, agg, cfg)
+                    else:
+                        port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
+                        row = run_gloo(lab, cfg, port)
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per (workers, bytes): algbw of aggd-xdp over gloo's and of aggd-user over aggd-xdp's."""
+    by = {(r["workers"], r["bytes"], r["system"]): r["algbw_gbps"] for r in rows}
+    out = []
+    for w, b in sorted({(r["workers"], r["bytes"]) for r in rows}):
+        x, u, g = (by.get((w, b, s)) for s in SYSTEMS)
+        out.append({"workers": w, "bytes": b,
+                    "xdp_over_gloo": x / g if x and g else None,
+                    "user_over_xdp": u / x if u and x else None})
+    return out
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """algbw against tensor size, a colour per system, a line style and marker per worker count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
+    styles = ["-", "--", ":", "-."]
+    markers = ["s", "o", "^", "D"]
+    workers = sorted({r["workers"] for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for system in SYSTEMS:
+        for i, w in enumerate(workers):
+            pts = sorted((r["bytes"], r["algbw_gbps"]) for r in rows if r["system"] == system and r["workers"] == w)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], marker=markers[i % len(markers)],
+                        color=colours[system], label=f"{system}, {w} workers")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tensor bytes (float32)")
+    ax.set_ylabel("algorithm bandwidth, Gbit/s")
+    ax.set_title("allreduce in one lab (2 shared cores)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,211 @@
+"""``aggctl bench``: benchmarks that print one JSON object per configuration."""
+from __future__ import annotations
+
+import json
+import uuid
+
+import click
+
+from aggd_client import protocol as proto
+
+SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """``64M`` -> 67108864 bytes (binary multiples); ``1`` means one byte."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in SUFFIXES else (t, "")
+    try:
+        value = int(float(num) * SUFFIXES[unit])
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a size like 256K, 64M or 1G") from None
+    if value < 1:
+        raise click.BadParameter(f"size must be positive, got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+
+
+@click.group()
+def bench():
+    """Benchmarks (JSON lines with --json)."""
+
+
+@bench.command("allreduce")
+@click.option("--systems", default="aggd-xdp,aggd-user,gloo", show_default=True,
+              help="aggd-xdp, aggd-user and/or gloo (torch.distributed), comma-separated")
+@click.option("--workers", default="4", show_default=True, help="worker counts, e.g. 2,4,8")
+@click.option("--size", "sizes", default="64M", show_default=True,
+              help="tensor sizes in bytes of float32, e.g. 256K,64M")
+@click.option("--iters", default=5, show_default=True, help="timed allreduces per configuration")
+@click.option("--warmup", default=1, show_default=True)
+@click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
+@click.option("--elements", type=int, default=None,
+              help=f"int32 values a packet (default: the largest the mode takes: native "
+                   f"{proto.NATIVE_MAX_ELEMENTS}, generic {proto.MAX_ELEMENTS})")
+@click.option("--mtu", type=int, default=None, help="the lab's MTU (default: what a packet needs, at least 1500)")
+@click.option("--slots", type=int, default=None,
+              help="slots in the job's pool (default: 4096, fewer where 4096 would hold more than "
+                   "128 MiB of BPF maps)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG of algorithm bandwidth against size per system and worker count")
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, as_json, plot_path):
+    """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
+    lab with the same workers; time, check and measure memory; print the ratios."""
+    from aggd.bench import allreduce as ab
+
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = [s for s in chosen if s not in ab.SYSTEMS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"unknown system(s) {unknown}: use {', '.join(ab.SYSTEMS)}",
+                                 param_hint="--systems")
+    if "gloo" in chosen:
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            raise click.ClickException("gloo needs torch (pip install torch==2.13.0); or leave it out of --systems")
+    largest = proto.NATIVE_MAX_ELEMENTS if mode == "native" else proto.MAX_ELEMENTS
+    if elements is None:
+        elements = largest
+    if not 1 <= elements <= largest:
+        hint = " (larger packets need --mode generic)" if mode == "native" else ""
+        raise click.BadParameter(f"must be 1..{largest} in {mode} mode{hint}", param_hint="--elements")
+    if slots is None:
+        slots = ab.default_slots(elements)
+    if slots < 1:
+        raise click.BadParameter("must be at least 1", param_hint="--slots")
+    worker_counts = _int_list(workers)
+    if any(w < 1 for w in worker_counts):
+        raise click.BadParameter("worker counts must be positive", param_hint="--workers")
+    size_list = [parse_size(s) for s in sizes.split(",")]
+    if iters < 1 or warmup < 0:
+        raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
+
+    def show(row):
+        if as_json:
+            click.echo(json.dumps(row))
+            return
+        extra = f"  retransmits={row['retransmits']}" if "retransmits" in row else ""
+        agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
+               if "aggregator_memory_bytes" in row else "")
+        click.echo(f"{row['system']:<9} workers={row['workers']:<2} bytes={row['bytes']:<10} "
+                   f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                   f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
+                   f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
+
+    try:
+        rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
+                      elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
+                      on_row=show)
+    except ab.BenchError as e:
+        raise click.ClickException(str(e)) from None
+    for r in ab.ratios(rows):
+        parts = []
+        if r["xdp_over_gloo"] is not None:
+            parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
+        if r["user_over_xdp"] is not None:
+            parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
+        if parts and not as_json:  # (JSON rows carry what they are computed from)
+            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} " + "  ".join(parts))
+    if plot_path:
+        ab.plot(rows, plot_path)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
+
+
+@bench.command("xdp")
+@click.option("--elements", "elements_list", default=f"64,256,512,{proto.NATIVE_MAX_ELEMENTS}", show_default=True,
+              help="packet sizes (int32 values a packet) to compile and time")
+@click.option("--strategies", default="sync,quorum:48:50ms,ssp:2,async,wbsp", show_default=True)
+@click.option("--packets", default=4096, show_default=True, help="timed packets per configuration")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
+def bench_xdp(elements_list, strategies, packets, as_json):
+    """Time the production XDP program through BPF_PROG_TEST_RUN, next to numpy's int32 add."""
+    from aggd.dataplane.xdp.loader import XdpDataPlane
+    from aggd.bench.xdp import bench_strategy, harness_ns, numpy_add
+
+    rows = []
+    for elements in _int_list(elements_list):
+        dp = XdpDataPlane(None, elements=elements, total_slots=4)
+        try:
+            timed = [bench_strategy(dp, s, elements, packets) for s in strategies.split(",")]
+        finally:
+            dp.close()
+        floor = harness_ns(elements, packets)
+        rows += [row | {"harness_ns": floor} for row in timed]
+    rows.append(numpy_add())
+    limit = rows[-1]["elements_per_s_per_core"]
+    for row in rows:
+        row["fraction_of_numpy"] = row["elements_per_s_per_core"] / limit
+        if as_json:
+            click.echo(json.dumps(row))
+        else:
+            harness = f"  (test-run harness {row['harness_ns']:.0f} ns/pkt)" if "harness_ns" in row else ""
+            click.echo(f"{row['strategy']:<16} {row['elements_per_packet']:>9} elems/pkt "
+                       f"{row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} elems/s/core "
+                       f"({row['fraction_of_numpy']:.0%} of numpy){harness}")
+
+
+@bench.command("swap")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--swaps", default=10, show_default=True, help="strategy swaps to time")
+@click.option("--steps", default=400, show_default=True, help="steps each worker runs")
+@click.option("--delay", default=0.003, show_default=True, help="seconds of compute a step")
+@click.option("--json", "as_json", is_flag=True)
+def bench_swap(workers, swaps, steps, delay, as_json):
+    """Time from a hot-swap request to the first round released under the new strategy, with
+    workers training in a lab (median and max)."""
+    import time
+
+    from aggd.core import strategy as strat
+    from aggd.core.hotswap import swap
+    from aggd.lab.namespaces import Lab
+    from aggd.lab.runner import LabJob, StrategyRun, xdp_aggregator
+
+    cycle = ["quorum:%d:200ms" % max(1, workers - 1), "ssp:2", "async", "wbsp", "sync"]
+    name = "s" + uuid.uuid4().hex[:6]
+    requests = []
+    with Lab(name, workers + 1) as lab, xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(workers)), slots=16)
+        dp.install_job(job.config(lab))
+        table = strat.StrategyTable(strat.SYNC)
+        run = StrategyRun(lab, job, workers, steps=steps, delay=delay, jitter=1.0).start()
+        while run.running() and (dp.max_round(1) or 0) < 10:  # workers import and get going
+            time.sleep(0.01)
+        for i in range(swaps):
+            if not run.running():
+                break
+            t0 = time.monotonic()
+            try:
+                version, first = swap(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
+            except strat.StrategyError:  # the table is full until older versions retire
+                time.sleep(0.05)
+                continue
+            requests.append((version, first, cycle[i % len(cycle)], t0))
+            time.sleep(0.3)
+        records, releases, errors = run.finish(timeout=600)
+    if errors:
+        raise click.ClickException(f"workers failed: {errors}")
+    lat = []
+    for version, first, text, t0 in requests:
+        ts = [r["t"] for r in releases if r["version"] == version]
+        if ts:
+            lat.append(min(ts) - t0)
+    if not lat:
+        raise click.ClickException("no round ran under a swapped strategy: raise --steps")
+    lat.sort()
+    row = {"bench": "swap", "workers": workers, "swaps": len(requests), "observed": len(lat),
+           "median_s": lat[len(lat) // 2], "max_s": lat[-1], "min_s": lat[0],
+           "margin_rounds": __import__("aggd.core.hotswap", fromlist=["SWAP_MARGIN"]).SWAP_MARGIN}
+    click.echo(json.dumps(row) if as_json else
+               f"swap -> first round under the new strategy: median {row['median_s'] * 1e3:.1f} ms, "
+               f"max {row['max_s'] * 1e3:.1f} ms over {row['observed']} swaps ({workers} workers)")
+
+
+from aggd.cli.commands.stragglers import stragglers  # noqa: E402  (aggctl bench stragglers: aggd/commands/stragglers.py)
+bench.add_command(stragglers)

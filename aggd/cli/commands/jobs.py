@@ -1,0 +1,105 @@
+"""``aggctl jobs``: create, list, show and delete jobs."""
+from __future__ import annotations
+
+import click
+
+from aggd_client.protocol import MAX_ELEMENTS, MAX_MEMBERS
+
+from aggd.cli.commands._daemon import call, echo_json, job_cells, job_columns, json_option, slot_range, table
+
+COUNTERS = ("rx_packets", "contributions", "released", "rereads", "to_userspace", "retransmits", "overflows")
+
+
+@click.group()
+def jobs():
+    """Jobs: a training run's workers, token, strategy and slots."""
+
+
+@jobs.command("list")
+@json_option
+def list_(as_json):
+    """All jobs."""
+    rows = call("jobs.list")
+    if as_json:
+        echo_json(rows)
+        return
+    if not rows:
+        click.echo("no jobs")
+        return
+    table(job_columns() + ("ELEMENTS",), [job_cells(j) + (j["elements"],) for j in rows])
+
+
+@jobs.command()
+@click.argument("name")
+@click.option("--world", "-n", type=click.IntRange(1, MAX_MEMBERS), required=True, help="Number of workers.")
+@click.option("--strategy", default="sync", show_default=True, help="sync, quorum:K[:TIMEOUT], ssp:S, async, wbsp")
+@click.option("--slots", type=click.IntRange(1), help="Slots of the job's pool (default: jobs.default_slots).")
+@click.option("--elements", type=click.IntRange(1, MAX_ELEMENTS),
+              help="Values a packet (default: the kernel's; another size is served in user space).")
+@click.option("--kernel-slots", type=click.IntRange(0),
+              help="At most this many slots in the kernel (default: as many as fit; 0: user space only).")
+@json_option
+def create(name, world, strategy, slots, elements, kernel_slots, as_json):
+    """Create job NAME and print its token (workers join with it)."""
+    args = {"name": name, "world": world, "strategy": strategy}
+    for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots)):
+        if value is not None:
+            args[key] = value
+    j = call("jobs.create", **args)
+    if as_json:
+        echo_json(j)
+        return
+    p = j["placement"]
+    click.echo(f"job {j['name']} created: id {j['id']}, world {j['world']}, {j['strategy']}, "
+               f"{j['slots']} slots (kernel {slot_range(p['kernel']['slots'])}, "
+               f"user space {slot_range(p['userspace']['slots'])})")
+    click.echo(f"token: {j['token']}")
+    click.echo(f"workers: aggd_client.join(server, {j['name']!r}, rank, token)")
+
+
+@jobs.command()
+@click.argument("job")
+@json_option
+def delete(job, as_json):
+    """Delete JOB (its kernel slots are freed)."""
+    r = call("jobs.delete", job=job)
+    if as_json:
+        echo_json(r)
+        return
+    click.echo(f"job {r['name']} ({r['id']}) deleted; {r['freed_kernel_slots']} kernel slots freed")
+
+
+@jobs.command()
+@click.argument("job")
+@json_option
+def show(job, as_json):
+    """A job's parameters, token, members, and which chunks each path serves."""
+    j = call("jobs.show", job=job)
+    if as_json:
+        echo_json(j)
+        return
+    p = j["placement"]
+    click.echo(f"job {j['name']} (id {j['id']}), world {j['world']}, {j['joined']} joined, "
+               f"round {'-' if j['round'] is None else j['round']}")
+    click.echo(f"token:     {j['token']}")
+    click.echo(f"strategy:  {j['strategy']} (version {j['strategy_version']})")
+    click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
+               f"{j['elements']} values a packet")
+    click.echo(f"slots:     {j['slots']} ({p['rule']})")
+    switch = j.get("dataplane") == "p4"        # the fast path is a P4 switch, not the kernel
+    karray = p["kernel"]["array"]
+    click.echo(f"  {'switch' if switch else 'kernel'}:     slots {slot_range(p['kernel']['slots'])}"
+               + (f" ({'switch' if switch else 'kernel'} array {slot_range(karray)})" if karray else ""))
+    click.echo(f"  user space: slots {slot_range(p['userspace']['slots'])}")
+    paths = j["paths"]
+    fast = paths["kernel"]["counters"]
+    # a counter the switch does not keep (a Tofino's) shows "-", not 0
+    table(("COUNTER", "SWITCH" if switch else "KERNEL", "USERSPACE"),
+          [(c, fast.get(c, None if switch else 0), paths["userspace"]["counters"].get(c, 0)) for c in COUNTERS])
+    drops = {k: (paths["kernel"]["drops"].get(k, 0), paths["userspace"]["drops"].get(k, 0))
+             for k in sorted(set(paths["kernel"]["drops"]) | set(paths["userspace"]["drops"]))}
+    nonzero = [(f"dropped {k}", a, b) for k, (a, b) in drops.items() if a or b]
+    if nonzero:
+        table(("DROPS", "KERNEL", "USERSPACE"), nonzero)
+    if j["members"]:
+        table(("RANK", "ADDRESS"), [(m["rank"], f"{m['address'][0]}:{m['address'][1]}") for m in j["members"].values()])

@@ -1,0 +1,101 @@
+"""`aggctl lab`: build, inspect and remove a namespace lab (see aggd/lab/namespaces.py)."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_MTU, MAX_WORKERS, Lab, LabError
+
+DEFAULT_NAME = "aggdlab"
+
+
+class LossPercent(click.ParamType):
+    """A loss rate as `2%`, `2` or `0.5%` (percent either way), 0..100."""
+
+    name = "percent"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            number = float(value)
+        else:
+            text = str(value).strip()
+            try:
+                number = float(text[:-1] if text.endswith("%") else text)
+            except ValueError:
+                self.fail(f"{value!r} is not a percentage (try 2%, 2 or 0.5%)", param, ctx)
+        if not 0.0 <= number <= 100.0:
+            self.fail(f"{value!r} is outside 0%..100%", param, ctx)
+        return number
+
+
+name_option = click.option("--name", default=DEFAULT_NAME, show_default=True,
+                           help="Lab name; prefixes its namespaces.")
+
+
+@click.group()
+def lab():
+    """A lab of network namespaces: one bridge, an aggregator and N workers on one host."""
+
+
+@lab.command()
+@click.option("--workers", "-n", type=click.IntRange(1, MAX_WORKERS), required=True,
+              help="Number of worker namespaces.")
+@click.option("--loss", type=LossPercent(), default="0", show_default=True,
+              help="Packets dropped in transit on the bridge, e.g. 2% or 0.5%.")
+@click.option("--mtu", type=click.IntRange(68, JUMBO_MAX_MTU), default=1500, show_default=True,
+              help=f"above {MAX_MTU} (native XDP's limit on veth) the aggregator must run generic mode")
+@name_option
+def up(workers, loss, mtu, name):
+    """Build a lab and leave it running."""
+    try:
+        made = Lab(name, workers, loss_percent=loss, mtu=mtu).up()
+    except (LabError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"lab {name} is up: {workers} worker(s), loss {loss:g}%, mtu {mtu}")
+    _print_table(made.status())
+    click.echo(f"run in it:  ip netns exec {made.worker_ns(0)} <command>")
+    click.echo(f"remove it:  aggctl lab down --name {name}")
+
+
+@lab.command()
+@name_option
+def down(name):
+    """Remove a lab (idempotent; also cleans up after a crashed run)."""
+    try:
+        existed = Lab.exists(name)
+        # down() goes by name, so a stand-in removes whatever a crashed run left behind.
+        target = Lab.load(name) if existed else Lab(name, 1)
+        target.down()
+    except (LabError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"lab {name} removed" if existed else f"no lab {name}; nothing to remove")
+
+
+@lab.command()
+@name_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(name, as_json):
+    """Show a lab's namespaces, interfaces and addresses."""
+    try:
+        info = Lab.load(name).status()
+    except (LabError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"lab {info['name']}: {info['workers']} worker(s), loss {info['loss_percent']:g}%,"
+               f" mtu {info['mtu']}")
+    _print_table(info)
+
+
+def _print_table(info: dict) -> None:
+    header = ("ROLE", "NAMESPACE", "IFACE", "ADDRESS", "MAC", "STATE")
+    keys = ("role", "namespace", "ifname", "address", "mac", "state")
+    rows = [header] + [tuple(str(n[k] or "-") for k in keys) for n in info["nodes"]]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    xdp = info["sw_agg_xdp_prog_id"]
+    click.echo(f"XDP_PASS on sw-agg (lets XDP_TX from agg0 through): "
+               f"{'prog id ' + str(xdp) if xdp else 'MISSING'}")

@@ -1,0 +1,82 @@
+"""``aggctl status`` and ``aggctl workers JOB``: what the daemon is doing."""
+from __future__ import annotations
+
+import click
+
+from aggd.cli.commands._daemon import ago, call, duration, echo_json, job_cells, job_columns, json_option, table
+
+
+@click.command()
+@json_option
+def status(as_json):
+    """The daemon: data plane, kernel memory, user-space path, jobs and where their slots live."""
+    s = call("status")
+    if as_json:
+        echo_json(s)
+        return
+    dp, k, us = s["dataplane"], s["kernel"], s["userspace"]
+    where = f" in netns {dp['netns']}" if dp["netns"] else ""
+    click.echo(f"aggd pid {s['pid']}, up {duration(s['uptime'])}, config {s['config'] or '-'}")
+    if dp.get("kind") == "p4":
+        p4 = dp["p4"]
+        click.echo(f"data plane: P4 {p4['target']} switch at {p4['grpc']} "
+                   f"({'connected' if dp['attached'] else 'DISCONNECTED'}), {dp['address']}:{dp['port']}, "
+                   f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
+        click.echo(f"switch slots: {k['budget_slots']} (of the program's {p4.get('program_slots', '-')}); "
+                   f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
+    else:
+        click.echo(f"data plane: XDP {dp['mode']} on {dp['interface']}{where} "
+                   f"({'attached' if dp['attached'] else 'DETACHED'}), {dp['address']}:{dp['port']}, "
+                   f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
+        click.echo(f"kernel memory: {k['budget_bytes']} bytes = {k['budget_slots']} slots of {k['slot_bytes']} B; "
+                   f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
+    click.echo(f"user-space path: {'running' if us['alive'] else 'STOPPED'}, {us['errors']} errors, "
+               f"{us['send_errors']} send errors")
+    if not s["jobs"]:
+        click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
+        return
+    table(job_columns("SWITCH" if dp.get("kind") == "p4" else "KERNEL") + ("STRAGGLERS",),
+          [job_cells(j) + (_stragglers(j.get("policy")),) for j in s["jobs"]])
+    for j in s["jobs"]:
+        _decision_lines(j["name"], j.get("policy"), last_only=True)
+
+
+def _stragglers(p: dict | None) -> str | None:
+    if not p:
+        return None
+    return ",".join(str(r) for r in p.get("stragglers_now") or []) or "none"
+
+
+def _decision_lines(job: str, p: dict | None, last_only: bool = False) -> None:
+    """The policy's switches of ``job`` (aggd/core/policy.py), newest last, with their reasons."""
+    if not p:
+        return
+    shown = p["decisions"][-1:] if last_only else p["decisions"]
+    for d in shown:
+        click.echo(f"{job}: {ago(d['time'])} policy switched {d['from']} -> {d['strategy']} from round "
+                   f"{d['from_round']}: {d['reason']}")
+    if p.get("note"):
+        click.echo(f"{job}: policy: {p['note']}")
+
+
+@click.command()
+@click.argument("job")
+@json_option
+def workers(job, as_json):
+    """The members of JOB: registered address, when they joined, the last round they contributed to."""
+    w = call("workers", job=job)
+    if as_json:
+        echo_json(w)
+        return
+    click.echo(f"job {w['job']} ({w['id']}), round {'-' if w['round'] is None else w['round']}")
+    p = w.get("policy")
+    if p:
+        click.echo(f"policy: {'switching' if p['auto_switch'] and p['managed'] else 'watching only'}; "
+                   f"strategy {p.get('in_force', '-')} (its own: {p.get('own', '-')})")
+    table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG ms", "SLOWDOWN", "WAITED s", "STRAGGLER"),
+          [(r["rank"], f"{r['address'][0]}:{r['address'][1]}" if r["address"] else "not joined",
+            ago(r["joined_at"]), r["last_round"], r["lag"],
+            None if r.get("slowdown") is None else f"{r['slowdown']:.2f}x",
+            None if r.get("wait_s") is None else f"{r['wait_s']:.1f}",
+            None if r.get("straggler") is None else ("yes" if r["straggler"] else "no")) for r in w["workers"]])
+    _decision_lines(w["job"], p)

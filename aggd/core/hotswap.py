@@ -1,0 +1,71 @@
+"""Hot swap of a job's strategy on a running data plane.
+
+The new version takes effect from a round no member has reached: ``from_round`` defaults to the
+highest round the data plane has seen plus a margin, and the data plane is asked again after the
+write. A member that raced past ``from_round`` in between would have opened a round of the new
+version under the old one, so that is reported as an error rather than ignored.
+"""
+from __future__ import annotations
+
+from aggd_client.protocol import STRATEGY_VERSIONS
+
+from aggd.core.strategy import Strategy, StrategyError, StrategyTable
+
+#: Rounds between the highest one seen and the first under a new version: covers members that
+#: are ahead (ssp/async keep up to 3 rounds open) plus the time the write takes.
+SWAP_MARGIN = 8
+#: Rounds a member may trail the highest round seen (a slot keeps 4 rounds).
+MAX_TRAIL = 4
+
+
+class SwapRaced(StrategyError):
+    """A member reached the new version's first round while it was being installed."""
+
+
+class RoundPast(StrategyError):
+    """The round asked for has been reached already."""
+
+
+class TableFull(StrategyError):
+    """Every version slot is taken and the oldest may still govern open rounds: retry later."""
+
+
+def next_from_round(max_round: int | None, table: StrategyTable, margin: int = SWAP_MARGIN) -> int:
+    """The first round a new version may govern."""
+    first_free = table.entries[-1][1] + 1
+    return max(first_free, 0 if max_round is None else max_round + margin)
+
+
+def plan(table: StrategyTable, seen: int | None, from_round: int | None = None,
+         margin: int = SWAP_MARGIN) -> int:
+    """The first round of a new version of ``table`` when the job has reached round ``seen``
+    (None: no round yet): ``from_round``, checked, or the default. Raises RoundPast or TableFull."""
+    if from_round is None:
+        from_round = next_from_round(seen, table, margin)
+    elif seen is not None and from_round <= seen:
+        raise RoundPast(f"round {from_round} is already past (the job has reached round {seen})")
+    if len(table.entries) == STRATEGY_VERSIONS:
+        # installing drops the oldest entry: only once no round it governs can still be open
+        retiring_until = table.entries[1][1]
+        if seen is None or seen - MAX_TRAIL < retiring_until:
+            raise TableFull(f"the strategy table is full and version {table.entries[0][0]} may still "
+                            f"govern open rounds (until round {retiring_until}); try again later")
+    return from_round
+
+
+def swap(dp, job: int, table: StrategyTable, strategy: Strategy, world: int,
+         from_round: int | None = None, margin: int = SWAP_MARGIN) -> tuple[int, int]:
+    """Install ``strategy`` as the next version of ``table`` on ``dp`` (which has ``max_round`` and
+    ``set_strategy``). Returns (version, from_round). Raises StrategyError, and changes nothing,
+    for a strategy that cannot hold or a round already past."""
+    strategy.validate(world)
+    seen = dp.max_round(job)
+    from_round = plan(table, seen, from_round, margin)
+    version = table.entries[-1][0] + 1
+    table.install(version, from_round, strategy)
+    dp.set_strategy(job, table.table_entries())
+    after = dp.max_round(job)
+    if after is not None and after >= from_round:
+        raise SwapRaced(f"a member reached round {after} while version {version} was installed "
+                        f"from round {from_round}: use a larger margin")
+    return version, from_round

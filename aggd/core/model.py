@@ -1,0 +1,716 @@
+"""Reference model of the aggregator: the per-packet behaviour of docs/protocol.md as pure logic.
+
+No I/O, no clock. ``AggregatorModel.process(udp_payload, sender, now_ns)`` returns a ``Verdict``
+(what the XDP program does with the packet: drop / transmit / pass to user space, and the exact bytes
+it sends) and updates per-job counters the way the kernel's counter maps must. The XDP program is
+compared against this model packet by packet (tests/bpf/test_model_equivalence.py), the P4 backend's
+tests are driven by it, and the user-space server (``aggd.dataplane.userspace.server``) runs it with the numba kernels
+as its arithmetic. The slot rules below follow the numbering of docs/protocol.md, "Strategies".
+
+Points docs/protocol.md leaves open, fixed here (every data plane must follow them):
+
+Header checks and counters
+* Order: too_short, bad_magic, bad_version, JOIN (passed up uncounted, kernel mode only), bad_type,
+  bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_chunk,
+  then the hand-off to user space of a payload that is not exactly ``elements`` int32 (``pass``,
+  Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are refused by the kernel.
+* Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
+  RX_PACKETS, RX_BYTES (the UDP payload) and RETRANSMITS (Flag.RETRANSMIT) count every packet whose
+  job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) count
+  every contribution added, carried ones included; OVERFLOWS every result sent with Flag.OVERFLOW
+  (re-sends and async running sums included); CARRIED counts carried contributions; RELEASED
+  counts every bank that becomes released (complete or quorum deadline);
+  TIMEOUTS the deadline releases; REREADS every result sent back to one sender as a re-send (flag
+  REREAD: re-reads, retransmissions of counted contributions, answers to late contributions);
+  PARTIALS the async running sums (unicast, no REREAD flag). A counter the protocol definition does
+  not have yet is kept by name in the model only (``JobState.pending``, shown by ``stats()``).
+* A NACK is a bare header: magic, version, type, job, rank, round, chunk, code and flags (only the
+  ``served_flags`` of this aggregator); every other field 0 (``strategy`` and ``param`` included).
+  Only unknown_job, bad_rank and not_member are NACKed; everything else is a silent drop.
+
+Results
+* A result carries the *bank's* key as ``round``/``chunk`` (the packet's own key except for the answer
+  to a late contribution), the packet's ``count``, rank 0xFFFF, the bank's ``version``, ``kind`` (as
+  ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
+  ``n_contrib``, and flags ``bank.flags`` (CARRIED) | OVERFLOW when a value of the sum does not fit
+  int32 | REREAD for re-sends | served_flags.
+  ``code``, ``step`` and ``reserved`` are 0. All ``elements`` values are sent (padding included).
+* The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
+  A bank holds exact sums (int64; the kernel keeps them biased in u64 lanes), so the order of
+  contributions never matters. Aligning to a smaller exponent shifts the sum right by at most 63 and
+  an int32 contribution by at most 31 (both exact floor divisions). Overflow is decided per result
+  sent: a sum outside int32 goes out as its low 32 bits with Flag.OVERFLOW; a later result of the
+  same bank is flagged only if its own values do not fit (an async running sum can come back).
+
+Strategy table
+* ``set_strategy`` takes 1..STRATEGY_VERSIONS rows in any order. A round is governed by the row with
+  the largest ``(from_round, version)`` among those with ``from_round <= round``; when there is none
+  (a round older than every row kept), by the row with the smallest ``from_round`` (ties: largest
+  version) -- what ``aggd.core.strategy.StrategyTable.governing`` does.
+
+Slot rules (numbers as in docs/protocol.md)
+* Keys ``(round, chunk)`` compare as unsigned tuples (the kernel's ``round << 32 | chunk``), no wrap.
+  Time is u64 ns: rule 0 tests ``(now - t_first) mod 2**64 >= timeout_us * 1000``. A bank's
+  ``t_first`` is the time it opened. Rule 0 runs for every packet that reaches the slot rules,
+  re-reads included, before anything else; the expired banks send nothing themselves, but the
+  first answer taken from such a bank afterwards (re-read, re-send, late answer) goes to the group
+  as a plain result (no REREAD flag, not counted in REREADS): every member sees the release once.
+* Counted test: every strategy deduplicates contributions by (member, step): each bank keeps a
+  bitmask of steps 0..7 per member (``steps[X]``); step ``s`` is counted when ``s >= 8`` or bit
+  ``s`` is set. Rule 1 drops a counted one as ``duplicate``, otherwise adds it (sets bit ``s``, and X in
+  the bitmap when ``s`` is 0); rule 2 re-sends when it is counted, otherwise it is late. A carry
+  marks the (member, step) counted in its origin B too, so its retransmission is answered and a
+  later wbsp step of the same member to B is carried as well.
+* Rule 3 order: the chunk order (when the slot holds banks of K's chunk, K.round must be their
+  largest round + 1), admission of the entry governing K.round, then the bank: the first empty one,
+  else the released one with the smallest key; any refusal is ``busy``. The bank records version,
+  kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
+  ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
+  async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
+* Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT,
+  unless the slot's LateMemory of the member holds it: refused ``busy`` before (carried now, as
+  below), or carried before with no result to answer with (answered now with the newest released
+  result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
+  contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
+  an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
+  K.round; else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among
+  the slot's non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's
+  newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
+  A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
+  target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
+  holds K -- the new round may have taken it -- sets X in B.late and bit ``s`` in B.steps[X]. The answer is chosen *after* the
+  carry: the released bank of that chunk with the
+  largest round, sent to X as a re-send; with no such bank the packet is absorbed (XDP_DROP,
+  nothing counted but the contribution).
+* Re-read: K released -> re-send (whoever asks); K open, or newer than the newest key, or the slot
+  empty -> ``not_ready``; otherwise ``stale``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
+                                  SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
+                                  Flag, Header, MsgType, NackCode, StrategyKind)
+from aggd_client.protocol.definition import DEFAULT_ELEMENTS
+
+from aggd.core.strategy import SYNC, Strategy, StrategyTable, TableEntry, to_entry  # noqa: F401 (re-exported)
+
+Addr = tuple[str, int]
+Key = tuple[int, int]   #: (round, chunk)
+
+#: Drop-counter bucket for packets dropped before their job is known (row MAX_JOBS of a C array).
+NO_JOB = MAX_JOBS
+RESULT_RANK = 0xFFFF
+INT32_MIN = -(1 << 31)
+INT32_MAX = (1 << 31) - 1
+U32_MAX = (1 << 32) - 1
+MAX_SHIFT = 31        #: an int32 contribution is shifted by at most this (its sign by then)
+MAX_SUM_SHIFT = 63    #: a bank's int64 sum is shifted by at most this
+#: Banks a slot holds (docs/protocol.md, "Slot state").
+BANKS = 4
+#: async opens a round only while fewer banks than this are open (one released bank stays).
+ASYNC_MAX_OPEN = BANKS - 1
+#: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
+STEPS = 8
+
+#: The strategies the model (and so the user-space path) runs, with what sets each apart.
+RULES: dict[StrategyKind, str] = {
+    StrategyKind.SYNC: "release when every member contributed; a new round only when none is open",
+    StrategyKind.QUORUM: "release at k members or at the deadline; late contributions are carried",
+    StrategyKind.SSP: "release when every member contributed; rounds open up to s ahead of the oldest",
+    StrategyKind.ASYNC: "every contribution is answered with the running sum; up to 3 rounds open",
+    StrategyKind.WBSP: "members push several steps into a round; release when every member did",
+}
+#: Counters the strategies add. Until the protocol definition has one, the model keeps it by name.
+STRATEGY_COUNTERS = ("carried", "timeouts", "partials")
+
+
+# --------------------------------------------------------------------------------------------
+# Arithmetic: one interface, two implementations (numpy here, numba in aggd.dataplane.userspace.kernels).
+
+def np_load(dst: np.ndarray, src: np.ndarray) -> None:
+    """First contribution of a key: copy (into int64), zero-padding a short payload, ignoring
+    extra elements."""
+    n = min(len(src), len(dst))
+    dst[:n] = src[:n]
+    dst[n:] = 0
+
+
+def np_accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
+    """Add int32 ``src`` into the exact int64 sums ``acc`` aligning to the smaller exponent; return
+    the exponent. The finer operand is arithmetically shifted right by the exponent difference,
+    clamped to 63 for the sum and 31 for the int32 contribution (both exact floor divisions)."""
+    exp = min(acc_exp, src_exp)
+    n = min(len(src), len(acc))
+    acc >>= min(acc_exp - exp, MAX_SUM_SHIFT)
+    acc[:n] += src[:n].astype(np.int64) >> min(src_exp - exp, MAX_SHIFT)
+    return exp
+
+
+def np_narrow(values: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The int32 values a result carries: the sums' low 32 bits, and whether any did not fit."""
+    overflow = bool(len(values)) and bool(values.min() < INT32_MIN or values.max() > INT32_MAX)
+    return values.astype(PAYLOAD_DTYPE), overflow
+
+
+class Arithmetic(NamedTuple):
+    load: Callable[[np.ndarray, np.ndarray], None]
+    accumulate: Callable[[np.ndarray, int, np.ndarray, int], int]
+    narrow: Callable[[np.ndarray], tuple[np.ndarray, bool]]
+
+
+NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow)
+
+
+# --------------------------------------------------------------------------------------------
+# Configuration.
+
+@dataclass
+class JobConfig:
+    job: int
+    world: int
+    slots: int
+    max_chunks: int
+    members: dict[int, Addr]
+    #: Results' multicast group and port; None = unicast fan-out to every member's address.
+    group: Addr | None = None
+    #: The job's packet size; None = the aggregator's. The kernel has one size, so it must match.
+    elements: int | None = None
+    #: Installed as version 0 from round 0; ``set_strategy`` replaces the table later.
+    strategy: Strategy = SYNC
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.job < MAX_JOBS:
+            raise ValueError(f"job {self.job} outside 0..{MAX_JOBS - 1}")
+        if not 1 <= self.world <= MAX_MEMBERS:
+            raise ValueError(f"world {self.world} outside 1..{MAX_MEMBERS}")
+        if self.slots < 1 or self.max_chunks < 1:
+            raise ValueError("slots and max_chunks must be positive")
+        # Ranks may be registered later (set_member); an unregistered rank is "not a member".
+        bad = [r for r in self.members if not 0 <= r < self.world]
+        if bad:
+            raise ValueError(f"member ranks {bad} outside 0..{self.world - 1}")
+        self.members = {int(r): _addr(a) for r, a in self.members.items()}
+        if self.group is not None:
+            self.group = _addr(self.group)
+
+
+def _addr(a: Addr) -> Addr:
+    return (str(a[0]), int(a[1]))
+
+
+def check_table(entries: list[TableEntry]) -> list[TableEntry]:
+    """The rows a data plane can store: 1..STRATEGY_VERSIONS of them, every field in its C type."""
+    entries = list(entries)
+    if not 1 <= len(entries) <= STRATEGY_VERSIONS:
+        raise ValueError(f"a strategy table has 1..{STRATEGY_VERSIONS} entries, not {len(entries)}")
+    for e in entries:
+        if e.kind not in StrategyKind.__members__.values():
+            raise ValueError(f"unknown strategy kind {e.kind} in {e}")
+        if not (0 <= e.version <= 0xFFFF and 0 <= e.from_round <= U32_MAX and 0 <= e.param <= 0xFF
+                and 0 <= e.timeout_us <= U32_MAX):
+            raise ValueError(f"strategy entry {e} does not fit the data planes' fields")
+    return entries
+
+
+def governing(entries: list[TableEntry], round_: int) -> TableEntry:
+    """The row that governs ``round_`` (see the module docstring for the tie and fallback rules)."""
+    reached = [e for e in entries if e.from_round <= round_]
+    if reached:
+        return max(reached, key=lambda e: (e.from_round, e.version))
+    first = min(e.from_round for e in entries)
+    return max((e for e in entries if e.from_round == first), key=lambda e: e.version)
+
+
+# --------------------------------------------------------------------------------------------
+# Slot state (docs/protocol.md, "Slot state").
+
+class BankState(enum.IntEnum):
+    EMPTY = 0
+    OPEN = 1
+    RELEASED = 2
+
+
+@dataclass
+class Bank:
+    values: np.ndarray                 #: int64[elements] exact sums, a view into the job's slot array
+    state: BankState = BankState.EMPTY
+    key: Key = (0, 0)                  #: (round, chunk); meaningless while EMPTY
+    bitmap: int = 0                    #: members whose own contribution was added
+    late: int = 0                      #: members whose late contribution to this round was carried
+    n_contrib: int = 0                 #: everything added (carried and wbsp steps included), u16
+    exponent: int = ZERO_EXPONENT
+    flags: int = 0                     #: Flag bits every result of the bank carries (CARRIED)
+    version: int = 0                   #: the governing table row, recorded when the bank opened
+    kind: StrategyKind = StrategyKind.SYNC
+    param: int = 0
+    timeout_us: int = 0
+    t_first: int = 0                   #: ns, when the bank opened
+    unannounced: bool = False          #: released by its deadline, not yet sent to the group
+    #: Opened by a carry and no member's own contribution yet: a holding area for late gradients
+    #: that takes no part in the slot's key order or admission and whose deadline has not started.
+    holding: bool = False
+    steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
+
+    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False) -> None:
+        self.state, self.key, self.t_first, self.holding = BankState.OPEN, key, now, holding
+        self.version, self.kind = entry.version, StrategyKind(entry.kind)
+        self.param, self.timeout_us = entry.param, entry.timeout_us
+        self.bitmap = self.late = self.n_contrib = self.flags = 0
+        self.unannounced = False
+        self.exponent = ZERO_EXPONENT
+        self.steps = [0] * MAX_MEMBERS
+
+    def adopt(self, key: Key, entry: TableEntry) -> None:
+        """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
+        carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
+        self.key = key
+        self.version, self.kind = entry.version, StrategyKind(entry.kind)
+        self.param, self.timeout_us = entry.param, entry.timeout_us
+
+    def counted(self, rank: int, step: int) -> bool:
+        """Has this contribution, (member, step), already been added to this round? Every
+        strategy deduplicates so; only wbsp clients send steps > 0."""
+        return step >= STEPS or bool(self.steps[rank] >> step & 1)
+
+    def complete(self, world: int) -> bool:
+        """The release test of rule 1."""
+        if self.kind == StrategyKind.QUORUM:
+            return self.bitmap.bit_count() >= self.param
+        return self.bitmap == (1 << world) - 1
+
+    def expired(self, now: int) -> bool:
+        """Rule 0: an open quorum bank past its deadline."""
+        return (self.state == BankState.OPEN and self.kind == StrategyKind.QUORUM and not self.holding
+                and (now - self.t_first) % (1 << 64) >= self.timeout_us * 1000)
+
+
+@dataclass
+class LateMemory:
+    """A member's late step-0 contributions to one round in one slot, by the chunk's index in the
+    slot (``chunk // slots``, below 64): those refused ``busy`` (not counted: a retransmission is
+    carried) and those carried with no result of their chunk to answer with (counted: a
+    retransmission is answered once there is one). Lets a retransmission whose round's bank is
+    gone be told apart from a copy of one already counted, which is stale."""
+    round: int | None = None
+    refused: int = 0
+    carried: int = 0
+
+    def at(self, round_: int) -> "LateMemory":
+        if self.round != round_:   # a newer round's late contributions replace the older ones
+            self.round, self.refused, self.carried = round_, 0, 0
+        return self
+
+
+@dataclass
+class Slot:
+    banks: list[Bank]
+    late: list[LateMemory] = field(default_factory=lambda: [LateMemory() for _ in range(MAX_MEMBERS)])
+
+    def bank_of(self, key: Key) -> Bank | None:
+        return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
+
+    def newest(self) -> Key | None:
+        """The largest key of the non-empty banks, holding ones aside; None while there is none."""
+        return max((b.key for b in self.banks if b.state != BankState.EMPTY and not b.holding), default=None)
+
+    def open_banks(self, holding: bool = False) -> list[Bank]:
+        """Open banks; with ``holding``, the holding ones too."""
+        return [b for b in self.banks if b.state == BankState.OPEN and (holding or not b.holding)]
+
+    def n_free(self) -> int:
+        """Banks a new round may take: empty or released."""
+        return sum(b.state != BankState.OPEN for b in self.banks)
+
+    def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
+        return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
+                and (state is None or b.state == state)]
+
+    def holding_of(self, chunk: int) -> list[Bank]:
+        return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
+
+    def free_bank(self) -> Bank | None:
+        """Rule 3's choice: an empty bank, else the released bank with the smallest key."""
+        empty = [b for b in self.banks if b.state == BankState.EMPTY]
+        if empty:
+            return empty[0]
+        released = [b for b in self.banks if b.state == BankState.RELEASED]
+        return min(released, key=lambda b: b.key, default=None)
+
+
+def follows(round_: int, skip: int, previous: int) -> bool:
+    """Is ``round_``, whose packet says ``skip``, the round after ``previous`` of its chunk?
+    ``skip`` counts the rounds in between that left the chunk out; SKIP_MAX means that many or more."""
+    if skip >= SKIP_MAX:
+        return round_ >= previous + 1 + SKIP_MAX
+    return round_ == previous + 1 + skip
+
+
+def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
+    """Rule 3's admission: may a round governed by ``entry`` open now?"""
+    kind = StrategyKind(entry.kind)
+    if kind == StrategyKind.ASYNC:  # holding banks count: one released bank stays for re-reads
+        return len(slot.open_banks(holding=True)) < ASYNC_MAX_OPEN
+    if kind == StrategyKind.SSP:
+        return all(b.key[0] + entry.param >= round_ for b in slot.open_banks())
+    return not slot.open_banks()
+
+
+@dataclass
+class JobState:
+    cfg: JobConfig
+    slots: list[Slot]
+    table: list[TableEntry]
+    counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
+    #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
+    pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
+                                                             if n.upper() not in Counter.__members__})
+
+    def count(self, name: str, n: int = 1) -> None:
+        member = Counter.__members__.get(name.upper())
+        if member is None:
+            self.pending[name] += n
+        else:
+            self.counters[member] += n
+
+    def counter(self, name: str) -> int:
+        member = Counter.__members__.get(name.upper())
+        return self.pending[name] if member is None else int(self.counters[member])
+
+
+# --------------------------------------------------------------------------------------------
+# Verdicts.
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the data plane does with one packet.
+
+    ``action``: "drop", "tx" (``out`` goes to ``dest``) or "pass" (to user space). A NACK is a
+    "tx" to the sender that also carries a drop ``reason``: the packet is counted as that drop.
+    ``addrs`` resolves ``dest`` to UDP addresses (the group, every member in fan-out mode, or the
+    sender); ``job`` is the counter bucket (a job id or NO_JOB). A contribution absorbed into a
+    slot without an answer is ``Verdict("drop", None)``: XDP_DROP with no drop counted.
+    """
+    action: str
+    reason: DropReason | None = None
+    out: bytes | None = None
+    dest: str | None = None
+    addrs: tuple[Addr, ...] = ()
+    job: int = NO_JOB
+
+    @property
+    def header(self) -> Header | None:
+        return None if self.out is None else Header.unpack(self.out)
+
+
+#: Called with (job, bank, cause) whenever a bank becomes released; cause is "complete" or
+#: "timeout". For tests and diagnostics: the bank is live, copy what you keep.
+ReleaseObserver = Callable[[int, Bank, str], None]
+
+
+# --------------------------------------------------------------------------------------------
+# The model.
+
+class AggregatorModel:
+    """Per-packet aggregator logic shared by the reference model and the user-space server.
+
+    ``userspace=True`` is the user-space path: payloads of any length that holds ``count`` are
+    served (zero-padded), never passed on, and every message sent carries Flag.USERSPACE.
+    """
+
+    def __init__(self, elements: int = DEFAULT_ELEMENTS, *, userspace: bool = False,
+                 arithmetic: Arithmetic = NUMPY_ARITHMETIC) -> None:
+        self.elements = elements
+        self.userspace = userspace
+        self.served_flags = int(Flag.USERSPACE) if userspace else 0
+        self.arith = arithmetic
+        self.jobs: dict[int, JobState] = {}
+        self._drops: dict[int, np.ndarray] = {NO_JOB: _zero_drops()}
+        self.on_release: ReleaseObserver | None = None
+
+    # -- registry ------------------------------------------------------------------------------
+    def add_job(self, cfg: JobConfig) -> None:
+        if cfg.job in self.jobs:
+            raise ValueError(f"job {cfg.job} already registered")
+        if cfg.elements is not None and cfg.elements != self.elements:
+            raise ValueError(f"job {cfg.job} wants {cfg.elements} elements a packet, "
+                             f"the aggregator has {self.elements}")
+        cfg = replace(cfg, members=dict(cfg.members))  # ours to mutate (set_member)
+        table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
+        values = np.zeros((cfg.slots, BANKS, self.elements), np.int64)
+        slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
+        self.jobs[cfg.job] = JobState(cfg, slots, table)
+        self._drops[cfg.job] = _zero_drops()
+
+    def remove_job(self, job: int) -> None:
+        self.jobs.pop(job, None)
+        self._drops.pop(job, None)
+
+    def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
+        cfg = self.jobs[job].cfg
+        if not 0 <= rank < cfg.world:
+            raise ValueError(f"rank {rank} outside 0..{cfg.world - 1}")
+        if addr is None:
+            cfg.members.pop(rank, None)
+        else:
+            cfg.members[rank] = _addr(addr)
+
+    def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
+        """Replace the job's strategy table with exactly these rows (what the data planes store;
+        ``StrategyTable.table_entries()`` makes them). Open banks keep the row they opened with."""
+        self.jobs[job].table = check_table(entries)
+
+    def strategy_table(self, job: int) -> list[TableEntry]:
+        return list(self.jobs[job].table)
+
+    # -- counters ------------------------------------------------------------------------------
+    def counters(self, job: int) -> np.ndarray:
+        """uint64[len(Counter)] for ``job`` (a copy)."""
+        return self.jobs[job].counters.copy()
+
+    def counter(self, job: int, name: str) -> int:
+        """One counter by name, including those only the model has so far (STRATEGY_COUNTERS)."""
+        return self.jobs[job].counter(name)
+
+    def drops(self, job: int = NO_JOB) -> np.ndarray:
+        """uint64[len(DropReason)] for ``job`` or the NO_JOB bucket (a copy)."""
+        return self._drops[job].copy()
+
+    def stats(self) -> dict:
+        """Every counter by name: {"jobs": {job: {"counters": {...}, "drops": {...}}}, "no_job": {...}}."""
+        def named(arr: np.ndarray, enum_: type[enum.IntEnum]) -> dict[str, int]:
+            return {m.name.lower(): int(arr[m]) for m in enum_}
+        return {"jobs": {j: {"counters": named(s.counters, Counter) | s.pending,
+                             "drops": named(self._drops[j], DropReason)} for j, s in self.jobs.items()},
+                "no_job": named(self._drops[NO_JOB], DropReason)}
+
+    # -- the data path ---------------------------------------------------------------------------
+    def process(self, data: bytes | bytearray | memoryview, src: Addr, now_ns: int = 0) -> Verdict:
+        """One UDP payload (aggd header + int32 payload) from ``src`` at time ``now_ns`` (u64 ns,
+        the data plane's clock); see the module docstring."""
+        size = len(data)
+        if size < HEADER_SIZE:
+            return self._drop(NO_JOB, DropReason.TOO_SHORT)
+        hdr = Header.unpack(data)
+        if hdr.magic != MAGIC:
+            return self._drop(NO_JOB, DropReason.BAD_MAGIC)
+        if hdr.version != VERSION:
+            return self._drop(NO_JOB, DropReason.BAD_VERSION)
+        if hdr.type == MsgType.JOIN and not self.userspace:
+            return Verdict("pass")      # membership is the daemon's business
+        if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD):
+            return self._drop(NO_JOB, DropReason.BAD_TYPE)
+        held = (size - HEADER_SIZE) // 4
+        if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
+            return self._drop(NO_JOB, DropReason.BAD_COUNT)
+
+        job = self.jobs.get(hdr.job)
+        if job is None:
+            return self._nack(NO_JOB, DropReason.UNKNOWN_JOB, NackCode.UNKNOWN_JOB, hdr, src)
+        cfg = job.cfg
+        job.count("rx_packets")
+        job.count("rx_bytes", size)
+        if hdr.flags & Flag.RETRANSMIT:
+            job.count("retransmits")
+        if hdr.rank >= cfg.world:
+            return self._nack(cfg.job, DropReason.BAD_RANK, NackCode.NOT_MEMBER, hdr, src)
+        if cfg.members.get(hdr.rank) != (src[0], src[1]):
+            return self._nack(cfg.job, DropReason.NOT_MEMBER, NackCode.NOT_MEMBER, hdr, src)
+        if hdr.chunk >= cfg.max_chunks:
+            return self._drop(cfg.job, DropReason.BAD_CHUNK)
+        if not self.userspace and size - HEADER_SIZE != self.elements * 4:
+            job.count("to_userspace")
+            return Verdict("pass", job=cfg.job)
+
+        values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
+        return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
+
+    def _slot_rules(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray, src: Addr,
+                    now: int) -> Verdict:
+        """docs/protocol.md, "Per contribution K = (round, chunk) from member X"."""
+        for bank in slot.banks:                                                  # rule 0
+            if bank.expired(now):
+                job.count("timeouts")
+                bank.unannounced = True
+                self._release(job, bank, "timeout")
+        key = (hdr.round, hdr.chunk)
+        bank, newest = slot.bank_of(key), slot.newest()
+        if hdr.type == MsgType.REREAD:
+            if bank is not None and bank.state == BankState.RELEASED:
+                return self._resend(job, bank, hdr, src)
+            if bank is not None or newest is None or key > newest:
+                return self._drop(job.cfg.job, DropReason.NOT_READY)
+            return self._drop(job.cfg.job, DropReason.STALE)
+
+        if bank is not None and bank.state == BankState.OPEN:                  # rule 1
+            if bank.counted(hdr.rank, hdr.step):
+                return self._drop(job.cfg.job, DropReason.DUPLICATE)
+            return self._contribute(job, bank, hdr, values, src, fresh=False, now=now)
+        if bank is not None:                                                     # rule 2
+            if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
+                return self._resend(job, bank, hdr, src)
+            return self._late(job, slot, bank, hdr, values, src, now)
+        if newest is None or key > newest:                                       # rule 3
+            bank = self._open(job, slot, key, hdr.skip, now)
+            if bank is None:
+                return self._drop(job.cfg.job, DropReason.BUSY)
+            return self._contribute(job, bank, hdr, values, src, fresh=not bank.holding, now=now)
+        return self._late(job, slot, None, hdr, values, src, now)                # rule 4
+
+    def _hold(self, job: JobState, slot: Slot, round_: int, chunk: int, now: int) -> Bank | None:
+        """Rule 4's new round for a carry: a holding bank for the next round of ``chunk`` (after its
+        newest bank, and after the slot's newest key, so its members will still come to it),
+        if another bank stays free for the rounds in progress; None means busy."""
+        r2 = max((b.key[0] for b in slot.of_chunk(chunk) if not b.holding), default=round_) + 1
+        newest = slot.newest()
+        if newest is not None and (r2, chunk) <= newest:
+            r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
+        if r2 > U32_MAX or slot.n_free() < 2:
+            return None
+        bank = slot.free_bank()
+        bank.open((r2, chunk), governing(job.table, r2), now, holding=True)
+        return bank
+
+    def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
+        """Rule 3: open a bank for a new round if it is the next round of its chunk (the packet's
+        ``skip`` says which round that follows) and its strategy admits it; the chunk's holding
+        bank, if any, becomes that round. None means busy."""
+        rounds = [b.key[0] for b in slot.of_chunk(key[1]) if not b.holding]
+        if rounds and not follows(key[0], skip, max(rounds)):
+            return None           # a round whose predecessor was refused must not open first
+        entry = governing(job.table, key[0])
+        held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
+        if held is not None:      # the carries wait for the chunk's next round: this one
+            held.adopt(key, entry)
+            return held
+        if not admits(entry, slot, key[0]):
+            return None
+        bank = slot.free_bank()
+        if bank is None:
+            return None
+        bank.open(key, entry, now)
+        return bank
+
+    def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
+                    fresh: bool, now: int) -> Verdict:
+        """Rule 1 after the duplicate test: the member's own contribution to an open round."""
+        self._add(job, bank, hdr, values, fresh)
+        if bank.holding:           # the round proper starts: its order, admission and deadline
+            bank.holding, bank.t_first = False, now
+        if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
+            bank.bitmap |= 1 << hdr.rank
+        bank.steps[hdr.rank] |= 1 << hdr.step
+        if bank.complete(job.cfg.world):
+            self._release(job, bank, "complete")
+            return self._to_group(job, self._result(job, bank, hdr))
+        if bank.kind == StrategyKind.ASYNC:
+            job.count("partials")
+            return self._to_sender(job, self._result(job, bank, hdr), src)
+        return Verdict("drop", job=job.cfg.job)     # absorbed: counted as a contribution
+
+    def _late(self, job: JobState, slot: Slot, origin: Bank | None, hdr: Header, values: np.ndarray,
+              src: Addr, now: int) -> Verdict:
+        """Rule 4: carry a late contribution into the next round of its chunk, answer with the
+        newest released result of that chunk. ``origin`` is K's released bank, if any."""
+        key = (hdr.round, hdr.chunk)
+        k = hdr.chunk // job.cfg.slots
+        remembered = hdr.step == 0 and k < 64         # what the slot's LateMemory can hold
+        mem = slot.late[hdr.rank]
+        known = remembered and mem.round == hdr.round
+        if origin is None and hdr.flags & Flag.RETRANSMIT and not (known and mem.refused >> k & 1):
+            if known and mem.carried >> k & 1:         # counted, not answered yet
+                answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+                if answer is None:
+                    return self._drop(job.cfg.job, DropReason.NOT_READY)
+                return self._resend(job, answer, hdr, src)
+            return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
+        later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]
+        target = min(later, key=lambda b: b.key, default=None)
+        fresh = target is None
+        if fresh:
+            target = self._hold(job, slot, hdr.round, hdr.chunk, now)
+            if target is None:
+                if remembered:
+                    mem.at(hdr.round).refused |= 1 << k
+                return self._drop(job.cfg.job, DropReason.BUSY)
+        if known:
+            mem.refused &= ~(1 << k)
+        self._add(job, target, hdr, values, fresh)
+        target.flags |= Flag.CARRIED
+        job.count("carried")
+        if origin is not None and origin.state != BankState.EMPTY and origin.key == key:
+            origin.late |= 1 << hdr.rank
+            # per (member, step): its retransmission is answered; a later wbsp step is carried too
+            origin.steps[hdr.rank] |= 1 << hdr.step
+        answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+        if answer is None:
+            if remembered:                             # its retransmission will be answered
+                mem.at(hdr.round).carried |= 1 << k
+            return Verdict("drop", job=job.cfg.job)
+        return self._resend(job, answer, hdr, src)
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _add(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, fresh: bool) -> None:
+        """Add one contribution's values into a bank (the first one of a fresh bank is copied)."""
+        if fresh:
+            self.arith.load(bank.values, values)
+            bank.exponent = hdr.exponent
+        else:
+            bank.exponent = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
+        bank.n_contrib = (bank.n_contrib + 1) & 0xFFFF
+        job.count("contributions")
+        job.count("elements", hdr.count)
+
+    def _release(self, job: JobState, bank: Bank, cause: str) -> None:
+        bank.state = BankState.RELEASED
+        job.count("released")
+        if self.on_release is not None:
+            self.on_release(job.cfg.job, bank, cause)
+
+    def _drop(self, bucket: int, reason: DropReason) -> Verdict:
+        self._drops[bucket][reason] += 1
+        return Verdict("drop", reason, job=bucket)
+
+    def _nack(self, bucket: int, reason: DropReason, code: NackCode, hdr: Header, src: Addr) -> Verdict:
+        self._drops[bucket][reason] += 1
+        out = Header(type=MsgType.NACK, job=hdr.job, rank=hdr.rank, round=hdr.round, chunk=hdr.chunk,
+                     flags=self.served_flags, code=code).pack()
+        return Verdict("tx", reason, out, "sender", (_addr(src),), bucket)
+
+    def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
+        values, overflow = self.arith.narrow(bank.values)
+        if overflow:
+            extra_flags |= Flag.OVERFLOW
+            job.count("overflows")
+        out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
+                     chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
+                     exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
+                     contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
+                     param=bank.param)
+        return out.pack() + values.tobytes()
+
+    def _to_group(self, job: JobState, out: bytes) -> Verdict:
+        cfg = job.cfg
+        addrs = (cfg.group,) if cfg.group is not None else tuple(cfg.members[r] for r in sorted(cfg.members))
+        return Verdict("tx", None, out, "group", addrs, cfg.job)
+
+    def _to_sender(self, job: JobState, out: bytes, src: Addr) -> Verdict:
+        return Verdict("tx", None, out, "sender", (_addr(src),), job.cfg.job)
+
+    def _resend(self, job: JobState, bank: Bank, hdr: Header, src: Addr) -> Verdict:
+        """Send a released result back: to the sender as a re-send, except the first answer from a
+        round released by its deadline, which announces it to the whole group."""
+        if bank.unannounced:
+            bank.unannounced = False
+            return self._to_group(job, self._result(job, bank, hdr))
+        job.count("rereads")
+        return self._to_sender(job, self._result(job, bank, hdr, Flag.REREAD), src)
+
+
+def _zero_drops() -> np.ndarray:
+    return np.zeros(len(DropReason), np.uint64)

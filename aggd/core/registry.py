@@ -1,0 +1,357 @@
+"""The job registry: jobs, their tokens and members, strategy versions and where their slots live.
+
+Pure logic, no I/O: the daemon (``aggd.daemon.service``) applies what the registry decides to the data
+planes and persists :meth:`Registry.to_json` after every change. Time and randomness come in as
+arguments (``now``, ``token_factory``) so tests are deterministic.
+
+Placement. A job's pool has ``slots`` slots; chunk ``c`` uses slot ``c % slots``. Slots
+``[0, kernel_slots)`` live in the kernel (a contiguous range of the kernel's slot array, first fit
+within the memory budget), slots ``[kernel_slots, slots)`` in the daemon's user-space path. The
+XDP program passes packets for user-space slots up (Counter.TO_USERSPACE), so every chunk has
+exactly one home and no slot state is shared between the two paths. A job whose packet size differs
+from the kernel's is served wholly in user space.
+"""
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
+
+from aggd.core import strategy as strat
+
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+STATE_VERSION = 1
+
+Addr = tuple[str, int]
+
+
+class RegistryError(ValueError):
+    """A request the registry refuses; ``kind`` is a stable word for scripts (``unknown_job``...)."""
+
+    def __init__(self, message: str, kind: str = "refused"):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the registry needs to know about the aggregator it describes."""
+    kernel_budget: int                #: kernel slots new jobs may use (from the memory budget)
+    elements: int                     #: the kernel program's packet size
+    port: int                         #: aggd port (kernel path; user space behind it)
+    userspace_port: int               #: port for jobs whose packets the kernel cannot take
+    result_port: int
+    group_base: str = "239.77.0.0"
+    default_slots: int = 1024
+    max_chunks: int = 1 << 24
+    gso: bool = True                  #: workers may send with UDP GSO (false in generic mode)
+
+
+@dataclass
+class Member:
+    rank: int
+    address: Addr
+    joined_at: float
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "address": list(self.address), "joined_at": self.joined_at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Member":
+        return cls(int(d["rank"]), (str(d["address"][0]), int(d["address"][1])), float(d["joined_at"]))
+
+
+@dataclass
+class Job:
+    name: str
+    id: int
+    token: str
+    world: int
+    slots: int
+    max_chunks: int
+    elements: int
+    group: Addr
+    port: int                          #: where workers send (the aggd port or the user-space port)
+    kernel_base: int = 0
+    kernel_slots: int = 0
+    #: strategy versions, oldest first: (version, from_round, text); the last STRATEGY_VERSIONS kept
+    strategies: list[tuple[int, int, str]] = field(default_factory=list)
+    members: dict[int, Member] = field(default_factory=dict)
+    created_at: float = 0.0
+
+    # -- derived ---------------------------------------------------------------------------------
+    @property
+    def userspace_slots(self) -> int:
+        return self.slots - self.kernel_slots
+
+    @property
+    def strategy(self) -> strat.Strategy:
+        return strat.parse(self.strategies[-1][2])
+
+    @property
+    def strategy_version(self) -> int:
+        return self.strategies[-1][0]
+
+    def strategy_table(self) -> strat.StrategyTable:
+        first = self.strategies[0]
+        table = strat.StrategyTable(strat.parse(first[2]))
+        table.entries = [(v, r, strat.parse(t)) for v, r, t in self.strategies]
+        return table
+
+    def placement(self) -> dict:
+        """Which slots (so which chunks) each path serves."""
+        k = self.kernel_slots
+        return {
+            "rule": f"chunk c uses slot c % {self.slots}",
+            "kernel": {"slots": [0, k], "array": [self.kernel_base, self.kernel_base + k] if k else None},
+            "userspace": {"slots": [k, self.slots]},
+        }
+
+    def join_info(self) -> dict:
+        """The job's parameters a worker needs (the JOIN_ACK payload, see docs/protocol.md)."""
+        return {"job": self.id, "name": self.name, "world": self.world,
+                "group": list(self.group) if self.group else None,
+                "port": self.port, "elements": self.elements, "slots": self.slots,
+                "max_chunks": self.max_chunks, "strategy": str(self.strategy),
+                "strategy_version": self.strategy_version}
+
+    def describe(self, with_token: bool = True) -> dict:
+        d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
+             "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
+             "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
+             "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
+             "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
+             "placement": self.placement(),
+             "members": {str(r): m.to_json() for r, m in sorted(self.members.items())},
+             "joined": len(self.members), "created_at": self.created_at}
+        if with_token:
+            d["token"] = self.token
+        return d
+
+    def to_json(self) -> dict:
+        d = self.describe()
+        for derived in ("strategy", "strategy_version", "userspace_slots", "placement", "joined"):
+            d.pop(derived)
+        d["kernel_base"] = self.kernel_base
+        d["strategies"] = [list(e) for e in self.strategies]
+        d["members"] = [m.to_json() for _, m in sorted(self.members.items())]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Job":
+        job = cls(name=d["name"], id=int(d["id"]), token=d["token"], world=int(d["world"]),
+                  slots=int(d["slots"]), max_chunks=int(d["max_chunks"]), elements=int(d["elements"]),
+                  group=(str(d["group"][0]), int(d["group"][1])), port=int(d["port"]),
+                  kernel_base=int(d["kernel_base"]), kernel_slots=int(d["kernel_slots"]),
+                  strategies=[(int(v), int(r), str(t)) for v, r, t in d["strategies"]],
+                  created_at=float(d.get("created_at", 0.0)))
+        job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
+        return job
+
+
+@dataclass(frozen=True)
+class JoinOutcome:
+    """The answer to a JOIN: ``code`` NONE means accepted (``job`` set, ``changed`` if the member
+    address is new); otherwise ``message`` says why it was refused."""
+    code: NackCode
+    message: str
+    job: Job | None = None
+    changed: bool = False
+
+
+class Registry:
+    def __init__(self, limits: Limits, *, token_factory: Callable[[], str] = lambda: secrets.token_hex(16)):
+        self.limits = limits
+        self.jobs: dict[int, Job] = {}
+        self._token = token_factory
+
+    # -- lookup ------------------------------------------------------------------------------------
+    def get(self, ref: str | int) -> Job:
+        """A job by name or id (an int, or a string of digits)."""
+        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+            job = self.jobs.get(int(ref))
+        else:
+            job = next((j for j in self.jobs.values() if j.name == ref), None)
+        if job is None:
+            raise RegistryError(f"no job {ref!r}", "unknown_job")
+        return job
+
+    def list(self) -> list[Job]:
+        return [self.jobs[i] for i in sorted(self.jobs)]
+
+    # -- kernel slots ---------------------------------------------------------------------------
+    def kernel_used(self) -> int:
+        return sum(j.kernel_slots for j in self.jobs.values())
+
+    def _free_runs(self) -> list[tuple[int, int]]:
+        """Free (base, length) runs of kernel slots within the budget, in address order."""
+        used = sorted((j.kernel_base, j.kernel_slots) for j in self.jobs.values() if j.kernel_slots)
+        runs, at = [], 0
+        for base, n in used:
+            if base > at:
+                runs.append((at, min(base, self.limits.kernel_budget) - at))
+            at = max(at, base + n)
+        if at < self.limits.kernel_budget:
+            runs.append((at, self.limits.kernel_budget - at))
+        return [(b, n) for b, n in runs if n > 0]
+
+    def largest_free_run(self) -> int:
+        return max((n for _, n in self._free_runs()), default=0)
+
+    def _place(self, want: int) -> tuple[int, int]:
+        """(base, count) for up to ``want`` kernel slots: first fit of the largest count that fits.
+        First fit over the same used set is what the XDP loader's allocator does too, so both
+        agree on the base."""
+        count = min(want, self.largest_free_run())
+        if count <= 0:
+            return 0, 0
+        base = next(b for b, n in self._free_runs() if n >= count)
+        return base, count
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
+               elements: int | None = None, kernel_slots: int | None = None, now: float = 0.0) -> Job:
+        """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit)."""
+        lim = self.limits
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
+                                f"at most 64 characters", "bad_request")
+        if any(j.name == name for j in self.jobs.values()):
+            raise RegistryError(f"a job named {name!r} exists already", "exists")
+        if not isinstance(world, int) or not 1 <= world <= MAX_MEMBERS:
+            raise RegistryError(f"world must be 1..{MAX_MEMBERS}, not {world!r}", "bad_request")
+        slots = lim.default_slots if slots is None else slots
+        if not isinstance(slots, int) or slots < 1:
+            raise RegistryError(f"slots must be a positive integer, not {slots!r}", "bad_request")
+        elements = lim.elements if elements is None else elements
+        if not isinstance(elements, int) or not 1 <= elements <= MAX_ELEMENTS:
+            raise RegistryError(f"elements must be 1..{MAX_ELEMENTS}, not {elements!r}", "bad_request")
+        if kernel_slots is not None and (not isinstance(kernel_slots, int) or kernel_slots < 0):
+            raise RegistryError(f"kernel_slots must be 0 or more, not {kernel_slots!r}", "bad_request")
+        try:
+            parsed = strat.parse(strategy).validate(world)
+        except strat.StrategyError as exc:
+            raise RegistryError(f"bad strategy {strategy!r}: {exc}", "bad_strategy") from None
+        free_ids = [i for i in range(1, MAX_JOBS) if i not in self.jobs] + ([0] if 0 not in self.jobs else [])
+        if not free_ids:
+            raise RegistryError(f"all {MAX_JOBS} job ids are in use", "full")
+        job_id = free_ids[0]
+        # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
+        # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
+        same_size = elements == lim.elements
+        want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
+        base, count = self._place(want)
+        group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
+        job = Job(name=name, id=job_id, token=self._token(), world=world, slots=slots,
+                  max_chunks=lim.max_chunks, elements=elements, group=group,
+                  port=lim.port if elements <= lim.elements else lim.userspace_port,
+                  kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now)
+        self.jobs[job_id] = job
+        return job
+
+    def delete(self, ref: str | int) -> Job:
+        """Remove a job; its kernel slots return to the budget."""
+        job = self.get(ref)
+        del self.jobs[job.id]
+        return job
+
+    # -- membership -------------------------------------------------------------------------------
+    def join(self, ref: str | int, rank: int, token: str, address: Addr, now: float = 0.0) -> JoinOutcome:
+        """A worker asks to be ``rank`` of a job from ``address`` with the job's token.
+
+        Checks in order: the job exists (UNKNOWN_JOB), the token matches (BAD_TOKEN), the rank is
+        below the world size (NOT_MEMBER). Accepted, ``address`` becomes the rank's registered
+        address, replacing an earlier one (a restarted worker rejoins from a new port)."""
+        try:
+            job = self.get(ref)
+        except RegistryError as exc:
+            return JoinOutcome(NackCode.UNKNOWN_JOB, str(exc))
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), job.token.encode()):
+            return JoinOutcome(NackCode.BAD_TOKEN, f"the token for job {job.name!r} was refused")
+        if not isinstance(rank, int) or not 0 <= rank < job.world:
+            return JoinOutcome(NackCode.NOT_MEMBER,
+                               f"rank {rank} is not a member of job {job.name!r} (world {job.world}: "
+                               f"ranks 0..{job.world - 1})", job)
+        address = (str(address[0]), int(address[1]))
+        for other in job.members.values():
+            if other.rank != rank and other.address == address:
+                return JoinOutcome(NackCode.NOT_MEMBER,
+                                   f"{address[0]}:{address[1]} is rank {other.rank} of job {job.name!r} "
+                                   f"already; one address per rank", job)
+        old = job.members.get(rank)
+        changed = old is None or old.address != address
+        if changed:
+            job.members[rank] = Member(rank, address, now)
+        return JoinOutcome(NackCode.NONE, "joined", job, changed)
+
+    def leave(self, ref: str | int, rank: int) -> Job:
+        job = self.get(ref)
+        job.members.pop(rank, None)
+        return job
+
+    # -- strategies --------------------------------------------------------------------------------
+    def set_strategy(self, ref: str | int, text: str, from_round: int) -> tuple[Job, strat.StrategyTable]:
+        """Record a new strategy version that governs rounds from ``from_round`` on. Returns the job
+        and its table (whose ``table_entries()`` the data planes install). Nothing changes if the
+        strategy or the round is refused."""
+        job = self.get(ref)
+        try:
+            parsed = strat.parse(text).validate(job.world)
+        except strat.StrategyError as exc:
+            raise RegistryError(f"bad strategy {text!r}: {exc}", "bad_strategy") from None
+        if not isinstance(from_round, int) or not 0 <= from_round < 1 << 32:
+            raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
+        version, first, _ = job.strategies[-1]
+        if from_round <= first:
+            raise RegistryError(f"strategy version {version} of job {job.name!r} governs from round {first}; "
+                                f"a new version must start after it", "bad_round")
+        table = job.strategy_table()
+        try:
+            table.install(version + 1, from_round, parsed)
+        except strat.StrategyError as exc:
+            raise RegistryError(str(exc), "bad_round") from None
+        job.strategies = [(v, r, str(s)) for v, r, s in table.entries]
+        return job, table
+
+    # -- persistence ------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"version": STATE_VERSION, "jobs": [j.to_json() for j in self.list()]}
+
+    def load_json(self, data: dict) -> None:
+        """Replace the registry's jobs with a saved state (from :meth:`to_json`)."""
+        if data.get("version") != STATE_VERSION:
+            raise RegistryError(f"state version {data.get('version')!r} is not {STATE_VERSION}", "bad_state")
+        self.jobs = {j.id: j for j in map(Job.from_json, data["jobs"])}
+
+    def with_limits(self, limits: Limits) -> None:
+        """New limits (a reload): existing jobs keep their placement; new jobs use the new ones."""
+        self.limits = limits
+
+
+def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: float = 0.0) -> tuple[bytes | None, JoinOutcome | None]:
+    """A JOIN message from ``src`` -> (the JOIN_ACK to send back, the registry's outcome).
+
+    (None, None) for a malformed JOIN (not answered: it may not even come from an aggd client).
+    The caller applies an accepted outcome with ``changed`` to the data planes."""
+    from aggd_client.membership import decode_join, encode_join_ack
+
+    try:
+        hdr, ref, token = decode_join(data)
+    except (ValueError, UnicodeDecodeError):
+        return None, None
+    outcome = registry.join(ref, hdr.rank, token, src, now)
+    if outcome.code != NackCode.NONE:
+        job_id = outcome.job.id if outcome.job else hdr.job
+        return encode_join_ack(job_id, hdr.rank, outcome.code, {"error": outcome.message}), outcome
+    body = outcome.job.join_info()
+    body["gso"] = registry.limits.gso
+    return encode_join_ack(outcome.job.id, hdr.rank, 0, body), outcome
+
+
+def _ip_add(base: str, n: int) -> ipaddress.IPv4Address:
+    return ipaddress.IPv4Address(base) + n

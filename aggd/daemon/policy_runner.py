@@ -1,0 +1,180 @@
+"""The policy's I/O edge: a daemon thread that feeds every job's per-member counters to the straggler
+detector and the policy (``aggd.core.policy``), applies their decisions through the service's hot
+swap, and keeps the policy's state next to the registry's."""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
+from aggd.core.straggler import Detector
+
+log = logging.getLogger("aggd.daemon.policy_runner")
+
+#: Decisions kept per job for ``aggctl workers`` / ``aggctl status``.
+KEEP_DECISIONS = 20
+#: Next to the registry's state.json: the jobs the policy has switched and their own strategies.
+STATE_FILE = "policy.json"
+
+
+class PolicyRunner:
+    """Reads every job's per-member counters each ``policy.interval_ms``, runs the detector and, with
+    ``policy.auto_switch``, the policy; applies decisions through ``service.cmd_strategy_set`` (the
+    hot swap: the new version starts after the highest round the data planes have seen).
+
+    Holds the service's lock while it reads and switches, so it never races aggctl or a JOIN."""
+
+    def __init__(self, service):
+        self.service = service
+        self.detectors: dict[int, Detector] = {}
+        self.policies: dict[int, JobPolicy] = {}
+        self.decisions: dict[int, deque] = {}
+        self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # what the policy switched, so a restarted daemon still knows a job's own strategy
+        self._path = Path(service.state_path).with_name(STATE_FILE)
+        try:
+            self._saved = json.loads(self._path.read_text())
+        except (OSError, ValueError):
+            self._saved = {}
+
+    def _forget(self, jid: int) -> None:
+        for d in (self.detectors, self.policies, self.decisions, self._who):
+            d.pop(jid, None)
+
+    def _save(self) -> None:
+        data = {str(j): {"own": p.own, "switched": p.switched, "stragglers": list(p.stragglers)}
+                for j, p in self.policies.items() if p.switched}
+        tmp = self._path.with_name(self._path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(data) + "\n")
+            tmp.replace(self._path)
+        except OSError as exc:
+            log.error("cannot write %s: %s", self._path, exc)
+
+    # configuration (re-read every tick: a SIGHUP applies at once)
+    def _cfg(self):
+        return self.service.config.policy
+
+    def rules(self) -> PolicyRules:
+        return rules_from_config(self._cfg())
+
+    def start(self) -> "PolicyRunner":
+        self._thread = threading.Thread(target=self._run, name="aggd-policy", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(max(0.02, self._cfg().interval_ms / 1000)):
+            try:
+                self.tick(time.monotonic())
+            except Exception:  # never let the watcher kill the daemon; say it once per kind
+                self.errors += 1
+                log.exception("policy tick failed")
+
+    def _rows(self, job) -> list[dict] | None:
+        svc = self.service
+        rows = None
+        if job.kernel_slots and hasattr(svc.dp, "member_stats"):
+            rows = svc.dp.member_stats(job.id, job.world)
+        us = getattr(svc.us, "member_stats", None)
+        if us is not None and job.userspace_slots:
+            extra = us(job.id, job.world)
+            rows = extra if rows is None else [_merge(a, b) for a, b in zip(rows, extra)]
+        return rows
+
+    def tick(self, now: float) -> list[tuple[str, Decision]]:
+        """One pass over the jobs; returns the decisions applied (for tests)."""
+        svc = self.service
+        made = []
+        with svc.lock:
+            rules = self.rules()
+            jobs = {j.id: j for j in svc.registry.list()}
+            for jid in list(self._who):  # a job deleted (and its id perhaps reused): forget it
+                if jid not in jobs or self._who[jid] != (jobs[jid].name, jobs[jid].created_at):
+                    self._forget(jid)
+            for jid, j in jobs.items():
+                self._who[jid] = (j.name, j.created_at)
+            for job in jobs.values():
+                det = self.detectors.get(job.id)
+                if det is None or det.world != job.world or det.config != rules.detector():
+                    det = self.detectors[job.id] = Detector(job.world, rules.detector())
+                rows = self._rows(job)
+                if rows is None:
+                    continue
+                obs = det.update_rows(now, rows)
+                pol = self.policies.get(job.id)
+                current = str(job.strategy)
+                if pol is None:
+                    pol = self.policies[job.id] = JobPolicy(rules, own=current)
+                    saved = self._saved.get(str(job.id))
+                    if saved and saved.get("switched") == current:  # a restart while switched
+                        pol.own, pol.switched = saved["own"], current
+                        pol.stragglers = tuple(saved.get("stragglers", ()))
+                pol.rules = rules
+                if obs is None:
+                    continue
+                pol.sync_with(current)
+                if not self._cfg().auto_switch or not rules.manages(job.name, pol.own):
+                    continue
+                decision = pol.step(obs, current, now)
+                if decision is None:
+                    continue
+                try:
+                    shown = svc.cmd_strategy_set(job.id, decision.strategy)
+                except Exception as exc:  # ControlError: the data planes refused; nothing changed
+                    pol.failed(decision, str(exc), now)
+                    log.error("job %s: policy could not switch to %s: %s", job.name, decision.strategy, exc)
+                    continue
+                from_round = shown["versions"][-1]["from_round"]
+                pol.applied(decision, from_round, now)
+                self._save()
+                entry = {**decision.to_json(), "from": current, "from_round": from_round,
+                         "version": shown["version"], "time": time.time()}
+                self.decisions.setdefault(job.id, deque(maxlen=KEEP_DECISIONS)).append(entry)
+                log.warning("job %s: policy switched %s -> %s from round %d (round %d seen): %s",
+                            job.name, current, decision.strategy, from_round, decision.round, decision.reason)
+                made.append((job.name, decision))
+        return made
+
+    # views for aggctl
+    def view(self, job, rank: int | None = None) -> dict:
+        det = self.detectors.get(job.id)
+        if rank is not None:
+            if det is None or rank >= det.world or det.last is None:
+                return {"lag": None, "lag_ms": None, "slowdown": None, "wait_s": None, "late": None,
+                        "straggler": None}
+            w = det.workers[rank].to_json()
+            return {"lag": None if w["lag_ms"] is None else round(w["lag_ms"], 1), "lag_ms": w["lag_ms"],
+                    "slowdown": w["slowdown"], "wait_s": w["wait_s"], "late": w["late"],
+                    "straggler": w["straggler"]}
+        pol = self.policies.get(job.id)
+        decisions = list(self.decisions.get(job.id, ()))
+        return {"policy": {
+            "auto_switch": bool(self._cfg().auto_switch),
+            "managed": bool(pol is not None and self.rules().manages(job.name, pol.own)),
+            **(pol.to_json() if pol else {}),
+            "stragglers_now": [] if det is None or det.last is None else list(det.last.stragglers),
+            "period_ms": None if det is None or det.last is None else round(det.last.period_ms, 3),
+            "last_decision": decisions[-1] if decisions else None,
+            "decisions": decisions}}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Counters of one member from the kernel and the user-space path."""
+    rounds = [r for r in (a.get("last_round"), b.get("last_round")) if r is not None]
+    return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
+            "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
+            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"])}

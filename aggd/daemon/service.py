@@ -1,0 +1,509 @@
+"""The daemon's core: the registry applied to the data planes, persisted, and served to aggctl.
+
+``Service`` owns the job registry (``aggd.core.registry``), the fast data plane (``[dataplane] kind``:
+the XDP program with its kernel slots and pinned maps, or the aggd P4 program on a switch, driven
+over P4Runtime: ``aggd.dataplane``), the user-space path (``aggd.dataplane.userspace.server``: chunks and jobs the
+kernel cannot hold, and JOINs), and the state file. Every change goes registry -> data planes -> state file, under one lock (JOINs
+arrive on the user-space thread, aggctl requests on the main thread).
+
+Restart. The XDP maps are pinned, so a restarted daemon finds jobs, members and half-summed slots
+where the old one left them; state.json (rewritten atomically on every change) has what the maps
+do not: names, tokens, strategies. A job whose kernel entry still matches the registry keeps its
+slots; one that does not (maps removed, e.g. after a reboot) is installed afresh. User-space slots
+live in the daemon's memory: after a restart they start empty, and the workers' retransmissions of
+unanswered chunks refill them (a round already released there is not served again). With a P4
+switch every job is installed afresh at start (its switch slots start empty).
+
+"Kernel" in the registry and in aggctl's JSON means the fast data plane's slots: the switch's with
+``kind = "p4"``.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import types
+from contextlib import nullcontext
+from pathlib import Path
+
+from aggd_client import protocol as proto
+from aggd_client.protocol import Header
+
+from aggd.core import hotswap
+
+from aggd.dataplane.xdp import ops as xdp_ops
+from aggd.daemon.config import Config, changed_keys, RELOADABLE
+from aggd.daemon.control import ControlError
+from aggd.dataplane import DataPlaneError
+from aggd.core.model import JobConfig
+from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
+
+log = logging.getLogger("aggd")
+
+STATE_FILE = "state.json"
+BPF_FS_MAGIC = 0xCAFE4A11
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` so that ``path`` holds the old or the new content, never a mix (SIGKILL-safe)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _bpffs_mounts() -> list[str]:
+    with open("/proc/self/mounts") as f:
+        return [line.split()[1] for line in f if line.split()[2] == "bpf"]
+
+
+def ensure_bpffs(pin_dir: str) -> None:
+    """Make sure ``pin_dir`` is on a bpffs; mount one on /sys/fs/bpf if that is where it belongs."""
+    if any(pin_dir == m or pin_dir.startswith(m.rstrip("/") + "/") for m in _bpffs_mounts()):
+        return
+    if not pin_dir.startswith("/sys/fs/bpf/"):
+        raise ServiceError(f"dataplane.pin_dir {pin_dir} is not on a bpf filesystem (mount one there)")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"bpf", b"/sys/fs/bpf", b"bpf", 0, None) != 0:
+        err = ctypes.get_errno()
+        raise ServiceError(f"cannot mount bpffs on /sys/fs/bpf: {os.strerror(err)} (needs CAP_SYS_ADMIN; "
+                           f"or mount it before starting: mount -t bpf bpf /sys/fs/bpf)")
+    log.info("mounted bpffs on /sys/fs/bpf")
+
+
+def interface_address(ifname: str, netns: str | None) -> str:
+    """The first IPv4 address of ``ifname`` (in ``netns``)."""
+    from pyroute2 import IPRoute
+
+    # IPRoute(netns=...) would start a helper process; entering the namespace in this thread is enough
+    with _netns(netns), IPRoute() as ipr:
+        idx = ipr.link_lookup(ifname=ifname)
+        if not idx:
+            where = f" in namespace {netns}" if netns else ""
+            raise ServiceError(f"no interface {ifname}{where} (dataplane.interface)")
+        addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=idx[0], family=socket.AF_INET)]
+    if not addrs:
+        raise ServiceError(f"interface {ifname} has no IPv4 address; set dataplane.address")
+    return addrs[0]
+
+
+def _netns(name: str | None):
+    if not name:
+        return nullcontext()
+    from aggd.dataplane.netns import in_netns
+    return in_netns(name)
+
+
+class Service:
+    def __init__(self, config: Config, *, reset_kernel_state: bool = False):
+        self.config = config
+        self.reset_kernel_state = reset_kernel_state
+        self.lock = threading.RLock()
+        self.started_at = time.time()
+        self.dp = None          # aggd.dataplane.DataPlane: XdpDataPlane or P4DataPlane
+        self.us = None          # UserspaceAggregator
+        self.policy = None      # aggd.daemon.policy_runner.PolicyRunner: straggler detector and policy, a thread
+        self.address: str | None = None
+        # The kernel's slot array is sized once, at load, from the budget and the slot size of the
+        # program being loaded; a reload may lower the budget for new jobs but not grow the array.
+        self.slot_bytes = config.slot_bytes  # estimate until start() measures it
+        # (a switch's slots are known once its P4Info is read, at start)
+        self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
+        self.registry = Registry(self._limits(config))
+        self.state_path = Path(config.state.dir) / STATE_FILE
+
+    def _limits(self, cfg: Config) -> Limits:
+        dp, jobs = cfg.dataplane, cfg.jobs
+        budget = self.kernel_capacity if dp.kind == "p4" else \
+            min(cfg.dataplane.kernel_memory // self.slot_bytes, self.kernel_capacity)
+        return Limits(kernel_budget=budget,
+                      elements=dp.elements_per_packet,
+                      port=dp.port, userspace_port=dp.userspace_port, result_port=jobs.result_port,
+                      group_base=jobs.group_base, default_slots=jobs.default_slots, max_chunks=jobs.max_chunks,
+                      gso=dp.mode == "native")
+
+    # -- life cycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        from aggd.dataplane.userspace.server import UserspaceAggregator
+
+        cfg, dpc = self.config, self.config.dataplane
+        netns = dpc.netns or None
+        Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.address = dpc.address or interface_address(dpc.interface, netns)
+        if dpc.kind == "p4":
+            self._start_p4()
+        else:
+            self._start_xdp()
+        with _netns(netns):  # sockets stay in the namespace they were made in
+            self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
+                                          extra_binds=((self.address, dpc.userspace_port),),
+                                          handlers={int(proto.MsgType.JOIN): self._on_join})
+        self._restore()
+        self.us.start()
+        from aggd.daemon.policy_runner import PolicyRunner
+        self.policy = PolicyRunner(self).start()
+        if dpc.kind == "p4":
+            p4 = cfg.p4
+            log.info("serving on %s:%d (P4 %s switch at %s), user-space port %d, %d switch slots",
+                     self.address, dpc.port, p4.target, p4.grpc, dpc.userspace_port,
+                     self.registry.limits.kernel_budget)
+        else:
+            log.info("serving on %s:%d (%s XDP on %s%s), user-space port %d, kernel budget %d slots",
+                     self.address, dpc.port, dpc.mode, dpc.interface, f" in {netns}" if netns else "",
+                     dpc.userspace_port, self.registry.limits.kernel_budget)
+
+    def _start_p4(self) -> None:
+        """Connect to the switch (P4Runtime, and its registers), push the program if configured,
+        write the switch-wide entries. Any failure is a ServiceError naming the address."""
+        from aggd.dataplane.p4.backend import P4INFO, TNA_P4INFO, P4DataPlane
+        cfg, p4 = self.config, self.config.p4
+        tofino = p4.target == "tofino"
+        reg_address = p4.registers or ("127.0.0.1:50052" if tofino else "127.0.0.1:9090")
+        where = f"the P4 switch at {p4.grpc} (registers at {reg_address}" + \
+            (f" in netns {p4.registers_netns})" if p4.registers_netns else ")")
+        if self.address not in p4.hosts:
+            raise ServiceError(f"p4.hosts has no entry for this host, {self.address} (the daemon's address): "
+                               f"the switch could not pass it what it does not aggregate, nor JOINs")
+        if p4.registers_netns and not Path("/run/netns", p4.registers_netns).exists():
+            raise ServiceError(f"p4.registers_netns: no network namespace {p4.registers_netns} (/run/netns)")
+        registers = None
+        try:
+            with _netns(p4.registers_netns or None):  # the connection stays in the namespace it was made in
+                if tofino:
+                    from aggd.dataplane.p4.bfrt import BfrtRegisters
+                    registers = BfrtRegisters(reg_address, program=p4.program, device_id=p4.device_id)
+                else:
+                    from aggd.dataplane.p4.thrift import Bmv2Registers
+                    registers = Bmv2Registers(reg_address)
+            self.dp = P4DataPlane(
+                p4.grpc, address=self.address, port=cfg.dataplane.port, hosts=p4.hosts,
+                elements=cfg.dataplane.elements_per_packet, total_slots=p4.slots or None,
+                registers=registers, own_registers=True,
+                p4info=p4.p4info or (TNA_P4INFO if tofino else P4INFO), device_config=p4.device_config or None,
+                device_id=p4.device_id, election_id=p4.election_id, target=p4.target, timeout=p4.timeout)
+        except DataPlaneError as exc:  # P4Error: gRPC, Thrift / BF Runtime, P4Info, the program's sizes
+            if registers is not None and self.dp is None:
+                registers.close()
+            raise ServiceError(f"{where}: {exc}") from None
+        self.kernel_capacity = self.dp.total_slots
+        self.registry.with_limits(self._limits(cfg))
+
+    def _start_xdp(self) -> None:
+        from aggd.dataplane.xdp.loader import XdpDataPlane, XdpError, remove_pinned
+
+        cfg, dpc = self.config, self.config.dataplane
+        netns = dpc.netns or None
+        ensure_bpffs(dpc.pin_dir)
+        sizes = xdp_ops.probe_value_sizes(dpc.elements_per_packet)
+        self.slot_bytes = sizes["slots"]
+        self.kernel_capacity = dpc.kernel_memory // self.slot_bytes
+        self.registry.with_limits(self._limits(cfg))
+        if self.reset_kernel_state:
+            log.warning("removing pinned maps in %s (--reset-kernel-state)", dpc.pin_dir)
+            remove_pinned(dpc.pin_dir)
+        problems = xdp_ops.pinned_layout_problems(dpc.pin_dir, sizes)
+        if problems:
+            raise ServiceError(f"the maps pinned in {dpc.pin_dir} were made by another XDP program "
+                               f"({'; '.join(problems)}): start once with `aggd --reset-kernel-state` "
+                               f"(jobs are kept, their kernel slots start empty)")
+        try:
+            # The array holds at least one slot (a map cannot be empty); the registry never hands
+            # out more than the budget, so with a budget of 0 that slot stays unused.
+            self.dp = XdpDataPlane(dpc.interface, mode=dpc.mode, port=dpc.port,
+                                   elements=dpc.elements_per_packet, total_slots=max(1, self.kernel_capacity),
+                                   netns=netns, pin_dir=dpc.pin_dir)
+        except XdpError as exc:
+            hint = ""
+            if "another layout" in str(exc):
+                hint = (" -- dataplane.kernel_memory, elements_per_packet or port changed since the maps "
+                        "were pinned: start once with `aggd --reset-kernel-state` (jobs are kept, their "
+                        "kernel slots start empty) or restore the old settings")
+            raise ServiceError(f"{exc}{hint}") from None
+        if xdp_ops.slot_size(self.dp) != self.slot_bytes:
+            raise ServiceError(f"a kernel slot takes {xdp_ops.slot_size(self.dp)} bytes, the probe said "
+                               f"{self.slot_bytes}: the budget would be wrong")
+
+    def stop(self) -> None:
+        """Detach XDP (or leave the switch) and stop serving; the pinned maps stay unless configured
+        otherwise."""
+        if self.policy is not None:
+            self.policy.stop()
+            self.policy = None
+        if self.us is not None:
+            self.us.close()
+            self.us = None
+        if self.dp is not None:
+            try:
+                self.dp.stop(unpin=self.config.dataplane.unpin_on_stop)
+            finally:
+                self.dp = None
+
+    def healthy(self) -> bool:
+        return self.us is not None and self.us.is_alive() and self.dp is not None
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _save(self) -> None:
+        _write_atomically(self.state_path, json.dumps(self.registry.to_json(), indent=1) + "\n")
+
+    def _restore(self) -> None:
+        if self.state_path.exists():
+            try:
+                self.registry.load_json(json.loads(self.state_path.read_text()))
+            except (ValueError, KeyError, TypeError, RegistryError) as exc:
+                raise ServiceError(f"cannot read {self.state_path}: {exc}") from None
+        kernel_jobs = set(self.dp.active_jobs())
+        for job in self.registry.list():
+            kept = job.id in kernel_jobs and self._kernel_matches(job)
+            self._apply(job, keep_kernel=kept)
+            log.info("job %s (%d): restored, %s", job.name, job.id,
+                     "kernel slots kept" if kept else "kernel slots installed empty")
+        for orphan in kernel_jobs - set(self.registry.jobs):
+            log.warning("job id %d is in the pinned maps but not in %s: removed", orphan, self.state_path)
+            self.dp.remove_job(orphan)
+        self._save()
+
+    def _kernel_matches(self, job: Job) -> bool:
+        return self.dp.installed(job.id) == (job.world, job.slots, job.kernel_base, job.kernel_slots)
+
+    # -- applying the registry to the data planes --------------------------------------------------
+    def _apply(self, job: Job, keep_kernel: bool = False) -> None:
+        """Install ``job`` in both data planes (kernel slots kept if ``keep_kernel``)."""
+        members = {r: m.address for r, m in job.members.items()}
+        if keep_kernel:
+            for rank in range(proto.MAX_MEMBERS):
+                self.dp.set_member(job.id, rank, members.get(rank))
+        else:
+            cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
+                                        members=members, group=job.group, kernel_slots=job.kernel_slots)
+            self.dp.install_job(cfg)
+            base, count = self.dp.allocation(job.id)
+            if (base, count) != (job.kernel_base, job.kernel_slots):
+                log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
+                            job.name, base, count, job.kernel_base, job.kernel_slots)
+                job.kernel_base, job.kernel_slots = base, count
+        if self.us.has_job(job.id):
+            self.us.remove_job(job.id)
+        self.us.add_job(JobConfig(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
+                                  members=members, group=job.group, elements=job.elements))
+        table = job.strategy_table()
+        if len(table.entries) > 1 or job.strategy.kind != proto.StrategyKind.SYNC:
+            self._install_strategies(job, table)
+
+    def _install_strategies(self, job: Job, table) -> None:
+        """Give both data planes the job's strategy table; ControlError (and nothing changed) if
+        either cannot run it."""
+        from aggd.core.model import RULES
+
+        entries = table.table_entries()
+        kinds = {proto.StrategyKind(e.kind) for e in entries}
+        # A job with no kernel slot is aggregated in user space only: the kernel's table is moot.
+        if job.kernel_slots and not hasattr(self.dp, "set_strategy") and \
+                (len(entries) > 1 or kinds != {proto.StrategyKind.SYNC}):
+            raise ControlError("unsupported", f"job {job.name}: the kernel data plane cannot switch strategies "
+                                              f"yet (XdpDataPlane has no set_strategy)")
+        missing = sorted(k.name.lower() for k in kinds if k not in RULES)
+        if missing:
+            raise ControlError("unsupported", f"job {job.name}: the user-space path cannot run "
+                                              f"{', '.join(missing)} yet")
+        self.dp.check_strategies(entries)  # DataPlaneError: refused before anything changed
+        try:
+            self.us.set_strategy(job.id, entries)
+        except (ValueError, NotImplementedError) as exc:
+            raise ControlError("unsupported", f"job {job.name}: {exc}") from None
+        if hasattr(self.dp, "set_strategy"):
+            self.dp.set_strategy(job.id, entries)
+
+    # -- JOIN (runs on the user-space thread) ---------------------------------------------------------
+    def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
+        with self.lock:
+            answer, outcome = answer_join(self.registry, data, src, time.time())
+            if outcome is None:
+                log.info("malformed JOIN from %s:%d ignored", src[0], src[1])
+            elif outcome.code != proto.NackCode.NONE:
+                log.warning("join refused (%s) from %s:%d: %s", outcome.code.name, src[0], src[1], outcome.message)
+            elif outcome.changed:
+                job, rank = outcome.job, Header.unpack(data).rank
+                self.dp.set_member(job.id, rank, src)
+                self.us.set_member(job.id, rank, src)
+                self._save()
+                log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
+            return answer
+
+    # -- reload --------------------------------------------------------------------------------------
+    def reload(self, new: Config) -> list[str]:
+        """Apply what a SIGHUP can change; return the changed keys that need a restart."""
+        with self.lock:
+            changed = changed_keys(self.config, new)
+            self.config = new
+            self.registry.with_limits(self._limits(new))
+            wanted = new.dataplane.kernel_memory // self.slot_bytes
+            if new.dataplane.kind == "xdp" and wanted > self.kernel_capacity:
+                log.warning("dataplane.kernel_memory grew to %d slots; the kernel array holds %d until a "
+                            "restart with --reset-kernel-state", wanted, self.kernel_capacity)
+            return sorted(changed - RELOADABLE)
+
+    # -- aggctl requests ---------------------------------------------------------------------------------
+    def dispatch(self, cmd: str, args: dict):
+        handler = getattr(self, "cmd_" + cmd.replace(".", "_").replace("-", "_"), None)
+        if handler is None:
+            raise ControlError("bad_request", f"unknown command {cmd!r}")
+        with self.lock:
+            try:
+                return handler(**args)
+            except RegistryError as exc:
+                raise ControlError(exc.kind, str(exc)) from None
+            except DataPlaneError as exc:  # refused by the XDP program or the switch
+                raise ControlError("dataplane", str(exc)) from None
+            except TypeError as exc:
+                raise ControlError("bad_request", f"{cmd}: {exc}") from None
+
+    def _job(self, job) -> Job:
+        return self.registry.get(job)
+
+    def _rounds(self, job: Job) -> tuple[int | None, dict[int, int]]:
+        top_k, per_k = self.dp.job_rounds(job.id) if job.kernel_slots else (None, {})
+        top_u, per_u = self.us.job_rounds(job.id)
+        tops = [t for t in (top_k, top_u) if t is not None]
+        per = dict(per_k)
+        for r, v in per_u.items():
+            per[r] = max(per.get(r, v), v)
+        return (max(tops) if tops else None), per
+
+    def _paths(self, job: Job) -> dict:
+        """Counters of each path: what the kernel served, what it passed up, what user space served."""
+        k = self.dp.job_stats(job.id)
+        u = self.us.stats()["jobs"].get(job.id, {"counters": {}, "drops": {}})
+        return {"kernel": {"counters": k.counters, "drops": k.drops},
+                "userspace": {"counters": u["counters"], "drops": u["drops"]}}
+
+    def cmd_status(self):
+        cfg, dpc = self.config, self.config.dataplane
+        lim = self.registry.limits
+        used = self.registry.kernel_used()
+        p4 = dpc.kind == "p4"
+        dataplane = {"kind": dpc.kind, "interface": dpc.interface, "netns": dpc.netns or None, "mode": dpc.mode,
+                     "address": self.address, "port": dpc.port, "userspace_port": dpc.userspace_port,
+                     "elements": dpc.elements_per_packet, "pin_dir": dpc.pin_dir,
+                     "attached": bool(self.dp and self.dp.attached)}
+        if p4:  # no XDP on this host: the switch, where it is and what it holds
+            dataplane.update(mode=None, pin_dir=None, p4={
+                "target": cfg.p4.target, "grpc": cfg.p4.grpc, "registers": cfg.p4.registers or None,
+                "device_id": cfg.p4.device_id, **(self.dp.describe() if self.dp else {})})
+        return {
+            "pid": os.getpid(), "started_at": self.started_at, "uptime": time.time() - self.started_at,
+            "config": cfg.source,
+            "dataplane": dataplane,
+            # "kernel": the fast data plane's slots (the switch's with kind = "p4": no kernel memory)
+            "kernel": {"budget_bytes": None if p4 else dpc.kernel_memory, "slot_bytes": None if p4 else self.slot_bytes,
+                       "budget_slots": lim.kernel_budget,
+                       "array_slots": self.kernel_capacity if p4 else max(1, self.kernel_capacity),
+                       "used_slots": used, "free_slots": max(0, lim.kernel_budget - used),
+                       "largest_free_run": self.registry.largest_free_run()},
+            "userspace": {"alive": bool(self.us and self.us.is_alive()), "errors": self.us.errors,
+                          "send_errors": self.us.send_errors},
+            "jobs": [{**self._summary(j), **self._policy_view(j)} for j in self.registry.list()],
+        }
+
+    def _policy_view(self, job: Job, rank: int | None = None) -> dict:
+        """The straggler detector's and the policy's view of a job (or of one of its ranks)."""
+        return self.policy.view(job, rank) if self.policy is not None else {}
+
+    @staticmethod
+    def _summary(job: Job) -> dict:
+        return {"name": job.name, "id": job.id, "world": job.world, "joined": len(job.members),
+                "strategy": str(job.strategy), "slots": job.slots, "kernel_slots": job.kernel_slots,
+                "userspace_slots": job.userspace_slots, "elements": job.elements}
+
+    def cmd_jobs_list(self):
+        return [self._summary(j) for j in self.registry.list()]
+
+    def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None):
+        job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
+                                   kernel_slots=kernel_slots, now=time.time())
+        try:
+            self._apply(job)
+        except BaseException:
+            self.registry.delete(job.id)
+            self.dp.remove_job(job.id)
+            if self.us.has_job(job.id):
+                self.us.remove_job(job.id)
+            raise
+        self._save()
+        log.info("job %s (%d) created: world %d, %s, %d slots (%d in the kernel)", job.name, job.id, job.world,
+                 job.strategy, job.slots, job.kernel_slots)
+        return job.describe()
+
+    def cmd_jobs_delete(self, job):
+        j = self.registry.delete(job)
+        self.dp.remove_job(j.id)
+        self.us.remove_job(j.id)
+        self._save()
+        log.info("job %s (%d) deleted; %d kernel slots freed", j.name, j.id, j.kernel_slots)
+        return {"name": j.name, "id": j.id, "freed_kernel_slots": j.kernel_slots}
+
+    def cmd_jobs_show(self, job):
+        j = self._job(job)
+        d = j.describe()
+        d["paths"] = self._paths(j)
+        d["dataplane"] = self.config.dataplane.kind    # the "kernel" path is the switch's with "p4"
+        top, _ = self._rounds(j)
+        d["round"] = top
+        return d
+
+    def cmd_workers(self, job):
+        j = self._job(job)
+        top, per_rank = self._rounds(j)
+        rows = []
+        for rank in range(j.world):
+            m = j.members.get(rank)
+            rows.append({"rank": rank, "address": list(m.address) if m else None,
+                         "joined_at": m.joined_at if m else None, "last_round": per_rank.get(rank),
+                         "lag": None, **self._policy_view(j, rank)})
+        return {"job": j.name, "id": j.id, "round": top, "workers": rows, **self._policy_view(j)}
+
+    def cmd_strategy_show(self, job):
+        j = self._job(job)
+        top, _ = self._rounds(j)
+        return {"job": j.name, "id": j.id, "current": str(j.strategy), "version": j.strategy_version,
+                "round": top,
+                "versions": [{"version": v, "from_round": r, "strategy": t} for v, r, t in j.strategies]}
+
+    def cmd_strategy_set(self, job, strategy, from_round=None):
+        j = self._job(job)
+        top, _ = self._rounds(j)
+        # the same margin and table-full guard as every other swap path (aggd.core.hotswap)
+        try:
+            from_round = hotswap.plan(j.strategy_table(), top, from_round)
+        except hotswap.RoundPast as exc:
+            raise ControlError("bad_round", f"job {j.name}: {exc}; a new strategy must start at a "
+                                            f"later round") from None
+        except hotswap.TableFull as exc:
+            raise ControlError("table_full", f"job {j.name}: {exc}") from None
+        saved = list(j.strategies)
+        _, table = self.registry.set_strategy(j.id, strategy, from_round)
+        try:
+            self._install_strategies(j, table)
+        except BaseException:
+            j.strategies = saved  # nothing changed anywhere: the registry follows the data planes
+            raise
+        self._save()
+        log.info("job %s: strategy %s from round %d (version %d)", j.name, j.strategy, from_round,
+                 j.strategy_version)
+        return self.cmd_strategy_show(j.id)

@@ -1,0 +1,510 @@
+"""The user-space aggregator's fast path: a received batch's common case decided in numba.
+
+The common case is a well-formed contribution of exactly its job's packet size, from the
+registered address of a member, with a step below STEPS, to a slot where no bank is past its
+deadline, that either goes to the open bank of its key (rule 1: added, or dropped ``duplicate``) or
+opens the bank of a key newer than the slot's newest (rule 3: opened and added, or dropped
+``busy``). The kernel decides those exactly as ``AggregatorModel`` does -- counters, drops, the
+result's bytes -- with the same arithmetic kernels (``aggd.dataplane.userspace.kernels``). Any other packet (re-reads,
+late contributions, timeouts, malformed or foreign packets, NACKs, a short payload, a release
+observer) stops the kernel and goes to ``AggregatorModel.process`` unchanged; the kernel then goes
+on from the packet after it. tests/unit/test_fastpath.py plays random sequences through both.
+
+A job's banks live twice: in the model's ``Bank`` objects (what the model and its readers use)
+and in arrays here (what the kernel uses). The sums (``Bank.values``, rebound to views of the
+array here), the counters and the drops are shared, not copied. A slot's other fields go from
+arrays to objects before the model handles a packet of that slot, if the kernel changed the slot
+(``dirty``), and back after; ``sync`` brings every changed slot to the objects for readers.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from numba import njit
+
+from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
+from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
+    Flag, MsgType, StrategyKind
+
+from aggd.dataplane.userspace.kernels import accumulate, load, narrow
+from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, RESULT_RANK, STEPS, AggregatorModel, BankState,
+                    JobState, Verdict)
+
+# Header field offsets, from the protocol definition.
+_OFF = {name: off for name, (_, off) in HEADER_DTYPE.fields.items()}
+O_MAGIC, O_VERSION, O_TYPE, O_JOB = _OFF["magic"], _OFF["version"], _OFF["type"], _OFF["job"]
+O_RANK, O_ROUND, O_CHUNK, O_COUNT = _OFF["rank"], _OFF["round"], _OFF["chunk"], _OFF["count"]
+O_SVERSION, O_EXPONENT, O_FLAGS = _OFF["strategy_version"], _OFF["exponent"], _OFF["flags"]
+O_CONTRIBUTORS, O_NCONTRIB, O_STEP = _OFF["contributors"], _OFF["n_contrib"], _OFF["step"]
+O_STRATEGY, O_PARAM, O_SKIP = _OFF["strategy"], _OFF["param"], _OFF["skip"]
+HDR = HEADER_SIZE
+HDR32 = HEADER_SIZE // 4
+CONTRIB, RESULT = int(MsgType.CONTRIB), int(MsgType.RESULT)
+RETRANSMIT, OVERFLOW = int(Flag.RETRANSMIT), int(Flag.OVERFLOW)
+EMPTY, OPEN, RELEASED = int(BankState.EMPTY), int(BankState.OPEN), int(BankState.RELEASED)
+QUORUM, SSP, ASYNC = int(StrategyKind.QUORUM), int(StrategyKind.SSP), int(StrategyKind.ASYNC)
+C_RX_PACKETS, C_RX_BYTES, C_ELEMENTS = int(Counter.RX_PACKETS), int(Counter.RX_BYTES), int(Counter.ELEMENTS)
+C_CONTRIBUTIONS, C_RELEASED, C_OVERFLOWS = int(Counter.CONTRIBUTIONS), int(Counter.RELEASED), int(Counter.OVERFLOWS)
+C_RETRANSMITS, C_PARTIALS = int(Counter.RETRANSMITS), int(Counter.PARTIALS)
+D_DUPLICATE, D_BUSY = int(DropReason.DUPLICATE), int(DropReason.BUSY)
+
+# A bank's fields in the kernel's arrays: small ones in int64 ``bi``, 64-bit ones in uint64 ``bu``.
+(F_STATE, F_ROUND, F_CHUNK, F_HOLDING, F_NCONTRIB, F_EXPONENT, F_FLAGS, F_VERSION, F_KIND, F_PARAM,
+ F_TIMEOUT_US, F_UNANNOUNCED) = range(12)
+NF = 12
+U_BITMAP, U_LATE, U_TFIRST = range(3)
+NU = 3
+#: Strategy table rows for the kernel: from_round, version, kind, param, timeout_us.
+T_FROM, T_VERSION, T_KIND, T_PARAM, T_TIMEOUT = range(5)
+
+#: What the kernel did with a packet (``out_kind``).
+SLOW = 0       #: not decided here: the model's
+ABSORBED = 1   #: added, nothing sent (Verdict("drop"))
+DROPPED = 2    #: dropped, ``out_reason`` counted
+TO_GROUP = 3   #: released: the result in ``out[i]`` goes to the job's group
+TO_SENDER = 4  #: an async running sum in ``out[i]`` goes back to the sender
+
+
+@njit(inline="always")
+def _be16(p, o):
+    return (np.int64(p[o]) << 8) | np.int64(p[o + 1])
+
+
+@njit(inline="always")
+def _be32(p, o):
+    return (np.int64(p[o]) << 24) | (np.int64(p[o + 1]) << 16) | (np.int64(p[o + 2]) << 8) | np.int64(p[o + 3])
+
+
+@njit(inline="always")
+def _put(p, o, nbytes, v):
+    for k in range(nbytes):
+        p[o + k] = np.uint8((v >> (8 * (nbytes - 1 - k))) & 0xFF)
+
+
+@njit(inline="always")
+def _put64(p, o, v):
+    for k in range(8):
+        p[o + k] = np.uint8((v >> np.uint64(8 * (7 - k))) & np.uint64(0xFF))
+
+
+@njit(inline="always")
+def _popcount(v):
+    n = 0
+    while v:
+        v &= v - np.uint64(1)
+        n += 1
+    return n
+
+
+@njit(inline="always")
+def _key_less(r1, c1, r2, c2):
+    return r1 < r2 or (r1 == r2 and c1 < c2)
+
+
+@njit(cache=True, nogil=True)
+def _governing(table, round_):
+    """aggd.core.model.governing on the table's rows: the row index."""
+    best = -1
+    for e in range(table.shape[0]):
+        if table[e, T_FROM] <= round_ and (best < 0 or table[e, T_FROM] > table[best, T_FROM]
+                                           or (table[e, T_FROM] == table[best, T_FROM]
+                                               and table[e, T_VERSION] > table[best, T_VERSION])):
+            best = e
+    if best >= 0:
+        return best
+    for e in range(table.shape[0]):
+        if best < 0 or table[e, T_FROM] < table[best, T_FROM] or (
+                table[e, T_FROM] == table[best, T_FROM] and table[e, T_VERSION] > table[best, T_VERSION]):
+            best = e
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters):
+    """AggregatorModel._result of bank (s, b) into ``out[i]``; its length."""
+    elements = values.shape[2]
+    o = out[i]
+    if narrow(values[s, b], out32[i, HDR32:HDR32 + elements]):
+        extra = OVERFLOW
+        counters[C_OVERFLOWS] += np.uint64(1)
+    else:
+        extra = 0
+    for k in range(HDR):
+        o[k] = 0
+    _put(o, O_MAGIC, 2, MAGIC)
+    o[O_VERSION] = VERSION
+    o[O_TYPE] = RESULT
+    _put(o, O_JOB, 2, job)
+    _put(o, O_RANK, 2, RESULT_RANK)
+    _put(o, O_ROUND, 4, bi[s, b, F_ROUND])
+    _put(o, O_CHUNK, 4, bi[s, b, F_CHUNK])
+    _put(o, O_COUNT, 2, count)
+    _put(o, O_SVERSION, 2, bi[s, b, F_VERSION])
+    _put(o, O_EXPONENT, 2, bi[s, b, F_EXPONENT] & 0xFFFF)
+    o[O_FLAGS] = np.uint8(bi[s, b, F_FLAGS] | extra | served_flags)
+    _put64(o, O_CONTRIBUTORS, bu[s, b, U_BITMAP])
+    _put(o, O_NCONTRIB, 2, bi[s, b, F_NCONTRIB])
+    o[O_STRATEGY] = np.uint8(bi[s, b, F_KIND])
+    o[O_PARAM] = np.uint8(bi[s, b, F_PARAM])
+    return HDR + 4 * elements
+
+
+@njit(cache=True, nogil=True)
+def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
+        member_ip, member_port, table, bi, bu, steps, values, counters, drops, dirty,
+        out, out32, out_len, out_kind, out_reason):
+    """Decide packets ``start ..`` of the batch while they are the common case of ``job``; return
+    the index of the first that is not (``n`` when all were). See the module docstring."""
+    nslots, elements = values.shape[0], values.shape[2]
+    size_ok = HDR + 4 * elements
+    i = start
+    while i < n:
+        p = stage[i]
+        if sizes[i] != size_ok or _be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION \
+                or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job:
+            break
+        count, rank, chunk, step = _be16(p, O_COUNT), _be16(p, O_RANK), _be32(p, O_CHUNK), _be16(p, O_STEP)
+        if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS:
+            break
+        nm = names[i]
+        if member_port[rank] != _be16(nm, 2) or member_ip[rank] != _be32(nm, 4):
+            break
+        round_ = _be32(p, O_ROUND)
+        exponent = _be16(p, O_EXPONENT)
+        if exponent >= 0x8000:
+            exponent -= 0x10000
+        s = chunk % nslots
+        now = nows[i]
+        # Rule 0 would release a bank: the model's.  Meanwhile find K's bank and the newest key.
+        slow = False
+        found = -1
+        newest = False
+        nr = nc = 0
+        for b in range(BANKS):
+            state = bi[s, b, F_STATE]
+            if state == EMPTY:
+                continue
+            if state == OPEN and bi[s, b, F_KIND] == QUORUM and bi[s, b, F_HOLDING] == 0 and \
+                    now - bu[s, b, U_TFIRST] >= np.uint64(bi[s, b, F_TIMEOUT_US] * 1000):
+                slow = True
+            r, c = bi[s, b, F_ROUND], bi[s, b, F_CHUNK]
+            if found < 0 and r == round_ and c == chunk:
+                found = b
+            if bi[s, b, F_HOLDING] == 0 and (not newest or _key_less(nr, nc, r, c)):
+                newest, nr, nc = True, r, c
+        if slow:
+            break
+        fresh = False
+        busy = False
+        if found >= 0:
+            if bi[s, found, F_STATE] != OPEN:
+                break                                        # rule 2: the model's
+            b = found
+        elif not newest or _key_less(nr, nc, round_, chunk):  # rule 3: open a bank
+            top = -1
+            held = False
+            for b2 in range(BANKS):
+                if bi[s, b2, F_STATE] == EMPTY or bi[s, b2, F_CHUNK] != chunk:
+                    continue
+                if bi[s, b2, F_HOLDING]:
+                    held = True
+                elif bi[s, b2, F_ROUND] > top:
+                    top = bi[s, b2, F_ROUND]
+            e = _governing(table, round_)
+            kind = table[e, T_KIND]
+            skip = _be16(p, O_SKIP)
+            if top < 0:
+                busy = False
+            elif skip >= SKIP_MAX:
+                busy = round_ < top + 1 + SKIP_MAX
+            else:
+                busy = round_ != top + 1 + skip
+            if held and not busy:
+                break                                         # a holding bank to adopt: the model's
+            if not busy:
+                n_open = 0
+                for b2 in range(BANKS):
+                    if bi[s, b2, F_STATE] != OPEN:
+                        continue
+                    if kind == ASYNC:
+                        n_open += 1
+                    elif bi[s, b2, F_HOLDING] == 0:
+                        if kind != SSP or bi[s, b2, F_ROUND] + table[e, T_PARAM] < round_:
+                            busy = True
+                busy = busy or (kind == ASYNC and n_open >= ASYNC_MAX_OPEN)
+            b = -1
+            if not busy:                                      # an empty bank, else the oldest released
+                for b2 in range(BANKS):
+                    if bi[s, b2, F_STATE] == EMPTY:
+                        b = b2
+                        break
+                if b < 0:
+                    for b2 in range(BANKS):
+                        if bi[s, b2, F_STATE] == RELEASED and (b < 0 or _key_less(
+                                bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
+                            b = b2
+                busy = b < 0
+            if not busy:
+                bi[s, b, F_STATE], bi[s, b, F_ROUND], bi[s, b, F_CHUNK] = OPEN, round_, chunk
+                bi[s, b, F_HOLDING], bi[s, b, F_NCONTRIB], bi[s, b, F_FLAGS] = 0, 0, 0
+                bi[s, b, F_VERSION], bi[s, b, F_KIND] = table[e, T_VERSION], kind
+                bi[s, b, F_PARAM], bi[s, b, F_TIMEOUT_US] = table[e, T_PARAM], table[e, T_TIMEOUT]
+                bi[s, b, F_UNANNOUNCED] = 0
+                bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST] = 0, 0, now
+                steps[s, b, :] = 0
+                fresh = True
+        else:
+            break                                             # rule 4: the model's
+
+        # Decided here: the packet counts for its job.
+        counters[C_RX_PACKETS] += np.uint64(1)
+        counters[C_RX_BYTES] += np.uint64(sizes[i])
+        if p[O_FLAGS] & RETRANSMIT:
+            counters[C_RETRANSMITS] += np.uint64(1)
+        if busy:
+            drops[D_BUSY] += np.uint64(1)
+            out_kind[i], out_reason[i] = DROPPED, D_BUSY
+            i += 1
+            continue
+        if not fresh and steps[s, b, rank] >> step & 1:       # rule 1: counted already
+            drops[D_DUPLICATE] += np.uint64(1)
+            out_kind[i], out_reason[i] = DROPPED, D_DUPLICATE
+            i += 1
+            continue
+        dirty[s] = 1
+        payload = stage32[i, HDR32:HDR32 + elements]
+        if fresh:
+            load(values[s, b], payload)
+            bi[s, b, F_EXPONENT] = exponent
+        else:
+            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT], payload, exponent)
+        bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + 1) & 0xFFFF
+        counters[C_CONTRIBUTIONS] += np.uint64(1)
+        counters[C_ELEMENTS] += np.uint64(count)
+        if bi[s, b, F_HOLDING]:
+            bi[s, b, F_HOLDING] = 0
+            bu[s, b, U_TFIRST] = now
+        if step == 0:
+            bu[s, b, U_BITMAP] |= np.uint64(1) << np.uint64(rank)
+        steps[s, b, rank] |= np.uint8(1 << step)
+        bitmap = bu[s, b, U_BITMAP]
+        if bi[s, b, F_KIND] == QUORUM:
+            complete = _popcount(bitmap) >= bi[s, b, F_PARAM]
+        elif world == 64:
+            complete = bitmap == np.uint64(0xFFFFFFFFFFFFFFFF)
+        else:
+            complete = bitmap == (np.uint64(1) << np.uint64(world)) - np.uint64(1)
+        if complete:
+            bi[s, b, F_STATE] = RELEASED
+            counters[C_RELEASED] += np.uint64(1)
+            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters)
+            out_kind[i] = TO_GROUP
+        elif bi[s, b, F_KIND] == ASYNC:
+            counters[C_PARTIALS] += np.uint64(1)
+            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters)
+            out_kind[i] = TO_SENDER
+        else:
+            out_kind[i] = ABSORBED
+        i += 1
+    return i
+
+
+def _ipv4(host: str) -> int | None:
+    """The address as an int, if ``host`` is written exactly as received addresses are."""
+    try:
+        packed = socket.inet_aton(host)
+    except OSError:
+        return None
+    return int.from_bytes(packed, "big") if socket.inet_ntoa(packed) == host else None
+
+
+class FastJob:
+    """One job's arrays for the kernel, tied to its ``JobState`` in ``model``."""
+
+    def __init__(self, model: AggregatorModel, job: int) -> None:
+        self.model, self.job = model, job
+        self.state: JobState = model.jobs[job]
+        cfg = self.state.cfg
+        slots = cfg.slots
+        self.bi = np.zeros((slots, BANKS, NF), np.int64)
+        self.bu = np.zeros((slots, BANKS, NU), np.uint64)
+        self.steps = np.zeros((slots, BANKS, len(self.state.slots[0].banks[0].steps)), np.uint8)
+        self.values = np.zeros((slots, BANKS, model.elements), np.int64)
+        for s, slot in enumerate(self.state.slots):
+            for b, bank in enumerate(slot.banks):
+                self.values[s, b] = bank.values
+                bank.values = self.values[s, b]     # one array, shared with the model
+        self.dirty = np.zeros(slots, np.uint8)
+        self.counters = self.state.counters          # shared: the model counts in place
+        self.drops = model._drops[job]               # (the model's per-job drop array, in place too)
+        for s in range(slots):
+            self.to_arrays(s)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
+        cfg = self.state.cfg
+        self.member_ip = np.zeros(64, np.int64)
+        self.member_port = np.full(64, -1, np.int64)   # -1: no address a packet can come from
+        for rank, (host, port) in cfg.members.items():
+            ip = _ipv4(host)
+            if ip is not None:
+                self.member_ip[rank], self.member_port[rank] = ip, port
+        self.group = (cfg.group,) if cfg.group is not None else tuple(cfg.members[r] for r in sorted(cfg.members))
+        try:   # the group's addresses as sendmmsg takes them; None: only sendto can (not IPv4 numbers)
+            self.group_names = np.array([np.frombuffer(sockaddr_in(a), np.uint8) for a in self.group],
+                                        np.uint8).reshape(-1, SOCKADDR_IN)
+        except (OSError, ValueError, struct.error):
+            self.group_names = None
+        self.table = np.array([(e.from_round, e.version, e.kind, e.param, e.timeout_us) for e in self.state.table],
+                              np.int64)
+
+    def to_arrays(self, s: int) -> None:
+        """Slot ``s`` from the model's objects to the arrays."""
+        for b, bank in enumerate(self.state.slots[s].banks):
+            self.bi[s, b] = (bank.state, bank.key[0], bank.key[1], bank.holding, bank.n_contrib, bank.exponent,
+                             bank.flags, bank.version, bank.kind, bank.param, bank.timeout_us, bank.unannounced)
+            self.bu[s, b] = (bank.bitmap, bank.late, bank.t_first % (1 << 64))
+            self.steps[s, b] = [x & 0xFF for x in bank.steps]  # bits >= STEPS mean nothing (counted anyway)
+        self.dirty[s] = 0
+
+    def to_objects(self, s: int) -> None:
+        """Slot ``s`` from the arrays to the model's objects, if the kernel changed it."""
+        if not self.dirty[s]:
+            return
+        for b, bank in enumerate(self.state.slots[s].banks):
+            (state, round_, chunk, holding, bank.n_contrib, bank.exponent, bank.flags, bank.version, kind,
+             bank.param, bank.timeout_us, unannounced) = self.bi[s, b].tolist()
+            bank.state, bank.key, bank.holding = BankState(state), (round_, chunk), bool(holding)
+            bank.kind, bank.unannounced = StrategyKind(kind), bool(unannounced)
+            bank.bitmap, bank.late, bank.t_first = self.bu[s, b].tolist()
+            bank.steps = self.steps[s, b].tolist()
+        self.dirty[s] = 0
+
+    def sync(self) -> None:
+        for s in np.flatnonzero(self.dirty):
+            self.to_objects(int(s))
+
+
+@dataclass
+class Batch:
+    """A batch's buffers: ``n`` records of ``rec`` bytes received (sizes, senders, times) and the
+    answers the kernel builds (one record per packet)."""
+    n: int
+    rec: int
+
+    def __post_init__(self) -> None:
+        if self.rec % 8:
+            raise ValueError("records must be a multiple of 8 bytes")
+        self.stage = np.zeros((self.n, self.rec), np.uint8)
+        self.stage32 = self.stage.view(np.int32)
+        self.sizes = np.zeros(self.n, np.int64)
+        self.names = np.zeros((self.n, SOCKADDR_IN), np.uint8)
+        self.nows = np.zeros(self.n, np.uint64)
+        self.out = np.zeros((self.n, self.rec), np.uint8)
+        self.out32 = self.out.view(np.int32)
+        self.out_len = np.zeros(self.n, np.int64)
+        self.out_kind = np.zeros(self.n, np.int64)
+        self.out_reason = np.zeros(self.n, np.int64)
+        self._out = memoryview(self.out).cast("B")
+
+    def answer(self, i: int) -> memoryview:
+        """The message the kernel built for packet ``i``."""
+        return self._out[i * self.rec:i * self.rec + int(self.out_len[i])]
+
+
+#: The model's handling of packet i of the batch (the slow path): its verdict, or None when
+#: something else answered it.
+SlowPath = Callable[[int], "Verdict | None"]
+
+
+class FastPath:
+    """The kernel's jobs and the batch driver. Not thread-safe: the caller serialises it with the
+    model's registry changes."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, FastJob] = {}
+
+    def add_job(self, model: AggregatorModel, job: int) -> None:
+        self.jobs[job] = FastJob(model, job)
+
+    def remove_job(self, job: int) -> None:
+        self.jobs.pop(job, None)
+
+    def refresh(self, job: int) -> None:
+        fj = self.jobs.get(job)
+        if fj is not None:
+            fj.refresh()
+
+    def sync(self, job: int | None = None) -> None:
+        """Bring the model's objects up to date (every job, or one)."""
+        for j, fj in self.jobs.items():
+            if job is None or j == job:
+                fj.sync()
+
+    def process(self, batch: Batch, n: int, slow: SlowPath) -> dict[int, Verdict | None]:
+        """Decide packets 0..n-1 of ``batch`` in order: the kernel's in ``batch.out_kind`` (SLOW for
+        the others), the slow path's verdicts by packet index."""
+        verdicts: dict[int, Verdict | None] = {}
+        kind, stage, sizes = batch.out_kind, batch.stage, batch.sizes
+        kind[:n] = SLOW
+        i = 0
+        while i < n:
+            job = (int(stage[i, O_JOB]) << 8 | int(stage[i, O_JOB + 1])) if sizes[i] >= O_JOB + 2 else None
+            fj = self.jobs.get(job)
+            if fj is not None and fj.model.on_release is None:  # an observer sees the model's releases
+                nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
+                          fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port,
+                          fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty,
+                          batch.out, batch.out32, batch.out_len, kind, batch.out_reason)
+                if nxt > i:
+                    i = nxt
+                    continue
+            s = self._slot_of(fj, stage[i], sizes[i])
+            if s is not None:
+                fj.to_objects(s)
+            try:
+                verdicts[i] = slow(i)
+            finally:
+                if s is not None:
+                    fj.to_arrays(s)
+            i += 1
+        return verdicts
+
+    @staticmethod
+    def _slot_of(fj: FastJob | None, p: np.ndarray, size: int) -> int | None:
+        """The slot the model may touch for this packet of a fast job (its chunk's, if in range)."""
+        if fj is None or size < O_CHUNK + 4:
+            return None
+        chunk = int.from_bytes(p[O_CHUNK:O_CHUNK + 4].tobytes(), "big")
+        return chunk % fj.state.cfg.slots if chunk < fj.state.cfg.max_chunks else None
+
+    def verdict(self, batch: Batch, i: int, src) -> Verdict:
+        """The kernel's decision on packet ``i`` as the model's Verdict (for tests and diagnostics)."""
+        k = int(batch.out_kind[i])
+        job = int(batch.stage[i, O_JOB]) << 8 | int(batch.stage[i, O_JOB + 1])
+        if k == ABSORBED:
+            return Verdict("drop", job=job)
+        if k == DROPPED:
+            return Verdict("drop", DropReason(int(batch.out_reason[i])), job=job)
+        out = bytes(batch.answer(i))
+        if k == TO_GROUP:
+            return Verdict("tx", None, out, "group", self.jobs[job].group, job)
+        if k == TO_SENDER:
+            return Verdict("tx", None, out, "sender", (src,), job)
+        raise ValueError(f"packet {i} was not decided by the kernel")
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) the kernel for the arrays the server passes."""
+    batch = Batch(1, HDR + 8)
+    one = np.zeros(1, np.int64)
+    run(batch.stage, batch.stage32, batch.sizes, batch.names, batch.nows, 0, 0, 0, 1, 1, 0, np.zeros(64, np.int64),
+        np.zeros(64, np.int64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
+        np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
+        np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
+        batch.out, batch.out32, one, batch.out_kind, batch.out_reason)

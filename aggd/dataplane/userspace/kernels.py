@@ -1,0 +1,79 @@
+"""numba kernels for the user-space aggregator's hot loops.
+
+Same contract as ``aggd.core.model.np_load`` / ``np_accumulate`` / ``np_narrow`` (the numpy reference
+the unit tests compare against); ``KERNEL_ARITHMETIC`` plugs them into ``AggregatorModel``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from aggd.core.model import Arithmetic
+
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+_MAX_SHIFT = 31
+_MAX_SUM_SHIFT = 63
+
+
+@njit(cache=True, nogil=True)
+def load(dst, src):
+    """Copy ``src`` into ``dst``, zero-padding a short ``src`` and ignoring elements beyond ``dst``."""
+    n = min(src.shape[0], dst.shape[0])
+    for i in range(n):
+        dst[i] = src[i]
+    for i in range(n, dst.shape[0]):
+        dst[i] = 0
+
+
+@njit(cache=True, nogil=True)
+def accumulate(acc, acc_exp, src, src_exp):
+    """Add int32 ``src`` into the exact int64 sums ``acc`` at the smaller exponent; return it.
+
+    The finer operand is shifted right arithmetically by the difference, clamped to 63 for the
+    sums and 31 for the int32 contribution (exact floor divisions, as the C data plane does).
+    """
+    exp = min(acc_exp, src_exp)
+    sa = min(acc_exp - exp, _MAX_SUM_SHIFT)
+    ss = min(src_exp - exp, _MAX_SHIFT)
+    n = min(src.shape[0], acc.shape[0])
+    for i in range(n):
+        acc[i] = (acc[i] >> sa) + (np.int64(src[i]) >> ss)
+    if sa:
+        for i in range(n, acc.shape[0]):
+            acc[i] = acc[i] >> sa
+    return exp
+
+
+@njit(cache=True, nogil=True)
+def narrow(values, out):
+    """Write the sums' low 32 bits into ``out``; return whether any sum did not fit int32."""
+    overflow = False
+    for i in range(values.shape[0]):
+        v = values[i]
+        if v > _INT32_MAX or v < _INT32_MIN:
+            overflow = True
+        out[i] = np.int32(((v - _INT32_MIN) & 0xFFFFFFFF) + _INT32_MIN)  # wrap explicitly, as C does
+    return overflow
+
+
+def _accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
+    return int(accumulate(acc, acc_exp, src, src_exp))
+
+
+def _narrow(values: np.ndarray) -> tuple[np.ndarray, bool]:
+    out = np.empty(values.shape[0], np.dtype("<i4"))
+    return out, bool(narrow(values, out))
+
+
+def warm_up() -> None:
+    """Compile (or load from cache) for the array types the server passes, before traffic arrives."""
+    acc = np.zeros(4, np.int64)
+    for src in (np.zeros(4, np.int32), np.frombuffer(bytes(16), "<i4"),
+                np.frombuffer(bytearray(16), "<i4")):
+        load(acc, src)
+        _accumulate(acc, 0, src, 0)
+    _narrow(acc)
+
+
+KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow)

@@ -1,0 +1,321 @@
+"""The aggregator in user space: the protocol over UDP sockets (the daemon's overflow path).
+
+The decisions are ``aggd.core.model.AggregatorModel``'s (in ``userspace`` mode, so short payloads are
+served rather than passed on and every message carries Flag.USERSPACE); the arithmetic is the numba
+kernels'. This module only moves bytes: receive a batch (``recvmmsg``), decide it -- the common
+case in the numba fast path (``aggd.dataplane.userspace.fastpath``, exactly the model's decisions), every other packet
+by ``model.process`` -- and send the answers. The model's clock is CLOCK_MONOTONIC
+(``time.monotonic_ns``, read once a batch), the kernel's ``bpf_ktime_get_ns``.
+
+The daemon adds three things: more than one socket (the aggd port behind the XDP program, and a
+port for jobs whose packets are larger than the kernel's), jobs with their own packet size (one
+model per size; a packet goes to the model of its job), and handlers for message types the model
+does not serve (JOIN), whose answer goes back to the sender.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from aggd_client.mrecv import MultiReceiver, sockaddr_addr
+from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
+from aggd_client.protocol.definition import DEFAULT_ELEMENTS
+
+from aggd.dataplane.userspace import fastpath
+
+from aggd.dataplane.userspace import kernels
+
+from aggd.dataplane.userspace import msend
+from aggd.dataplane import rounds_by_member
+from aggd.core.model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
+from aggd.core.strategy import TableEntry
+
+log = logging.getLogger(__name__)
+
+#: Datagrams read (one recvmmsg) and decided per wake-up before the socket is polled again.
+BATCH = 256
+#: Room for a few thousand packets: the workers' first windows arrive in one burst, and a
+#: batch's results leave in one (a result's buffer is held until the bridge has delivered it).
+_BUFFERS = 32 << 20
+_FORCE = {socket.SO_RCVBUF: getattr(socket, "SO_RCVBUFFORCE", 33),
+          socket.SO_SNDBUF: getattr(socket, "SO_SNDBUFFORCE", 32)}
+_SO_NO_CHECK = getattr(socket, "SO_NO_CHECK", 11)
+
+
+#: A handler for one message type: (message, sender) -> the answer to send back, or None.
+Handler = Callable[[memoryview, Addr], "bytes | None"]
+
+
+def _udp_socket(bind: Addr) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for opt, force in _FORCE.items():
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, force, _BUFFERS)   # needs CAP_NET_ADMIN
+            except OSError:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, _BUFFERS)  # capped by [rw]mem_max
+                except OSError:
+                    pass
+        try:
+            # No UDP checksum on what we send, as the XDP program's results (optional for IPv4;
+            # computing it is a pass over every payload).
+            sock.setsockopt(socket.SOL_SOCKET, _SO_NO_CHECK, 1)
+        except OSError:
+            pass
+        sock.bind(bind)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
+        if bind[0] not in ("", "0.0.0.0"):
+            # Results leave by the interface the server is bound to (the routing table may have no
+            # multicast route, e.g. on loopback).
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(bind[0]))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class UserspaceAggregator:
+    """``bind``: the main address (``address``); ``extra_binds``: more addresses served alike.
+    ``handlers``: message type -> Handler, for types the model does not serve."""
+
+    def __init__(self, bind: Addr = ("127.0.0.1", 0), elements: int = DEFAULT_ELEMENTS, *,
+                 extra_binds: tuple[Addr, ...] = (), handlers: dict[int, Handler] | None = None) -> None:
+        kernels.warm_up()
+        self.elements = elements
+        self.model = self._new_model(elements)     # the aggregator's packet size, and unknown jobs
+        self._models: dict[int, AggregatorModel] = {elements: self.model}
+        self._route: dict[int, AggregatorModel] = {}  # job -> the model of its packet size
+        self.handlers: dict[int, Handler] = dict(handlers or {})
+        # Reentrant: a handler (JOIN) runs under it, within a batch, and may change the registry.
+        self._lock = threading.RLock()
+        self._socks: list[socket.socket] = []
+        try:
+            for addr in (bind, *extra_binds):
+                self._socks.append(_udp_socket(addr))
+        except BaseException:
+            for s in self._socks:
+                s.close()
+            raise
+        self._sock = self._socks[0]
+        # Anything longer than the largest valid message is malformed anyway; one spare element
+        # lets the model see it as such instead of the kernel truncating it silently.
+        rec = HEADER_SIZE + 4 * (max(elements, MAX_ELEMENTS) + 1)
+        self._batch = fastpath.Batch(BATCH, (rec + 7) // 8 * 8)   # (the kernel reads int32 lanes)
+        self._stage = memoryview(self._batch.stage).cast("B")
+        self._receivers = {s: MultiReceiver(self._batch.stage, self._batch.rec, self._batch.sizes,
+                                            names=self._batch.names) for s in self._socks}
+        self._fast = fastpath.FastPath()
+        self._sender = msend.MultiSender(self._batch.out, self._batch.rec, BATCH) if msend.AVAILABLE else None
+        fastpath.warm_up()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self.send_errors = 0
+        self.errors = 0  # packets whose handling raised (logged; serving goes on)
+
+    @staticmethod
+    def _new_model(elements: int) -> AggregatorModel:
+        return AggregatorModel(elements, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
+
+    @property
+    def address(self) -> Addr:
+        return self._sock.getsockname()
+
+    @property
+    def addresses(self) -> list[Addr]:
+        return [s.getsockname() for s in self._socks]
+
+    # -- registry (thread-safe) ------------------------------------------------------------------
+    def add_job(self, cfg: JobConfig) -> None:
+        elements = cfg.elements or self.elements
+        with self._lock:
+            model = self._models.get(elements)
+            if model is None:
+                model = self._models[elements] = self._new_model(elements)
+            model.add_job(cfg)
+            self._route[cfg.job] = model
+            if fastpath.HEADER_SIZE + 4 * elements <= self._batch.rec:  # its results fit a record
+                self._fast.add_job(model, cfg.job)
+
+    def remove_job(self, job: int) -> None:
+        with self._lock:
+            model = self._route.pop(job, self.model)
+            model.remove_job(job)
+            self._fast.remove_job(job)
+
+    def has_job(self, job: int) -> bool:
+        with self._lock:
+            return job in self._route
+
+    def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
+        with self._lock:
+            self._route[job].set_member(job, rank, addr)
+            self._fast.refresh(job)
+
+    def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
+        """Install a job's strategy table: exactly these rows (``StrategyTable.table_entries()``), as
+        the kernel stores them. ValueError, and the job left as it was, for rows no data plane holds."""
+        with self._lock:
+            self._route[job].set_strategy(job, entries)
+            self._fast.refresh(job)
+
+    def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
+        """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
+        with self._lock:
+            self._fast.sync(job)
+            state = self._route[job].jobs[job]
+            return rounds_by_member((bank.key[0], bank.bitmap) for slot in state.slots for bank in slot.banks
+                                    if bank.state != 0)  # EMPTY
+
+    def counters(self, job: int) -> np.ndarray:
+        """uint64[len(Counter)] of ``job``."""
+        with self._lock:
+            return self._route.get(job, self.model).counters(job)
+
+    def drops(self, job: int = NO_JOB) -> np.ndarray:
+        """uint64[len(DropReason)] of ``job`` or of the NO_JOB bucket (summed over packet sizes)."""
+        with self._lock:
+            if job == NO_JOB:
+                return sum((m.drops(NO_JOB) for m in self._models.values()), np.zeros(len(DropReason), np.uint64))
+            return self._route.get(job, self.model).drops(job)
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = self.model.stats()
+            for model in self._models.values():
+                if model is self.model:
+                    continue
+                other = model.stats()
+                out["jobs"].update(other["jobs"])
+                for k, v in other["no_job"].items():
+                    out["no_job"][k] += v
+            return out
+
+    # -- serving ---------------------------------------------------------------------------------
+    def serve_once(self, timeout: float | None = 0.0) -> int:
+        """Wait up to ``timeout`` s for packets, then handle up to BATCH of them; return how many."""
+        ready, _, _ = select.select(self._socks, [], [], timeout)
+        handled = 0
+        for sock in ready:
+            handled += self._serve_socket(sock)
+        return handled
+
+    def _serve_socket(self, sock: socket.socket) -> int:
+        try:
+            n = self._receivers[sock].drain(sock, 0)
+        except OSError as e:  # e.g. ICMP errors reported on the socket; keep serving
+            log.debug("recv: %s", e)
+            return 0
+        if n == 0:
+            return 0
+        batch = self._batch
+        batch.nows[:n] = time.monotonic_ns()
+        with self._lock:
+            verdicts = self._fast.process(batch, n, self._slow)
+            self._answer(sock, n, verdicts)
+        return n
+
+    def _answer(self, sock: socket.socket, n: int, verdicts: dict[int, Verdict | None]) -> None:
+        """Send the batch's answers in packet order: the kernel's by sendmmsg, the model's by sendto."""
+        built = np.flatnonzero(self._batch.out_kind[:n] >= fastpath.TO_GROUP)
+        done = 0
+        for i in sorted(verdicts):
+            verdict = verdicts[i]
+            if verdict is None or verdict.action != "tx":
+                continue
+            upto = int(np.searchsorted(built, i))
+            self._send_built(sock, built[done:upto])
+            done = upto
+            for addr in verdict.addrs:
+                self._sendto(sock, verdict.out, addr)
+        self._send_built(sock, built[done:])
+
+    def _send_built(self, sock: socket.socket, idx: np.ndarray) -> None:
+        """The kernel's answers to packets ``idx`` (in order): results to their job's group, running
+        sums to their sender."""
+        if not len(idx):
+            return
+        batch = self._batch
+        if self._sender is not None:
+            stage = batch.stage
+            jobs = stage[idx, 4].astype(np.int64) << 8 | stage[idx, 5]
+            fj = self._fast.jobs.get(int(jobs[0]))
+            if fj is not None and fj.group_names is not None and len(fj.group_names) == 1 and (jobs == jobs[0]).all() \
+                    and (batch.out_kind[idx] == fastpath.TO_GROUP).all():   # the common case: one multicast group
+                self.send_errors += self._sender.send(sock, idx, batch.out_len[idx], fj.group_names)
+                return
+        for i in idx.tolist():
+            if batch.out_kind[i] == fastpath.TO_GROUP:
+                fj = self._fast.jobs.get(self._job_of(i))
+                for addr in fj.group if fj is not None else ():   # (a handler may have removed it)
+                    self._sendto(sock, batch.answer(i), addr)
+            else:
+                self._sendto(sock, batch.answer(i), sockaddr_addr(batch.names[i]))
+
+    def _job_of(self, i: int) -> int:
+        return int.from_bytes(self._stage[i * self._batch.rec + 4:i * self._batch.rec + 6], "big")
+
+    def _slow(self, i: int) -> Verdict | None:
+        """Packet ``i`` of the batch by its handler or its job's model; None: nothing to send."""
+        batch = self._batch
+        size = int(batch.sizes[i])
+        data = self._stage[i * batch.rec:i * batch.rec + size]
+        src = sockaddr_addr(batch.names[i])
+        try:
+            handler = self.handlers.get(data[3]) if size >= HEADER_SIZE else None
+            if handler is not None:
+                answer = handler(data, src)
+                return None if answer is None else Verdict("tx", None, answer, "sender", (src,))
+            job = self._job_of(i) if size >= 6 else NO_JOB
+            return self._route.get(job, self.model).process(data, src, int(batch.nows[i]))
+        except Exception:  # one bad packet (or a bug it triggers) must not stop the path
+            self.errors += 1
+            log.exception("user-space path: handling a %d-byte packet from %s failed", size, src)
+            return None
+
+    def _sendto(self, sock: socket.socket, data: bytes, addr: Addr) -> None:
+        try:
+            sock.sendto(data, addr)
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.ENOBUFS, errno.EPERM, errno.ECONNREFUSED):
+                raise
+            self.send_errors += 1
+
+    def start(self) -> "UserspaceAggregator":
+        if self._thread is None:
+            self._stopping.clear()
+            self._thread = threading.Thread(target=self._run, name="aggd-userspace", daemon=True)
+            self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self.serve_once(0.05)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stopping.set()
+            self._thread.join()
+            self._thread = None
+
+    def close(self) -> None:
+        self.stop()
+        for s in self._socks:
+            s.close()
+
+    def __enter__(self) -> "UserspaceAggregator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,419 @@
+"""The XDP data plane: compile ``xdp/aggd_xdp.c`` with bcc, attach it, and manage its maps.
+
+Map layouts come from bcc (ctypes types generated from ``xdp/aggd_maps.h``), so userspace holds no
+hand-written copy of them. :data:`MAP_NAMES` is checked right after loading: a program built
+without one of them fails at start-up, not at the first job.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import ipaddress
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from aggd_client import protocol as proto
+
+from aggd.core.strategy import SYNC, TableEntry, to_entry
+from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
+
+log = logging.getLogger(__name__)
+
+XDP_DIR = Path(__file__).resolve().parents[3] / "xdp"
+PROGRAM = XDP_DIR / "aggd_xdp.c"
+FUNCTION = "aggd_xdp"
+MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats")
+
+# XDP attach flags (include/uapi/linux/if_link.h)
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
+XDP_FLAGS_SKB_MODE = 1 << 1
+XDP_FLAGS_DRV_MODE = 1 << 2
+MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+
+NO_JOB = proto.MAX_JOBS
+LAYOUT_DIR = Path("/run/aggd")
+
+
+class XdpError(DataPlaneError):
+    pass
+
+
+def multicast_mac(group_ip: str) -> bytes:
+    """01:00:5e plus the low 23 bits of the group address (RFC 1112)."""
+    ip = int(ipaddress.IPv4Address(group_ip))
+    return bytes([0x01, 0x00, 0x5E, (ip >> 16) & 0x7F, (ip >> 8) & 0xFF, ip & 0xFF])
+
+
+def _be32_of(ip: str) -> int:
+    # The map stores network-order bytes; ctypes writes the integer in host (little-endian) order.
+    return int.from_bytes(ipaddress.IPv4Address(ip).packed, "little")
+
+
+def _be16_of(port: int) -> int:
+    return int.from_bytes(port.to_bytes(2, "big"), "little")
+
+
+def layout_file(pin_dir: Path) -> Path:
+    # bpffs holds only BPF objects; /run is as volatile as bpffs, so the two stay in step.
+    return LAYOUT_DIR / (str(pin_dir).strip("/").replace("/", "_") + ".layout.json")
+
+
+def remove_pinned(pin_dir: str | Path) -> None:
+    """Remove maps pinned in ``pin_dir`` and their layout record: the next load starts empty."""
+    pin_dir = Path(pin_dir)
+    if pin_dir.exists():
+        for f in pin_dir.iterdir():
+            f.unlink()
+        pin_dir.rmdir()
+    layout_file(pin_dir).unlink(missing_ok=True)
+
+
+def bank_sums(bank) -> np.ndarray:
+    """A bank's exact sums (int64) from its biased u64 lanes (xdp/aggd_maps.h, struct bank)."""
+    lanes = np.ctypeslib.as_array(bank.values)
+    return (lanes + np.uint64(bank.bias)).view(np.int64)
+
+
+class SlotAllocator:
+    """First-fit allocation of contiguous slot ranges in the kernel's slot array."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self._used: dict[int, tuple[int, int]] = {}  # job -> (base, count)
+
+    def allocate(self, job: int, count: int) -> int:
+        self.free(job)
+        base = 0
+        for b, n in sorted(self._used.values()):
+            if b - base >= count:
+                break
+            base = max(base, b + n)
+        if base + count > self.total:
+            raise XdpError(f"job {job}: {count} kernel slots do not fit "
+                           f"({self.free_slots()} of {self.total} free)")
+        self._used[job] = (base, count)
+        return base
+
+    def free(self, job: int) -> tuple[int, int] | None:
+        return self._used.pop(job, None)
+
+    def free_slots(self) -> int:
+        return self.total - sum(n for _, n in self._used.values())
+
+
+class XdpDataPlane(DataPlane):
+    """Compiles, loads and (optionally) attaches the aggregator program.
+
+    ``ifname=None`` loads without attaching: the program can then only be run through
+    BPF_PROG_TEST_RUN (tests, ``aggctl bench xdp``).
+    """
+
+    def __init__(self, ifname: str | None = None, *, mode: str = "native", port: int = proto.DEFAULT_PORT,
+                 elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096, netns: str | None = None,
+                 pin_dir: str | None = None):
+        if mode not in MODES:
+            raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
+        if not 1 <= elements <= proto.MAX_ELEMENTS:
+            raise XdpError(f"elements per packet must be 1..{proto.MAX_ELEMENTS}, not {elements}")
+        if ifname is not None and mode == "native" and elements > proto.NATIVE_MAX_ELEMENTS:
+            # a larger frame does not fit the page native XDP gives it (docs/protocol.md, Payload)
+            raise XdpError(f"native XDP takes at most {proto.NATIVE_MAX_ELEMENTS} elements a packet, "
+                           f"not {elements}: use mode generic for larger packets")
+        if total_slots < 1:
+            raise XdpError("total_slots must be at least 1")
+        from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
+
+        self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
+        self.netns = netns  # attach inside this network namespace (the lab's aggregator)
+        self.total_slots = total_slots
+        self.allocator = SlotAllocator(total_slots)
+        self._attached = False
+        cflags = [f"-I{XDP_DIR}", f"-DELEMS={elements}", f"-DTOTAL_SLOTS={total_slots}",
+                  f"-DAGGD_PORT={port}", "-Wno-unused-function", "-Wno-compare-distinct-pointer-types"]
+        self.pin_dir = Path(pin_dir) if pin_dir else None
+        if self.pin_dir is not None:
+            self._check_pinned_layout()
+            cflags.append(f'-DAGGD_PIN_DIR="{self.pin_dir}"')
+        log.info("compiling %s (elements=%d, slots=%d, port=%d)", PROGRAM.name, elements, total_slots, port)
+        try:
+            self.bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
+            self.fn = self.bpf.load_func(FUNCTION.encode(), BPF.XDP)
+        except Exception as exc:
+            raise XdpError(f"cannot load {PROGRAM}: {exc}") from exc
+        self._check_maps()
+        if self.pin_dir is not None:
+            self._recover_allocations()
+            self._layout_file.write_text(json.dumps(self._layout()))
+        if ifname is not None:
+            self.attach()
+
+    # -- pinned maps (state that survives a restart) ------------------------------------------
+    @property
+    def _layout_file(self) -> Path:
+        return layout_file(self.pin_dir)
+
+    def _layout(self) -> dict:
+        # the map layouts themselves: any change to the headers that define them changes this
+        digest = hashlib.sha256(b"".join((XDP_DIR / f).read_bytes() for f in ("aggd_maps.h", "aggd_proto.h")))
+        return {"elements": self.elements, "total_slots": self.total_slots, "port": self.port,
+                "protocol_version": proto.VERSION, "map_layout": digest.hexdigest()[:16]}
+
+    def _check_pinned_layout(self) -> None:
+        self.pin_dir.mkdir(parents=True, exist_ok=True)
+        LAYOUT_DIR.mkdir(parents=True, exist_ok=True)
+        if self._layout_file.exists():
+            pinned = json.loads(self._layout_file.read_text())
+            if pinned != self._layout():
+                diff = {k: (pinned.get(k), v) for k, v in self._layout().items() if pinned.get(k) != v}
+                raise XdpError(f"maps pinned in {self.pin_dir} have another layout {diff} (pinned, wanted): "
+                               f"remove them (`aggctl reset`) to start empty, or restore the old settings")
+
+    def _recover_allocations(self) -> None:
+        for job in self.active_jobs():
+            j = self.jobs[ctypes.c_uint32(job)]
+            if j.kernel_slots:
+                self.allocator._used[job] = (int(j.slot_base), int(j.kernel_slots))
+
+    def active_jobs(self) -> list[int]:
+        return [int(k.value) for k, v in self.jobs.items() if v.active]
+
+    def unpin(self) -> None:
+        """Remove the pinned maps: the next load starts empty."""
+        if self.pin_dir is not None:
+            remove_pinned(self.pin_dir)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _check_maps(self) -> None:
+        missing = []
+        for name in MAP_NAMES:
+            try:
+                self.bpf.get_table(name.encode())
+            except KeyError:
+                missing.append(name)
+        if missing:
+            raise XdpError(f"XDP program lacks maps {missing}")
+        self.jobs = self.bpf[b"jobs"]
+        self.members = self.bpf[b"members"]
+        self.slots = self.bpf[b"slots"]
+        self.stats = self.bpf[b"stats"]
+        self.clock = self.bpf[b"clock"]
+        self._member_stats_map = self.bpf[b"member_stats"]
+
+    @property
+    def prog_fd(self) -> int:
+        return self.fn.fd
+
+    def _in_netns(self):
+        if self.netns is None:
+            return contextlib.nullcontext()
+        from aggd.dataplane.netns import in_netns
+        return in_netns(self.netns)
+
+    def attach(self) -> None:
+        from bcc import BPF
+        try:
+            with self._in_netns():
+                BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
+        except Exception as exc:
+            raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}") from exc
+        self._attached = True
+        log.info("attached %s to %s in %s mode", FUNCTION, self.ifname, self.mode)
+
+    def detach(self) -> None:
+        if self._attached:
+            from bcc import BPF
+            with self._in_netns():
+                BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
+            self._attached = False
+            log.info("detached from %s", self.ifname)
+
+    def close(self) -> None:
+        try:
+            self.detach()
+        finally:
+            if getattr(self, "bpf", None) is not None:
+                self.bpf.cleanup()
+                self.bpf = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- jobs ------------------------------------------------------------------------------
+    def install_job(self, cfg) -> None:
+        """Install a job from a config object with ``job, world, slots, max_chunks, members,
+        group`` (and optionally ``kernel_slots``)."""
+        job, world, kernel_slots = checked_job(cfg, XdpError,
+                                               "the XDP data plane needs a multicast group for results")
+        self.remove_job(job)
+        base = self.allocator.allocate(job, kernel_slots) if kernel_slots else 0
+        self._clear_slots(base, kernel_slots)
+        for rank in range(proto.MAX_MEMBERS):
+            m = self.members.Leaf()
+            if rank in cfg.members:
+                ip, port = cfg.members[rank]
+                m.ip, m.port, m.valid = _be32_of(ip), _be16_of(int(port)), 1
+            self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
+        j = self.jobs.Leaf()
+        j.world = world
+        j.slot_base = base
+        j.n_slots = int(cfg.slots)
+        j.kernel_slots = kernel_slots
+        j.max_chunks = int(cfg.max_chunks)
+        group_ip, group_port = cfg.group
+        j.group_ip = _be32_of(group_ip)
+        j.result_port = _be16_of(int(group_port))
+        ctypes.memmove(ctypes.addressof(j) + type(j).group_mac.offset, multicast_mac(group_ip), 6)
+        j.all_members = (1 << world) - 1
+        self._write_ring(j, [to_entry(getattr(cfg, "strategy", None) or SYNC, 0, 0)])
+        j.active = 1
+        self.jobs[ctypes.c_uint32(job)] = j
+        self._reset_stats(job)
+        zero = self._member_stats_map.Leaf(*([self._member_stats_map.sLeaf()] * self._member_stats_map.total_cpu))
+        for rank in range(proto.MAX_MEMBERS):
+            self._member_stats_map[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = zero
+        log.info("installed job %d: world %d, %d slots (%d in kernel at %d)", job, world, cfg.slots,
+                 kernel_slots, base)
+
+    @staticmethod
+    def _write_ring(j, entries) -> None:
+        """Entry of version v lives at index v % ring size, so installing a version rewrites only
+        its own entry and the data plane never sees the others move."""
+        keep = {e.version % proto.STRATEGY_VERSIONS: e for e in entries}
+        for i in range(proto.STRATEGY_VERSIONS):
+            dst = j.strategy[i]
+            e = keep.get(i)
+            if e is None:
+                dst.valid = 0
+                continue
+            dst.from_round, dst.version, dst.kind = e.from_round, e.version, e.kind
+            dst.param, dst.timeout_us, dst.valid = e.param, e.timeout_us, 1
+
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
+        """Register (None: clear) the member address of ``rank``: from then on the program accepts
+        that rank's packets only from ``addr``."""
+        m = self.members.Leaf()
+        if addr is not None:
+            m.ip, m.port, m.valid = _be32_of(addr[0]), _be16_of(int(addr[1])), 1
+        self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
+
+    def allocation(self, job: int) -> tuple[int, int]:
+        """(first slot in the kernel's array, kernel slots) of an installed job."""
+        j = self.jobs[ctypes.c_uint32(job)]
+        return (int(j.slot_base), int(j.kernel_slots)) if j.active else (0, 0)
+
+    def installed(self, job: int) -> tuple[int, int, int, int] | None:
+        j = self.jobs[ctypes.c_uint32(job)]
+        return (int(j.world), int(j.n_slots), int(j.slot_base), int(j.kernel_slots)) if j.active else None
+
+    def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
+        """(highest round any kernel slot of ``job`` has seen, {rank: highest round it contributed
+        to}), read from the slots' bank keys and bitmaps: one map lookup per kernel slot."""
+        base, count = self.allocation(job)
+        return rounds_by_member((int(bank.key) >> 32, int(bank.bitmap))
+                                for i in range(base, base + count)
+                                for bank in self.slots[ctypes.c_uint32(i)].bank
+                                if bank.state != 0)  # BANK_EMPTY
+
+    def open_slots(self, base: int, count: int) -> int:
+        return sum(any(b.state == 1 for b in self.slots[ctypes.c_uint32(i)].bank)  # BANK_OPEN
+                   for i in range(base, base + count))
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
+
+    def describe(self) -> dict:
+        return {"slot_bytes": ctypes.sizeof(self.slots.Leaf), "array_slots": self.total_slots}
+
+    def stop(self, unpin: bool = False) -> None:
+        try:
+            self.close()
+        finally:
+            if unpin:
+                log.info("removing pinned maps in %s", self.pin_dir)
+                self.unpin()
+
+    def set_strategy(self, job: int, entries) -> None:
+        """Install a job's strategy table (``aggd.core.strategy.TableEntry`` rows, newest last)."""
+        key = ctypes.c_uint32(job)
+        j = self.jobs[key]
+        if not j.active:
+            raise XdpError(f"job {job} is not installed")
+        self._write_ring(j, entries[-proto.STRATEGY_VERSIONS:])
+        self.jobs[key] = j
+
+    def strategy_entries(self, job: int) -> list:
+        j = self.jobs[ctypes.c_uint32(job)]
+        rows = [TableEntry(int(e.version), int(e.from_round), int(e.kind), int(e.param), int(e.timeout_us))
+                for e in j.strategy if e.valid]
+        return sorted(rows, key=lambda e: e.version)
+
+    def member_stats(self, job: int, world: int) -> list[dict]:
+        """Per rank: contributions, summed lag (ns), late contributions, last round and time."""
+        rows = []
+        for rank in range(world):
+            per_cpu = self._member_stats_map[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)]
+            top = max(int(c.last_round) for c in per_cpu)
+            rows.append({"rank": rank, "contributions": sum(int(c.contributions) for c in per_cpu),
+                         "lag_ns_sum": sum(int(c.lag_ns_sum) for c in per_cpu),
+                         "late": sum(int(c.late) for c in per_cpu),
+                         "last_round": top - 1 if top else None,
+                         "last_ns": max(int(c.last_ns) for c in per_cpu)})
+        return rows
+
+    def pending_sum(self, job: int) -> float:
+        """Sum of every value still held in the job's open (unreleased) banks, dequantised: what a
+        conservation check adds to the released sums."""
+        j = self.jobs[ctypes.c_uint32(job)]
+        total = 0.0
+        for i in range(int(j.slot_base), int(j.slot_base) + int(j.kernel_slots)):
+            for bank in self.slots[ctypes.c_uint32(i)].bank:
+                if bank.state == 1:  # BANK_OPEN
+                    values = bank_sums(bank).astype(np.float64)
+                    total += float(np.ldexp(values, -int(bank.exponent)).sum())
+        return total
+
+    def max_round(self, job: int) -> int | None:
+        """The highest round any member of ``job`` has sent to the kernel, or None."""
+        top = max(int(cpu.max_round) for cpu in self.stats[ctypes.c_uint32(job)])
+        return top - 1 if top else None
+
+    def set_clock(self, ns: int) -> None:
+        """Freeze the data plane's clock at ``ns`` (tests); 0 returns to real time."""
+        self.clock[ctypes.c_uint32(0)] = ctypes.c_uint64(ns)
+
+    def remove_job(self, job: int) -> None:
+        self.jobs[ctypes.c_uint32(job)] = self.jobs.Leaf()
+        empty = self.members.Leaf()
+        for rank in range(proto.MAX_MEMBERS):
+            self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = empty
+        freed = self.allocator.free(job)
+        if freed:
+            self._clear_slots(*freed)
+
+    def _clear_slots(self, base: int, count: int) -> None:
+        empty = self.slots.Leaf()
+        for i in range(base, base + count):
+            self.slots[ctypes.c_uint32(i)] = empty
+
+    def _reset_stats(self, bucket: int) -> None:
+        self.stats[ctypes.c_uint32(bucket)] = self.stats.Leaf(*([self.stats.sLeaf()] * self.stats.total_cpu))
+
+    # -- counters --------------------------------------------------------------------------
+    def job_stats(self, job: int | None) -> JobStats:
+        bucket = NO_JOB if job is None else job
+        per_cpu = self.stats[ctypes.c_uint32(bucket)]
+        counters = {c.name.lower(): sum(int(cpu.counter[c]) for cpu in per_cpu) for c in proto.Counter}
+        drops = {r.name.lower(): sum(int(cpu.drop[r]) for cpu in per_cpu) for r in proto.DropReason}
+        return JobStats(counters, drops)
+
+    def slot_bank(self, job_base_slot: int):
+        """Raw slot (for tests and debugging)."""
+        return self.slots[ctypes.c_uint32(job_base_slot)]

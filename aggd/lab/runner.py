@@ -1,0 +1,179 @@
+"""Run aggregation jobs in a lab: the XDP aggregator on the lab's ``agg0`` and worker processes in
+the worker namespaces. Shared by the netns tests, ``aggctl bench`` and ``aggctl demo``."""
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+from aggd_client import protocol as proto
+
+from aggd.lab.childlines import PipeLines, wait_all
+from aggd.dataplane.xdp.loader import XdpDataPlane
+from aggd.lab.namespaces import Lab
+
+WORKER_PORT = 40000
+
+
+@dataclass
+class LabJob:
+    """A job over some of the lab's workers (``ranks[i]`` is the lab worker index of rank ``i``)."""
+    job: int
+    workers: list[int]
+    slots: int = 1024
+    max_chunks: int = 1 << 24
+    group: tuple[str, int] = ("239.77.0.1", proto.DEFAULT_RESULT_PORT)
+    port: int = WORKER_PORT
+    kernel_slots: int | None = None
+    #: Join the daemon's job ``name`` with ``token`` (aggd_client.join) instead of being told the
+    #: job's parameters; the daemon registers the members as they join.
+    name: str | None = None
+    token: str | None = None
+
+    @property
+    def world(self) -> int:
+        return len(self.workers)
+
+    def config(self, lab: Lab):
+        members = {rank: (lab.worker_ip(w), self.port) for rank, w in enumerate(self.workers)}
+        return types.SimpleNamespace(job=self.job, world=self.world, slots=self.slots,
+                                     max_chunks=self.max_chunks, group=self.group, members=members,
+                                     kernel_slots=self.kernel_slots)
+
+
+@contextlib.contextmanager
+def xdp_aggregator(lab: Lab, *, elements: int = proto.DEFAULT_ELEMENTS, mode: str = "native",
+                   total_slots: int = 4096):
+    """The XDP program attached to the lab's aggregator interface, detached on exit."""
+    dp = XdpDataPlane(lab.agg_ifname, mode=mode, elements=elements, total_slots=total_slots,
+                      netns=lab.agg_ns)
+    try:
+        yield dp
+    finally:
+        dp.close()
+
+
+@dataclass
+class WorkerRun:
+    rank: int
+    returncode: int
+    records: list[dict] = field(default_factory=list)
+    stderr: str = ""
+
+
+def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = proto.DEFAULT_ELEMENTS,
+                gso: bool = True, extra: list[str] = (), server_port: int = proto.DEFAULT_PORT,
+                on_record: Callable[[int, dict], None] | None = None,
+                env: dict[str, str] | None = None) -> list[WorkerRun]:
+    """Start one ``aggd.lab.worker`` per member, wait for all, return their records.
+
+    ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
+    procs = []
+    for rank, w in enumerate(job.workers):
+        if job.token is not None:
+            who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]
+        else:
+            who = ["--job", str(job.job), "--world", str(job.world), "--group", f"{job.group[0]}:{job.group[1]}",
+                   "--elements", str(elements), "--slots", str(job.slots)]
+        argv = [sys.executable, "-m", "aggd.lab.worker", "--server", f"{lab.agg_ip}:{server_port}",
+                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who,
+                *([] if gso else ["--no-gso"]), *extra]
+        procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=env))
+    runs = [WorkerRun(rank, -1) for rank in range(len(procs))]
+
+    def records_of(rank: int) -> Callable[[str], None]:
+        def on_line(line: str) -> None:
+            if line.startswith("{"):
+                rec = json.loads(line)
+                runs[rank].records.append(rec)
+                if on_record:
+                    on_record(rank, rec)
+        return on_line
+
+    lock = threading.Lock()
+    readers = [(PipeLines(p.stdout, records_of(rank), lock=lock, keep=0), PipeLines(p.stderr))
+               for rank, p in enumerate(procs)]
+    try:
+        codes = wait_all(procs, time.monotonic() + timeout, f"lab workers of job {job.job} ({timeout:.0f} s)")
+        for run, code, (out, err) in zip(runs, codes, readers):
+            out.join(10)
+            run.returncode, run.stderr = code, err.text(10)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return runs
+
+
+class StrategyRun:
+    """Workers of ``aggd.lab.strategy_worker`` plus an observer of the job's group, in a lab.
+
+    ``start()`` launches them; ``finish()`` waits for the workers, stops the observer and returns
+    (worker records by rank, observed releases)."""
+
+    def __init__(self, lab: Lab, job: LabJob, observer_worker: int, *, steps: int, delay: float,
+                 slow: dict[int, float] | None = None, jitter: float = 0.0, slow_steps: str = "",
+                 give_up_after: float = 30.0, sizes: str | None = None):
+        self.lab, self.job, self.obs_w = lab, job, observer_worker
+        self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
+                         give_up_after=give_up_after, sizes=sizes)
+        self.procs: list[subprocess.Popen] = []
+        self.outs: list[tuple[PipeLines, PipeLines]] = []
+        self.observer: subprocess.Popen | None = None
+
+    def start(self) -> "StrategyRun":
+        lab, job, a = self.lab, self.job, self.args
+        self.observer = lab.run(lab.worker_ns(self.obs_w), [
+            sys.executable, "-m", "aggd.lab.strategy_worker", "observer", "--group", f"{job.group[0]}:{job.group[1]}",
+            "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert json.loads(self.observer.stdout.readline()).get("ready")
+        self.observed = (PipeLines(self.observer.stdout), PipeLines(self.observer.stderr))
+        for rank, w in enumerate(job.workers):
+            argv = [sys.executable, "-m", "aggd.lab.strategy_worker", "worker",
+                    "--server", f"{lab.agg_ip}:{proto.DEFAULT_PORT}", "--group", f"{job.group[0]}:{job.group[1]}",
+                    "--bind", f"{lab.worker_ip(w)}:{job.port}", "--job", str(job.job), "--rank", str(rank),
+                    "--world", str(job.world), "--steps", str(a["steps"]), "--delay", str(a["delay"]),
+                    "--slow", str(a["slow"].get(rank, 1.0)), "--jitter", str(a["jitter"]), "--seed", "7",
+                    "--give-up-after", str(a["give_up_after"])]
+            if a["slow_steps"] and rank in a["slow"]:
+                argv += ["--slow-steps", a["slow_steps"]]
+            if a["sizes"]:
+                argv += ["--sizes", a["sizes"]]
+            p = lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self.procs.append(p)
+            self.outs.append((PipeLines(p.stdout), PipeLines(p.stderr)))
+        return self
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def finish(self, timeout: float = 300) -> tuple[dict[int, list[dict]], list[dict], dict[int, str]]:
+        records, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        try:
+            codes = wait_all(self.procs, deadline, f"strategy workers of job {self.job.job} ({timeout:.0f} s)")
+            for rank, code in enumerate(codes):
+                out, err = self.outs[rank]
+                records[rank] = [json.loads(x) for x in out.join(10) if x.startswith("{")]
+                if code != 0:
+                    errors[rank] = err.text(10)[-3000:]
+            time.sleep(0.3)  # let the last releases reach the observer
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.observer.terminate()
+            self.observer.wait(timeout=10)
+        out = self.observed[0].join(10)
+        releases = [json.loads(x) for x in out if x.startswith("{") and "round" in x]
+        return records, releases, errors

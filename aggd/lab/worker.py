@@ -1,0 +1,314 @@
+"""A worker process for the lab: allreduces deterministic random tensors and checks each result.
+
+Every worker regenerates all members' tensors from the shared seed, so it can check its own result
+against the exact float64 sum and the documented bound without any side channel. One JSON object
+per allreduce goes to stdout. Used by the netns tests, ``aggctl bench allreduce`` and the demo.
+
+``--gloo INIT_METHOD`` reduces with torch.distributed's gloo backend instead (the benchmark's
+baseline; ``--world`` members). ``--reuse`` reduces the same tensor every round (a benchmark times
+the allreduce, not the generation of tensors). Every record carries ``extra_rss_bytes``: this
+process's peak resident memory since the first round of its size began, over what it held then
+(the tensor, the client, the libraries), less the library pages first touched meanwhile (shared
+code, not memory for the tensor). ``--prime`` runs one small allreduce before any of that. The
+last record of a size carries ``host_cpu_seconds``: the whole host's CPU time by kind from the
+start of the first timed round to the end of the last (``aggd.lab.hostcpu``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+from aggd_client import AggClient, join
+from aggd_client.quant import chunk_exponents, error_bound, output_rounding
+
+from aggd.lab import hostcpu
+from aggd.core.addresses import host_port
+from aggd.lab.memory import mapped_file_rss, peak_rss, reset_peak_rss, rss
+
+
+#: Tensors are generated, and results checked, in blocks of about this many values (a whole number
+#: of packets, so a chunk's exponent is a block's business): a worker checking a 256 MiB result
+#: against 8 members' tensors holds a few blocks, not 8 tensors and their float64 sum.
+BLOCK_VALUES = 1 << 20
+
+
+def _block(elements: int) -> int:
+    return max(1, BLOCK_VALUES // elements) * elements
+
+
+def _generate(rng: np.random.Generator, n: int, rank: int, dtype: str, pattern: str, elements: int,
+              start: int) -> np.ndarray:
+    if pattern == "integers":
+        # Small integers with the same largest magnitude in every chunk of every worker: every
+        # contribution of a chunk gets the same exponent and quantises exactly, so any data plane
+        # and any arrival order give bit-identical sums (the exact ones).
+        x = rng.integers(-1000, 1001, n).astype(np.float64)
+        x[(-start) % elements::elements] = 1024.0
+        return x.astype(dtype)
+    x = rng.standard_normal(n, dtype=np.float32 if dtype != "float64" else np.float64)
+    # some variety in scale between workers and chunks, as gradients have
+    x *= x.dtype.type(1 + rank)
+    return x.astype(dtype, copy=False)
+
+
+def tensor_block(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str, elements: int,
+                 block: int) -> np.ndarray:
+    """Values ``block * B .. (block + 1) * B - 1`` of ``tensor(...)`` (B = ``_block(elements)``),
+    generated on their own: every block has its own random stream."""
+    b = _block(elements)
+    start = block * b
+    n = min(b, size - start)
+    return _generate(np.random.default_rng([seed, rank, size, round_, block]), n, rank, dtype, pattern,
+                     elements, start)
+
+
+def tensor(seed: int, rank: int, size: int, dtype: str, round_: int, pattern: str = "random",
+           elements: int = 256) -> np.ndarray:
+    out = np.empty(size, dtype)
+    b = _block(elements)
+    for k, start in enumerate(range(0, size, b)):
+        out[start:start + b] = tensor_block(seed, rank, size, dtype, round_, pattern, elements, k)
+    return out
+
+
+def _chunk_max_abs(x: np.ndarray, elements: int) -> np.ndarray:
+    """Largest |value| of each ``elements``-value chunk of ``x`` (the last chunk may be short)."""
+    full = x.shape[0] // elements * elements
+    a = np.abs(x)
+    m = a[:full].reshape(-1, elements).max(axis=1) if full else np.zeros(0, a.dtype)
+    if full < x.shape[0]:
+        m = np.append(m, a[full:].max())
+    return m.astype(np.float64)
+
+
+def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False):
+    """Per block: (start, exact float64 sum, per-element bound). The bound is aggd's fixed-point
+    quantisation's, or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    b = _block(elements)
+    for k, start in enumerate(range(0, size, b)):
+        n = min(b, size - start)
+        exact = np.zeros(n)
+        mag = np.zeros(n) if float_sum else None
+        exps = None
+        for r in range(world):
+            x = tensor_block(seed, r, size, dtype, round_, pattern, elements, k)
+            exact += x
+            if float_sum:
+                mag += np.abs(x)
+            else:
+                e = chunk_exponents(_chunk_max_abs(x, elements), world)
+                exps = e if exps is None else np.minimum(exps, e)
+        if float_sum:
+            bound = world * float(np.finfo(dtype).eps) * mag
+        else:
+            bound = np.repeat(error_bound(world, exps), elements)[:n]
+        yield start, exact, bound
+
+
+def expected(seed, world, size, dtype, round_, elements, pattern="random"):
+    """(exact float64 sum, per-element bound) for this round (whole arrays: for tests and small sizes;
+    ``check`` does the same block by block)."""
+    parts = list(_expected_blocks(seed, world, size, dtype, round_, pattern, elements))
+    return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
+
+
+def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="random", *,
+          float_sum: bool = False) -> dict:
+    """``out`` against the exact sum of every member's tensor, block by block: the record's
+    ``max_abs_error``, ``error_bound`` (largest per-element bound), ``within_bound`` and
+    ``max_abs_value``. ``float_sum``: the bound of a float sum (Gloo), not aggd's quantisation."""
+    max_err = max_bound = max_val = 0.0
+    within = True
+    for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum):
+        got = out[start:start + exact.shape[0]]
+        bound = bound + output_rounding(got)
+        err = np.abs(got.astype(np.float64) - exact)
+        max_err, max_bound = max(max_err, float(err.max())), max(max_bound, float(bound.max()))
+        max_val = max(max_val, float(np.abs(exact).max()))
+        within = within and bool(np.all(err <= bound))
+    return {"max_abs_error": max_err, "error_bound": max_bound, "within_bound": within, "max_abs_value": max_val}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--server", type=host_port, required=True)
+    ap.add_argument("--group", type=host_port, help="results' group (not with --token: the join answer says)")
+    ap.add_argument("--bind", type=host_port, required=True)
+    ap.add_argument("--job", required=True, help="job id; or its name with --token")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, help="members (not with --token: the join answer says)")
+    ap.add_argument("--token", help="join the daemon's job with this token (aggd_client.join)")
+    ap.add_argument("--sizes", default="256", help="comma-separated element counts")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--interleave", action="store_true",
+                    help="each round reduces every size in turn (DDP's buckets), not size by size")
+    ap.add_argument("--warmup", type=int, default=0, help="untimed, unchecked rounds first")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--elements", type=int, default=256)
+    ap.add_argument("--slots", type=int, default=1024)
+    ap.add_argument("--window", type=int, default=None)
+    ap.add_argument("--no-gso", action="store_true")
+    ap.add_argument("--check", choices=["all", "last", "none"], default="all",
+                    help="which timed rounds to check against the exact sum")
+    ap.add_argument("--give-up-after", type=float, default=10.0)
+    ap.add_argument("--pattern", choices=["random", "integers"], default="random",
+                    help="integers: exactly representable sums, identical whatever path serves them")
+    ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
+    ap.add_argument("--gloo", metavar="INIT_METHOD",
+                    help="reduce with torch.distributed gloo (e.g. tcp://10.77.0.10:29500), not aggd")
+    ap.add_argument("--prime", action="store_true",
+                    help="one small allreduce first, outside every measurement (see _prime)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reduce the same tensor every round, into the same result buffer")
+    args = ap.parse_args(argv)
+
+    if args.gloo is not None:
+        if args.world is None:
+            ap.error("--gloo needs --world")
+        client = _GlooClient(args.gloo, args.rank, args.world)
+    elif args.token is not None:
+        job = int(args.job) if args.job.isdigit() else args.job
+        client = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
+                      window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after)
+        info = client.job_info
+        args.world, args.elements = info.world, info.elements
+        print(f"rank {args.rank} joined: {info}", file=sys.stderr, flush=True)
+    else:
+        if args.world is None:
+            ap.error("--world is needed without --token")
+        client = AggClient(args.server, int(args.job), args.rank, args.world, group=args.group, bind=args.bind,
+                           elements=args.elements, slots=args.slots, window=args.window,
+                           gso=not args.no_gso, give_up_after=args.give_up_after)
+    status = 0
+    with client:
+        if args.prime:
+            _prime(client, args.dtypes.split(",")[0], args.elements)
+        if args.interleave:
+            return _interleaved(client, args)
+        for dtype in args.dtypes.split(","):
+            for size in (int(s) for s in args.sizes.split(",")):
+                out = x = buf = None
+                for i in range(args.warmup + args.rounds):
+                    out = None  # the previous result is not held through this round
+                    if x is None or not args.reuse:
+                        x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
+                    if args.gloo is not None:
+                        client.load(x)  # gloo reduces in place
+                    elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
+                        # the caller's result buffer, made before the memory baseline as gloo's is
+                        buf = np.ones_like(x)
+                    if i == 0:
+                        reset_peak_rss()
+                        held, held_files = rss(), mapped_file_rss()
+                    if i == args.warmup:
+                        host0 = hostcpu.snapshot()
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    if args.reuse and args.gloo is None:
+                        # one result buffer for every round, as gloo reduces into one buffer
+                        out = client.allreduce(x, out=buf)
+                    else:
+                        out = client.allreduce(x)
+                    seconds = time.perf_counter() - t0
+                    cpu = time.process_time() - c0
+                    # library code paged in on a path's first use is shared, not this tensor's
+                    files = mapped_file_rss() - held_files
+                    extra = peak_rss() - held - files
+                    if i < args.warmup:
+                        continue
+                    last = i == args.warmup + args.rounds - 1
+                    host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
+                    rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
+                           "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
+                           "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
+                    if isinstance(client, AggClient):
+                        rec.update(retransmits=client.stats["retransmits"],
+                                   packets_sent=client.stats["packets_sent"],
+                                   retransmit_timeout=client.retransmit_timeout, window=client.window)
+                    if host is not None:
+                        rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
+                    if args.digest:
+                        rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
+                    if args.check == "all" or (args.check == "last" and last):
+                        ref = 0 if args.reuse else i
+                        rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
+                                         args.pattern, float_sum=args.gloo is not None))
+                        if not rec["within_bound"] or not rec["shape_ok"]:
+                            status = 1
+                    print(json.dumps(rec), flush=True)
+    return status
+
+
+def _interleaved(client, args) -> int:
+    """Every round reduces each size in turn, as DDP reduces its buckets each step: chunks of the
+    larger tensors sit out the smaller ones' rounds. Every result is checked."""
+    status = 0
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for dtype in args.dtypes.split(","):
+        for i in range(args.rounds):
+            for size in sizes:
+                x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
+                t0 = time.perf_counter()
+                out = client.allreduce(x)
+                rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
+                       "seconds": time.perf_counter() - t0,
+                       "shape_ok": out.shape == x.shape and out.dtype == x.dtype}
+                rec.update(check(out, args.seed, args.world, size, dtype, i, args.elements, args.pattern))
+                if not rec["within_bound"] or not rec["shape_ok"]:
+                    status = 1
+                print(json.dumps(rec), flush=True)
+    return status
+
+
+def _prime(client, dtype: str, elements: int) -> None:
+    """One small allreduce before any measured one, so that what every allreduce of any size
+    needs once (library code paged in, the allocator's first growth) is not counted against the
+    first size measured. A training job has done this long before its steady state; gloo's
+    workers get the same."""
+    x = np.ones(2 * elements, dtype)
+    if isinstance(client, _GlooClient):
+        client.load(x)
+    client.allreduce(x)
+
+
+class _GlooClient:
+    """torch.distributed's allreduce (gloo backend, TCP) with AggClient's ``allreduce``. The result
+    is reduced in place in a buffer of the client's (the input is copied in first, untimed)."""
+
+    def __init__(self, init_method: str, rank: int, world: int):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        self._torch, self._dist = torch, dist
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=600))
+        self._buf = None
+
+    def allreduce(self, x: np.ndarray) -> np.ndarray:
+        """The sum of what ``load`` put in (``x`` is that input)."""
+        self._dist.all_reduce(self._buf)
+        return self._buf.numpy()
+
+    def load(self, x: np.ndarray) -> None:
+        """Copy the next input into the buffer (outside the timed call)."""
+        if self._buf is None or self._buf.shape != x.shape or self._buf.dtype != x.dtype:
+            self._buf = self._torch.from_numpy(np.empty_like(x))
+        self._buf.numpy()[...] = x
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
