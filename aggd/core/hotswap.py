@@ -1,4 +1,5 @@
-"""Hot swap of a job's strategy on a running data plane.
+"""Hot swap of a job's strategy on running data planes: the one swap path (the daemon's ``strategy
+set``, the policy, ``aggctl bench swap`` and the tests all go through ``swap``).
 
 The new version takes effect from a round no member has reached: ``from_round`` defaults to the
 highest round the data plane has seen plus a margin, and the data plane is asked again after the
@@ -6,6 +7,8 @@ write. A member that raced past ``from_round`` in between would have opened a ro
 version under the old one, so that is reported as an error rather than ignored.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from aggd_client.protocol import STRATEGY_VERSIONS
 
@@ -53,19 +56,36 @@ def plan(table: StrategyTable, seen: int | None, from_round: int | None = None,
     return from_round
 
 
-def swap(dp, job: int, table: StrategyTable, strategy: Strategy, world: int,
-         from_round: int | None = None, margin: int = SWAP_MARGIN) -> tuple[int, int]:
-    """Install ``strategy`` as the next version of ``table`` on ``dp`` (which has ``max_round`` and
-    ``set_strategy``). Returns (version, from_round). Raises StrategyError, and changes nothing,
-    for a strategy that cannot hold or a round already past."""
+def swap(table: StrategyTable, strategy: Strategy, world: int, *, seen: Callable[[], int | None],
+         install: Callable[[int, int], None], from_round: int | None = None,
+         margin: int = SWAP_MARGIN) -> tuple[int, int]:
+    """The one hot swap: install ``strategy`` as the next version of ``table``. ``seen()`` is the
+    highest round the job's data planes have seen (None: none yet); ``install(version,
+    from_round)`` writes the new version everywhere it must go (the table, the registry, the data
+    planes), raising, with nothing changed, if it cannot. After the write the rounds are read again:
+    a member that reached ``from_round`` meanwhile ran it under the old version, which is reported
+    (SwapRaced) rather than ignored. Returns (version, from_round). Raises StrategyError (nothing
+    changed) for a strategy that cannot hold, a round already past or a full table."""
     strategy.validate(world)
-    seen = dp.max_round(job)
-    from_round = plan(table, seen, from_round, margin)
+    from_round = plan(table, seen(), from_round, margin)
     version = table.entries[-1][0] + 1
-    table.install(version, from_round, strategy)
-    dp.set_strategy(job, table.table_entries())
-    after = dp.max_round(job)
+    install(version, from_round)
+    after = seen()
     if after is not None and after >= from_round:
         raise SwapRaced(f"a member reached round {after} while version {version} was installed "
                         f"from round {from_round}: use a larger margin")
     return version, from_round
+
+
+def swap_on(dp, job: int, table: StrategyTable, strategy: Strategy, world: int,
+            from_round: int | None = None, margin: int = SWAP_MARGIN) -> tuple[int, int]:
+    """``swap`` on one data plane ``dp`` (``max_round``, ``set_strategy``), ``table`` updated in place."""
+    def install(version: int, first: int) -> None:
+        new = StrategyTable(table.entries[0][2])
+        new.entries = list(table.entries)
+        new.install(version, first, strategy)
+        dp.set_strategy(job, new.table_entries())
+        table.entries = new.entries
+
+    return swap(table, strategy, world, seen=lambda: dp.max_round(job), install=install,
+                from_round=from_round, margin=margin)

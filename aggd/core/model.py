@@ -98,7 +98,7 @@ from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAY
                                   Flag, Header, MsgType, NackCode, StrategyKind)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
-from aggd.core.strategy import SYNC, Strategy, StrategyTable, TableEntry, to_entry  # noqa: F401 (re-exported)
+from aggd.core.strategy import SYNC, Strategy, StrategyTable, TableEntry, governing, to_entry  # noqa: F401 (re-exported)
 
 Addr = tuple[str, int]
 Key = tuple[int, int]   #: (round, chunk)
@@ -216,15 +216,6 @@ def check_table(entries: list[TableEntry]) -> list[TableEntry]:
                 and 0 <= e.timeout_us <= U32_MAX):
             raise ValueError(f"strategy entry {e} does not fit the data planes' fields")
     return entries
-
-
-def governing(entries: list[TableEntry], round_: int) -> TableEntry:
-    """The row that governs ``round_`` (see the module docstring for the tie and fallback rules)."""
-    reached = [e for e in entries if e.from_round <= round_]
-    if reached:
-        return max(reached, key=lambda e: (e.from_round, e.version))
-    first = min(e.from_round for e in entries)
-    return max((e for e in entries if e.from_round == first), key=lambda e: e.version)
 
 
 # --------------------------------------------------------------------------------------------

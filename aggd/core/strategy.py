@@ -117,6 +117,19 @@ def from_entry(entry: TableEntry) -> Strategy:
     return Strategy(kind)
 
 
+def governing(entries: list[TableEntry], round_: int) -> TableEntry:
+    """The row that governs ``round_``: the one with the largest ``(from_round, version)`` among
+    those whose ``from_round`` is reached; before any (a round older than every row kept), the
+    row with the smallest ``from_round`` (ties: the largest version). The one statement of this
+    rule: the reference model, the registry's tables and the metrics use it, and the XDP, P4 and
+    numba data planes are tested equal to the model."""
+    reached = [e for e in entries if e.from_round <= round_]
+    if reached:
+        return max(reached, key=lambda e: (e.from_round, e.version))
+    first = min(e.from_round for e in entries)
+    return max((e for e in entries if e.from_round == first), key=lambda e: e.version)
+
+
 class StrategyTable:
     """A job's versioned strategies: a ring of STRATEGY_VERSIONS entries (version, from_round, rule).
 
@@ -133,10 +146,8 @@ class StrategyTable:
         self.entries = (self.entries + [(version, from_round, strategy)])[-STRATEGY_VERSIONS:]
 
     def governing(self, round_: int) -> tuple[int, Strategy]:
-        for version, first, strategy in reversed(self.entries):
-            if round_ >= first:
-                return version, strategy
-        return self.entries[0][0], self.entries[0][2]
+        version = governing(self.table_entries(), round_).version
+        return version, next(s for v, _, s in self.entries if v == version)
 
     def table_entries(self) -> list[TableEntry]:
         return [to_entry(s, v, r) for v, r, s in self.entries]

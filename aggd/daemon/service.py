@@ -34,6 +34,7 @@ from aggd_client import protocol as proto
 from aggd_client.protocol import Header
 
 from aggd.core import hotswap
+from aggd.core import strategy as strat
 
 from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
@@ -487,23 +488,37 @@ class Service:
 
     def cmd_strategy_set(self, job, strategy, from_round=None):
         j = self._job(job)
-        top, _ = self._rounds(j)
-        # the same margin and table-full guard as every other swap path (aggd.core.hotswap)
+        if not isinstance(strategy, str):
+            raise ControlError("bad_strategy", f"strategy must be text such as 'quorum:3', not {strategy!r}")
         try:
-            from_round = hotswap.plan(j.strategy_table(), top, from_round)
+            parsed = strat.parse(strategy)
+        except strat.StrategyError as exc:
+            raise ControlError("bad_strategy", f"job {j.name}: bad strategy {strategy!r}: {exc}") from None
+
+        def install(version: int, first: int) -> None:
+            saved = list(j.strategies)
+            _, table = self.registry.set_strategy(j.id, strategy, first)
+            try:
+                self._install_strategies(j, table)
+            except BaseException:
+                j.strategies = saved  # nothing changed anywhere: the registry follows the data planes
+                raise
+            self._save()
+
+        try:
+            _, from_round = hotswap.swap(j.strategy_table(), parsed, j.world,
+                                         seen=lambda: self._rounds(j)[0], install=install,
+                                         from_round=from_round)
         except hotswap.RoundPast as exc:
             raise ControlError("bad_round", f"job {j.name}: {exc}; a new strategy must start at a "
                                             f"later round") from None
         except hotswap.TableFull as exc:
             raise ControlError("table_full", f"job {j.name}: {exc}") from None
-        saved = list(j.strategies)
-        _, table = self.registry.set_strategy(j.id, strategy, from_round)
-        try:
-            self._install_strategies(j, table)
-        except BaseException:
-            j.strategies = saved  # nothing changed anywhere: the registry follows the data planes
-            raise
-        self._save()
+        except hotswap.SwapRaced as exc:  # installed; the operator should know the margin was short
+            log.warning("job %s: %s", j.name, exc)
+            raise ControlError("swap_raced", f"job {j.name}: {exc}") from None
+        except strat.StrategyError as exc:
+            raise ControlError("bad_strategy", f"job {j.name}: bad strategy {strategy!r}: {exc}") from None
         log.info("job %s: strategy %s from round %d (version %d)", j.name, j.strategy, from_round,
                  j.strategy_version)
         return self.cmd_strategy_show(j.id)

@@ -178,14 +178,10 @@ def strategy_in_force(job: JobInfo, round_: int | None) -> StrategyState:
     """The registry's entry governing ``round_`` (the job's newest; None: round 0)."""
     from aggd.core import strategy as strat
 
-    r = 0 if round_ is None else round_
-    version, first, text = job.strategies[0]
-    for v, f, t in job.strategies:
-        if f <= r:
-            version, first, text = v, f, t
-    s = strat.parse(text)
-    e = strat.to_entry(s, version, first)
-    return StrategyState(s.kind.name.lower(), e.param, e.timeout_us, version, job.strategies[-1][0])
+    rows = {v: strat.to_entry(strat.parse(t), v, f) for v, f, t in job.strategies}
+    e = strat.governing(list(rows.values()), 0 if round_ is None else round_)
+    kind = strat.StrategyKind(e.kind).name.lower()
+    return StrategyState(kind, e.param, e.timeout_us, e.version, job.strategies[-1][0])
 
 
 # -- the collector -----------------------------------------------------------------------------------

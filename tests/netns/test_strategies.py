@@ -12,7 +12,7 @@ import time
 import pytest
 
 from aggd.core import strategy as strat
-from aggd.core.hotswap import swap
+from aggd.core.hotswap import swap_on
 from aggd.lab.runner import LabJob, StrategyRun, xdp_aggregator
 from aggd_client.protocol import Flag, StrategyKind
 
@@ -105,7 +105,7 @@ def test_hot_swap_300_rounds_nothing_lost_nothing_twice(make_lab):
                     time.sleep(0.002)
                 while run_.running():
                     try:
-                        version, first = swap(dp, 1, table, strat.parse(text), WORLD)
+                        version, first = swap_on(dp, 1, table, strat.parse(text), WORLD)
                     except strat.StrategyError as exc:               # table full: retry shortly
                         assert "table is full" in str(exc), exc
                         time.sleep(0.01)

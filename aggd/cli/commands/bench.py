@@ -163,7 +163,7 @@ def bench_swap(workers, swaps, steps, delay, as_json):
     import time
 
     from aggd.core import strategy as strat
-    from aggd.core.hotswap import swap
+    from aggd.core.hotswap import swap_on
     from aggd.lab.namespaces import Lab
     from aggd.lab.runner import LabJob, StrategyRun, xdp_aggregator
 
@@ -182,7 +182,7 @@ def bench_swap(workers, swaps, steps, delay, as_json):
                 break
             t0 = time.monotonic()
             try:
-                version, first = swap(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
+                version, first = swap_on(dp, 1, table, strat.parse(cycle[i % len(cycle)]), workers)
             except strat.StrategyError:  # the table is full until older versions retire
                 time.sleep(0.05)
                 continue

@@ -375,7 +375,7 @@ Segment = tuple[int, int, TableEntry]    #: (first round, last round, the row th
 
 
 def strategy_segments(entries: Iterable[TableEntry]) -> list[Segment]:
-    """Non-overlapping round ranges that govern every round as ``aggd.core.model.governing`` does: the
+    """Non-overlapping round ranges that govern every round as ``aggd.core.strategy.governing`` does: the
     row with the largest (from_round, version) not above the round, and below every row the row
     with the smallest from_round (largest version among equals)."""
     best: dict[int, TableEntry] = {}

@@ -107,7 +107,8 @@ def _key_less(r1, c1, r2, c2):
 
 @njit(cache=True, nogil=True)
 def _governing(table, round_):
-    """aggd.core.model.governing on the table's rows: the row index."""
+    """aggd.core.strategy.governing in numba (a compiled copy: tests/unit/test_fastpath.py plays
+    swapped tables through both): the row index."""
     best = -1
     for e in range(table.shape[0]):
         if table[e, T_FROM] <= round_ and (best < 0 or table[e, T_FROM] > table[best, T_FROM]
