@@ -71,7 +71,7 @@ def worker(argv=None) -> int:
                           "seconds": time.monotonic() - t_start}), flush=True)
 
     with AggClient(args.server, args.job, args.rank, args.world, group=args.group, bind=args.bind,
-                   give_up_after=args.give_up_after) as client:
+                   give_up_after=args.give_up_after, catch_up=len(sizes) == 1) as client:
         step = 0
         # Loop until the job's round count is reached, not for a fixed number of calls: under wbsp
         # several calls share a round and under quorum a straggler skips rounds, so a fixed count

@@ -113,7 +113,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     job's quorum timeout). ``strategy``: the strategy the job starts with (``"ssp:2"``, a
     ``StrategyInfo``; ``JobInfo.strategy`` from ``join``), assumed until the first result says;
     None: ``sync``. ``gso``: send with UDP GSO; must be False when the aggregator runs XDP in
-    generic (skb) mode.
+    generic (skb) mode. ``catch_up``: under ``quorum`` a member that is behind may move to a later
+    round it saw released (the default); that assumes every call reduces a tensor of one size, so
+    it stops by itself once a call's size differs, and a job whose tensors differ in size from the
+    start (DDP's buckets) should pass False (docs/protocol.md, "Tensors of different sizes").
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -121,7 +124,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  elements: int = 256, slots: int = 1024, window: int | None = None,
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
-                 strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True):
+                 strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
+                 catch_up: bool = True):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -182,7 +186,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         # Whether every round so far reduced a tensor of one size: a quorum straggler may then
         # skip to a later round, which (as far as it can tell) holds the same tensor.
         self._first_size: int | None = None
-        self._uniform = True
+        self._uniform = bool(catch_up)
         self._own_next = 0   # the round after our newest own one (no quorum catch-up)
         self._strategy = info
         self._strategy_round = -1

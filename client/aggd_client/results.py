@@ -33,6 +33,9 @@ _OVERFLOW, _REREAD = int(Flag.OVERFLOW), int(Flag.REREAD)
 _QUORUM = int(StrategyKind.QUORUM)
 
 
+#: Chunk indices whose newest round a client tracks from results it did not ask for (8 MiB).
+MAX_TRACKED_CHUNKS = 1 << 20
+
 class ResultHandler:
     """Results and NACKs for ``AggClient`` (see the module's docstring)."""
 
@@ -152,10 +155,13 @@ class ResultHandler:
     def _note_rounds(self, rounds: np.ndarray, chunks: np.ndarray) -> None:
         """Results of rounds we did not send (a quorum's, seen by a straggler) move their chunks'
         newest round on, so our next round of each says the right ``skip``."""
-        last = self._chunk_last
-        ok = chunks < last.size
-        if ok.any():
-            np.maximum.at(last, chunks[ok], rounds[ok])
+        chunks, rounds = chunks[chunks < MAX_TRACKED_CHUNKS], rounds[chunks < MAX_TRACKED_CHUNKS]
+        top = int(chunks.max()) + 1 if chunks.size else 0
+        if top > self._chunk_last.size:  # chunks we have not sent yet: their newest round is this
+            grown = np.full(top, -1, np.int64)
+            grown[:self._chunk_last.size] = self._chunk_last
+            self._chunk_last = grown
+        np.maximum.at(self._chunk_last, chunks, rounds)
 
     def _catch_up(self, rounds: np.ndarray | None = None, chunks: np.ndarray | None = None) -> None:
         """Quorum results seen on the group (``rounds``, ``chunks``; none: re-evaluate): join the
@@ -164,8 +170,7 @@ class ResultHandler:
         if not self._uniform:
             return
         seen = self._seen_quorum
-        if rounds is not None and self._first_size is not None:
-            # (before our first call we know nothing of the job's tensors: we start at round 0)
+        if rounds is not None:
             for r, c in zip(rounds.tolist(), chunks.tolist()):
                 if r >= self._next_round - 1:
                     seen.setdefault(r, set()).add(c)

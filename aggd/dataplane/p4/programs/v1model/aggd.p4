@@ -8,7 +8,7 @@
  *   - results multicast through the packet replication engine (group job + 1), answers to one
  *     sender sent back out of its port;
  *   - everything else forwarded by an L2 table.
- * The slot rules are those of aggd/model.py (the reference model), bank by bank, unrolled; async
+ * The slot rules are those of aggd/core/model.py (the reference model), bank by bank, unrolled; async
  * admission as docs/protocol.md and the XDP program have it (fewer than 3 banks open).
  * docs/p4.md explains the design and how to run it. Build: `make p4` (p4c-bm2-ss --arch v1model). */
 #include <core.p4>
@@ -448,7 +448,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 return;
             }
 
-            /* ---- the slot rules (aggd/model.py, docs/protocol.md "Strategies") --------------- */
+            /* ---- the slot rules (aggd/core/model.py, docs/protocol.md "Strategies") --------------- */
             clock.read(now, 0);
             if (now == 0) {
                 now = sm.ingress_global_timestamp;   /* microseconds */
