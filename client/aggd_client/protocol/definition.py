@@ -24,7 +24,8 @@ DEFAULT_RESULT_PORT = 47001
 DEFAULT_ELEMENTS = 256
 #: Largest payload native XDP on veth takes: its MTU is at most 3506 (a page less XDP headroom and
 #: skb_shared_info), room for 859 int32 after the headers; 832 = 13 * 64 keeps P4's 64-lane passes
-#: whole (see docs/protocol.md). Larger packets amortise the per-packet cost (README, "The XDP loop").
+#: whole (see docs/protocol.md). Larger packets amortise the per-packet cost (docs/benchmarks.md,
+#: "The XDP loop").
 NATIVE_MAX_ELEMENTS = 832
 #: Largest payload of all ("jumbo" packets, 32 KiB: a 32,808-byte UDP payload in one IP datagram):
 #: XDP in generic (skb) mode sees such a packet as one linear buffer, and the XDP program's payload
