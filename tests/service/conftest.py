@@ -3,7 +3,7 @@ with the XDP data plane in a lab's aggregator namespace (``dataplane.netns``), i
 state and pinned maps in per-test places, and a NOTIFY_SOCKET the test reads.
 
 Every daemon runs under ``setpriv`` with exactly the capability bounding set of
-``systemd/aggd.daemon.service``, so every service test also checks that the unit's capabilities suffice.
+``systemd/aggd.service``, so every service test also checks that the unit's capabilities suffice.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from aggd.daemon.config import to_toml
 from aggd.daemon.control import ControlClient
 
 ROOT = Path(__file__).resolve().parents[2]
-UNIT = ROOT / "systemd" / "aggd.daemon.service"
+UNIT = ROOT / "systemd" / "aggd.service"
 
 
 def unit_capabilities() -> list[str]:

@@ -16,7 +16,7 @@ def test_systemd_analyze_verify(tmp_path):
     assert aggd.exists(), f"{aggd}: install the project (make setup)"
     text = UNIT.read_text()
     assert "ExecStart=/opt/aggd/venv/bin/aggd " in text
-    unit = tmp_path / "aggd.daemon.service"
+    unit = tmp_path / "aggd.service"
     unit.write_text(text.replace("/opt/aggd/venv/bin/aggd", str(aggd)))
     res = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
     # verify exits 0 on some bad values and only warns: any output is a finding
