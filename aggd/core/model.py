@@ -61,9 +61,12 @@ Slot rules (numbers as in docs/protocol.md)
   the bitmap when ``s`` is 0); rule 2 re-sends when it is counted, otherwise it is late. A carry
   marks the (member, step) counted in its origin B too, so its retransmission is answered and a
   later wbsp step of the same member to B is carried as well.
-* Rule 3 order: the chunk order (when the slot holds banks of K's chunk, K.round must be their
-  largest round + 1), admission of the entry governing K.round, then the bank: the first empty one,
-  else the released one with the smallest key; any refusal is ``busy``. The bank records version,
+* Rule 3 order: the chunk order (when the slot holds non-holding banks of K's chunk, K.round must
+  be their largest round + 1 + the packet's ``skip``, or at least that with ``skip`` = SKIP_MAX:
+  ``follows``), then the chunk's holding bank if it has one (adopted: re-keyed to K, its strategy
+  fields set from the entry governing K.round, no admission test), else admission of that entry,
+  then the bank: the first empty one, else the released one with the smallest key; any refusal is
+  ``busy``. The bank records version,
   kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
   ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
   async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
@@ -73,9 +76,11 @@ Slot rules (numbers as in docs/protocol.md)
   result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
   contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
   an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
-  K.round; else a round ``R + 1`` is opened as in rule 3, R the largest round of that chunk among
-  the slot's non-empty banks (K.round if none); if ``(R + 1, chunk)`` does not exceed the slot's
-  newest key (or R + 1 does not fit 32 bits), or rule 3 refuses it, the packet is dropped ``busy``.
+  K.round; else a holding bank ``(R + 1, chunk)`` is opened (its round a placeholder until the
+  chunk's next round adopts it), R the largest round of that chunk among the slot's non-empty,
+  non-holding banks (K.round if none), moved past the slot's newest key when it is not above it,
+  if that round fits 32 bits and another bank stays free for the rounds in progress; else the
+  packet is dropped ``busy``.
   A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
   target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
   holds K -- the new round may have taken it -- sets X in B.late and bit ``s`` in B.steps[X]. The answer is chosen *after* the
