@@ -7,7 +7,7 @@ counter and drop counter (the job's and the "no job" bucket). Time is frozen: th
 ``now_ns`` and the program reads the same value from its one-entry ``clock`` map
 (``XdpDataPlane.set_clock``); strategy tables go to both with ``set_strategy``.
 
-Runs: the strategy fixture tables of tests/unit/test_model_strategies.py (with their expectations),
+Runs: the strategy fixture tables of tests/fixtures/scenarios.py (with their expectations),
 and at least MIN_SEQUENCES randomised sequences per strategy (hypothesis; each example is a batch of
 BATCH sequences; each sequence starts from a freshly installed job) built by that module's
 ``Traffic``: members in random order, several chunks and rounds, windows, duplicates and
@@ -33,10 +33,11 @@ from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verd
 from aggd.testing.frames import AGG_IP
 from aggd_client.protocol import Counter, DropReason
 
-from ..equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
+from tests.harness.equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
                            ip_checksum, mac_bytes, member, play_scenario, run_sequence, sequences, swaps,
                            table_for)
-from ..unit.test_model_strategies import GROUP, JOB, OTHER_JOB, SCENARIOS, entry
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, entry
+from tests.fixtures.traffic import OTHER_JOB
 from .conftest import ELEMENTS, job_config
 
 pytestmark = pytest.mark.root

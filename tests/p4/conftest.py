@@ -23,7 +23,7 @@ def info():
 
 @pytest.fixture
 def sim(info):
-    from .sim import SimSwitch
+    from tests.harness.p4_switch import SimSwitch
     s = SimSwitch(info, HOSTS)
     yield s
     s.close()

@@ -23,7 +23,7 @@ from aggd.lab.namespaces import in_netns
 from aggd.core.model import AggregatorModel, JobConfig
 from aggd_client import protocol as proto
 
-from ..unit.test_model_strategies import GROUP, JOB, SCENARIOS, T0_NS, Swap, check
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, Swap, T0_NS, check
 
 TOOLS = ("p4c-bm2-ss", "simple_switch_grpc")
 MISSING = [t for t in TOOLS if shutil.which(t) is None]

@@ -17,7 +17,7 @@ from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 
 from .conftest import HOSTS
-from .sim import FakeP4Runtime, MemoryRegisters, SimSwitch, ThriftRegisterServer, switch_config
+from tests.harness.p4_switch import FakeP4Runtime, MemoryRegisters, SimSwitch, ThriftRegisterServer, switch_config
 
 U32 = (1 << 32) - 1
 

@@ -1,7 +1,7 @@
 """The P4 backend's writes, interpreted by the reference model, against the real XDP program.
 
 One job is installed on both data planes by their backends: ``XdpDataPlane`` fills the XDP maps,
-``P4DataPlane`` writes P4Runtime entries to a fake server on 127.0.0.1 (tests/p4/sim.py). The
+``P4DataPlane`` writes P4Runtime entries to a fake server on 127.0.0.1 (tests/harness/p4_switch.py). The
 captured entries are read back as model configuration (jobs, members, strategy rows, multicast
 groups) and the model so configured plays the switch. Every frame goes through both: verdict, the
 frame sent (bytes) and where it goes (the job's replication ports, the ingress port, the daemon's
@@ -24,9 +24,10 @@ from aggd_client import protocol as proto
 
 from ..bpf.conftest import ELEMENTS, job_config
 from ..bpf.test_xdp_fixtures import MALFORMED, contrib
-from ..equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
+from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
                            play_scenario, run_sequence, sequences, swaps, table_for)
-from ..unit.test_model_strategies import GROUP, JOB, OTHER_JOB, SCENARIOS, T0_NS, entry
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, T0_NS, entry
+from tests.fixtures.traffic import OTHER_JOB
 from .conftest import AGG_PORT_NO, HOSTS, port_of
 
 pytestmark = pytest.mark.root
@@ -152,7 +153,7 @@ def model_twin(p4dp, sim):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fixture tables (tests/unit/test_model_strategies.py), with their expectations.
+# The fixture tables (tests/fixtures/scenarios.py), with their expectations.
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(twin, name):
@@ -202,7 +203,7 @@ def test_what_the_switch_cannot_hold_goes_to_the_daemon(twin):
 
 
 # ---------------------------------------------------------------------------------------------
-# Randomised sequences (the traffic of tests/unit/test_model_strategies.py).
+# Randomised sequences (the traffic of tests/fixtures/traffic.py).
 
 RUN: collections.Counter = collections.Counter()
 

@@ -1,5 +1,5 @@
 """The real daemon with ``[dataplane] kind = "p4"``: started as a process (as every service test), its
-switch a fake P4Runtime server (``tests/p4/sim.py``: strict about ids, widths and existence, keeping
+switch a fake P4Runtime server (``tests/harness/p4_switch.py``: strict about ids, widths and existence, keeping
 tables and multicast groups as a switch would) and BMv2's Thrift register API served from an
 in-memory register file of the program's sizes. What aggctl asks for must arrive at the switch as
 P4Runtime writes (jobs, members from a worker's JOIN over the network, multicast groups, strategy
@@ -23,7 +23,7 @@ from aggd.dataplane.p4 import layout as L
 from aggd.core.hotswap import SWAP_MARGIN
 from aggd.core.strategy import parse, to_entry
 from aggd_client import protocol as proto
-from tests.p4.sim import SimSwitch, ThriftRegisterServer, settled_rows, switch_config
+from tests.harness.p4_switch import SimSwitch, ThriftRegisterServer, settled_rows, switch_config
 
 pytestmark = pytest.mark.root
 

@@ -19,8 +19,9 @@ from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd_client.mrecv import sockaddr_in
 from aggd_client.protocol import HEADER_SIZE, DropReason, Header
 
-from .test_model_strategies import (E, JOB, STRATEGY_TEXTS, Traffic, addr, entry, job_config, layout_of,
-                                    swap_table)
+from tests.fixtures.scenarios import E, JOB, addr, entry, job_config
+
+from tests.fixtures.traffic import STRATEGY_TEXTS, Traffic, layout_of, swap_table
 
 REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
 

@@ -107,7 +107,8 @@ def test_model_with_kernels_gives_identical_verdicts():
 def test_model_with_kernels_gives_identical_verdicts_for_every_strategy(text):
     """The user-space path is the model with the numba arithmetic: same bytes, same counters."""
     from aggd.core.strategy import parse, to_entry
-    from tests.unit.test_model_strategies import JOB, Traffic, job_config
+    from tests.fixtures.scenarios import JOB, job_config
+    from tests.fixtures.traffic import Traffic
 
     rng = random.Random(text)
     released = overflows = 0

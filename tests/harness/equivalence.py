@@ -1,6 +1,6 @@
 """What the data-plane equivalence tests share (tests/bpf/test_model_equivalence.py,
 tests/p4/test_p4_equivalence.py): the frames they send, how a message is described in a failure,
-the fixture tables and the randomised sequences of tests/unit/test_model_strategies.py played
+the fixture tables and the randomised traffic of tests/fixtures/traffic.py played
 through a side-by-side harness (an object with ``start``, ``set_strategy``, ``send``,
 ``check_counters`` and ``model``)."""
 from __future__ import annotations
@@ -17,9 +17,9 @@ from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
 from aggd_client import protocol as proto
 
-from .bpf.conftest import ELEMENTS
-from .unit.test_model_strategies import (SCENARIOS, T0_NS, Scenario, Sent, Swap, Traffic, check, entry, layout_of,
-                                         swap_table)
+from tests.bpf.conftest import ELEMENTS
+from tests.fixtures.scenarios import SCENARIOS, Scenario, Swap, T0_NS, check, entry
+from tests.fixtures.traffic import Sent, Traffic, layout_of, swap_table
 
 KINDS = ("sync", "quorum", "ssp", "async", "wbsp")
 MIN_OPS, MAX_OPS = 20, 80   #: packets per sequence
@@ -63,7 +63,7 @@ def describe(msg: bytes | None) -> str:
 
 
 def play_scenario(h, name: str) -> None:
-    """One fixture table of tests/unit/test_model_strategies.py through ``h``, with its expectations."""
+    """One fixture table of tests/fixtures/scenarios.py through ``h``, with its expectations."""
     sc: Scenario = SCENARIOS[name]
     h.start(sc.world, sc.slots, sc.max_chunks, list(sc.table))
     for i, step in enumerate(sc.steps):
