@@ -145,9 +145,8 @@ class ResultHandler:
 
     def _skips_for(self, rnd: "_Round") -> np.ndarray | None:
         """The ``skip`` of each chunk of a new round (None: all 0), and the chunks' newest round."""
-        n, last = rnd.n_chunks, self._chunk_last
-        if n > last.size:
-            last = self._chunk_last = np.concatenate([last, np.full(n - last.size, -1, np.int64)])
+        n = rnd.n_chunks
+        last = self._track_chunks(n)
         skips = np.minimum(rnd.number - last[:n] - 1, SKIP_MAX)
         last[:n] = rnd.number
         return skips.astype(np.uint16) if skips.any() else None
@@ -155,13 +154,17 @@ class ResultHandler:
     def _note_rounds(self, rounds: np.ndarray, chunks: np.ndarray) -> None:
         """Results of rounds we did not send (a quorum's, seen by a straggler) move their chunks'
         newest round on, so our next round of each says the right ``skip``."""
-        chunks, rounds = chunks[chunks < MAX_TRACKED_CHUNKS], rounds[chunks < MAX_TRACKED_CHUNKS]
-        top = int(chunks.max()) + 1 if chunks.size else 0
-        if top > self._chunk_last.size:  # chunks we have not sent yet: their newest round is this
-            grown = np.full(top, -1, np.int64)
-            grown[:self._chunk_last.size] = self._chunk_last
-            self._chunk_last = grown
-        np.maximum.at(self._chunk_last, chunks, rounds)
+        tracked = chunks < MAX_TRACKED_CHUNKS
+        chunks, rounds = chunks[tracked], rounds[tracked]
+        if chunks.size:  # chunks we have not sent yet too: their newest round is this one
+            np.maximum.at(self._track_chunks(int(chunks.max()) + 1), chunks, rounds)
+
+    def _track_chunks(self, n: int) -> np.ndarray:
+        """``_chunk_last`` covering chunks ``0 .. n-1`` at least (-1: no round yet)."""
+        last = self._chunk_last
+        if n > last.size:
+            last = self._chunk_last = np.concatenate([last, np.full(n - last.size, -1, np.int64)])
+        return last
 
     def _catch_up(self, rounds: np.ndarray | None = None, chunks: np.ndarray | None = None) -> None:
         """Quorum results seen on the group (``rounds``, ``chunks``; none: re-evaluate): join the

@@ -54,14 +54,16 @@ def _local_ip_towards(server: tuple[str, int]) -> str:
         probe.close()
 
 
-def _grow_buffers(sock: socket.socket) -> None:
+def grow_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
+    """Receive and send buffers of ``size`` bytes: forced where allowed, else what the system's
+    maximum allows (the daemon's user-space path uses it too)."""
     for opt, force in ((socket.SO_RCVBUF, getattr(socket, "SO_RCVBUFFORCE", 33)),
                        (socket.SO_SNDBUF, getattr(socket, "SO_SNDBUFFORCE", 32))):
         try:
-            sock.setsockopt(socket.SOL_SOCKET, force, SOCKET_BUFFER)  # needs CAP_NET_ADMIN
+            sock.setsockopt(socket.SOL_SOCKET, force, size)  # needs CAP_NET_ADMIN
         except OSError:
             try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)  # capped by [rw]mem_max
+                sock.setsockopt(socket.SOL_SOCKET, opt, size)  # capped by [rw]mem_max
             except OSError:
                 pass
 
@@ -82,7 +84,7 @@ class UdpTransport:
         self._selector = selectors.DefaultSelector()
         try:
             self._sock.bind((bind[0], int(bind[1])))
-            _grow_buffers(self._sock)
+            grow_buffers(self._sock)
             host, port = self._sock.getsockname()[:2]
             if host == "0.0.0.0":
                 host = _local_ip_towards(self._server)
@@ -131,7 +133,7 @@ class UdpTransport:
             mreq = struct.pack("4s4s", socket.inet_aton(str(ip)), socket.inet_aton(local))
             s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
             s.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
-            _grow_buffers(s)
+            grow_buffers(s)
         except BaseException:
             s.close()
             raise

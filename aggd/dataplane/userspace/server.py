@@ -27,6 +27,7 @@ import numpy as np
 from aggd_client.mrecv import MultiReceiver, sockaddr_addr
 from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
+from aggd_client.transport import grow_buffers
 
 from aggd.dataplane.userspace import fastpath
 
@@ -44,8 +45,6 @@ BATCH = 256
 #: Room for a few thousand packets: the workers' first windows arrive in one burst, and a
 #: batch's results leave in one (a result's buffer is held until the bridge has delivered it).
 _BUFFERS = 32 << 20
-_FORCE = {socket.SO_RCVBUF: getattr(socket, "SO_RCVBUFFORCE", 33),
-          socket.SO_SNDBUF: getattr(socket, "SO_SNDBUFFORCE", 32)}
 _SO_NO_CHECK = getattr(socket, "SO_NO_CHECK", 11)
 
 
@@ -56,14 +55,7 @@ Handler = Callable[[memoryview, Addr], "bytes | None"]
 def _udp_socket(bind: Addr) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        for opt, force in _FORCE.items():
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, force, _BUFFERS)   # needs CAP_NET_ADMIN
-            except OSError:
-                try:
-                    sock.setsockopt(socket.SOL_SOCKET, opt, _BUFFERS)  # capped by [rw]mem_max
-                except OSError:
-                    pass
+        grow_buffers(sock, _BUFFERS)
         try:
             # No UDP checksum on what we send, as the XDP program's results (optional for IPv4;
             # computing it is a pass over every payload).
