@@ -77,7 +77,7 @@ class Daemon:
         self.notifier = Notifier()
         self.service = Service(cfg, reset_kernel_state=reset_kernel_state)
         self.control: ControlServer | None = None
-        self.metrics = None  # aggd.metrics.collector.MetricsServer: the Prometheus endpoint
+        self.metrics = None  # aggd.metrics.server.MetricsServer: the Prometheus endpoint
         self._stop = False
         self._reload = False
 
@@ -108,7 +108,7 @@ class Daemon:
                                                  "loading the XDP program"))
             self.service.start()
             cfg = self.service.config
-            from aggd.metrics.collector import serve as serve_metrics
+            from aggd.metrics.server import serve as serve_metrics
             self.metrics = serve_metrics(self.service)  # [metrics] address, in dataplane.netns
             self.control = ControlServer(cfg.control.socket, self.service.dispatch, cfg.control.group)
         except Exception as exc:

@@ -84,17 +84,6 @@ class PolicyRunner:
                 self.errors += 1
                 log.exception("policy tick failed")
 
-    def _rows(self, job) -> list[dict] | None:
-        svc = self.service
-        rows = None
-        if job.kernel_slots and hasattr(svc.dp, "member_stats"):
-            rows = svc.dp.member_stats(job.id, job.world)
-        us = getattr(svc.us, "member_stats", None)
-        if us is not None and job.userspace_slots:
-            extra = us(job.id, job.world)
-            rows = extra if rows is None else [_merge(a, b) for a, b in zip(rows, extra)]
-        return rows
-
     def tick(self, now: float) -> list[tuple[str, Decision]]:
         """One pass over the jobs; returns the decisions applied (for tests)."""
         svc = self.service
@@ -111,7 +100,7 @@ class PolicyRunner:
                 det = self.detectors.get(job.id)
                 if det is None or det.world != job.world or det.config != rules.detector():
                     det = self.detectors[job.id] = Detector(job.world, rules.detector())
-                rows = self._rows(job)
+                rows = svc.member_stats(job)
                 if rows is None:
                     continue
                 obs = det.update_rows(now, rows)
@@ -170,11 +159,3 @@ class PolicyRunner:
             "period_ms": None if det is None or det.last is None else round(det.last.period_ms, 3),
             "last_decision": decisions[-1] if decisions else None,
             "decisions": decisions}}
-
-
-def _merge(a: dict, b: dict) -> dict:
-    """Counters of one member from the kernel and the user-space path."""
-    rounds = [r for r in (a.get("last_round"), b.get("last_round")) if r is not None]
-    return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
-            "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
-            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"])}

@@ -39,8 +39,7 @@ from aggd.core import strategy as strat
 from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError
-from aggd.dataplane import DataPlaneError
-from aggd.core.model import JobConfig
+from aggd.dataplane import DataPlaneError, holding, member_rows
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
 
 log = logging.getLogger("aggd")
@@ -247,17 +246,18 @@ class Service:
         if self.policy is not None:
             self.policy.stop()
             self.policy = None
-        if self.us is not None:
-            self.us.close()
-            self.us = None
-        if self.dp is not None:
+        planes, self.dp, self.us = self.planes[::-1], None, None
+        failed = None
+        for plane in planes:  # the user-space path first: it answers what XDP passes on
             try:
-                self.dp.stop(unpin=self.config.dataplane.unpin_on_stop)
-            finally:
-                self.dp = None
+                plane.stop(unpin=self.config.dataplane.unpin_on_stop)
+            except Exception as exc:  # noqa: BLE001 - stop the others, then say it
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def healthy(self) -> bool:
-        return self.us is not None and self.us.is_alive() and self.dp is not None
+        return self.us is not None and self.us.attached and self.dp is not None
 
     # -- persistence -----------------------------------------------------------------------------
     def _save(self) -> None:
@@ -284,52 +284,44 @@ class Service:
         return self.dp.installed(job.id) == (job.world, job.slots, job.kernel_base, job.kernel_slots)
 
     # -- applying the registry to the data planes --------------------------------------------------
+    @property
+    def planes(self) -> tuple:
+        """The data planes, fast one first: the XDP program (or the switch), then the user-space
+        path, which serves every chunk the fast one passes on."""
+        return tuple(p for p in (self.dp, self.us) if p is not None)
+
     def _apply(self, job: Job, keep_kernel: bool = False) -> None:
-        """Install ``job`` in both data planes (kernel slots kept if ``keep_kernel``)."""
+        """Install ``job`` in every data plane (the kernel's slots kept if ``keep_kernel``)."""
         members = {r: m.address for r, m in job.members.items()}
-        if keep_kernel:
-            for rank in range(proto.MAX_MEMBERS):
-                self.dp.set_member(job.id, rank, members.get(rank))
-        else:
-            cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
-                                        members=members, group=job.group, kernel_slots=job.kernel_slots)
-            self.dp.install_job(cfg)
-            base, count = self.dp.allocation(job.id)
-            if (base, count) != (job.kernel_base, job.kernel_slots):
-                log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
-                            job.name, base, count, job.kernel_base, job.kernel_slots)
-                job.kernel_base, job.kernel_slots = base, count
-        if self.us.has_job(job.id):
-            self.us.remove_job(job.id)
-        self.us.add_job(JobConfig(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
-                                  members=members, group=job.group, elements=job.elements))
+        cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
+                                    members=members, group=job.group, kernel_slots=job.kernel_slots,
+                                    elements=job.elements)
+        for plane in self.planes:
+            if plane is self.dp and keep_kernel:
+                for rank in range(proto.MAX_MEMBERS):
+                    plane.set_member(job.id, rank, members.get(rank))
+                continue
+            plane.install_job(cfg)
+        base, count = self.dp.allocation(job.id)
+        if (base, count) != (job.kernel_base, job.kernel_slots):
+            log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
+                        job.name, base, count, job.kernel_base, job.kernel_slots)
+            job.kernel_base, job.kernel_slots = base, count
         table = job.strategy_table()
         if len(table.entries) > 1 or job.strategy.kind != proto.StrategyKind.SYNC:
             self._install_strategies(job, table)
 
     def _install_strategies(self, job: Job, table) -> None:
-        """Give both data planes the job's strategy table; ControlError (and nothing changed) if
-        either cannot run it."""
-        from aggd.core.model import RULES
-
+        """Give every data plane the job's strategy table; ControlError (and nothing changed) if
+        one cannot run it."""
         entries = table.table_entries()
-        kinds = {proto.StrategyKind(e.kind) for e in entries}
-        # A job with no kernel slot is aggregated in user space only: the kernel's table is moot.
-        if job.kernel_slots and not hasattr(self.dp, "set_strategy") and \
-                (len(entries) > 1 or kinds != {proto.StrategyKind.SYNC}):
-            raise ControlError("unsupported", f"job {job.name}: the kernel data plane cannot switch strategies "
-                                              f"yet (XdpDataPlane has no set_strategy)")
-        missing = sorted(k.name.lower() for k in kinds if k not in RULES)
-        if missing:
-            raise ControlError("unsupported", f"job {job.name}: the user-space path cannot run "
-                                              f"{', '.join(missing)} yet")
-        self.dp.check_strategies(entries)  # DataPlaneError: refused before anything changed
         try:
-            self.us.set_strategy(job.id, entries)
-        except (ValueError, NotImplementedError) as exc:
+            for plane in self.planes:
+                plane.check_strategies(entries)  # refused before anything changed anywhere
+            for plane in self.planes:
+                plane.set_strategy(job.id, entries)
+        except DataPlaneError as exc:
             raise ControlError("unsupported", f"job {job.name}: {exc}") from None
-        if hasattr(self.dp, "set_strategy"):
-            self.dp.set_strategy(job.id, entries)
 
     # -- JOIN (runs on the user-space thread) ---------------------------------------------------------
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
@@ -341,8 +333,8 @@ class Service:
                 log.warning("join refused (%s) from %s:%d: %s", outcome.code.name, src[0], src[1], outcome.message)
             elif outcome.changed:
                 job, rank = outcome.job, Header.unpack(data).rank
-                self.dp.set_member(job.id, rank, src)
-                self.us.set_member(job.id, rank, src)
+                for plane in self.planes:
+                    plane.set_member(job.id, rank, src)
                 self._save()
                 log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
             return answer
@@ -379,20 +371,27 @@ class Service:
         return self.registry.get(job)
 
     def _rounds(self, job: Job) -> tuple[int | None, dict[int, int]]:
-        top_k, per_k = self.dp.job_rounds(job.id) if job.kernel_slots else (None, {})
-        top_u, per_u = self.us.job_rounds(job.id)
-        tops = [t for t in (top_k, top_u) if t is not None]
-        per = dict(per_k)
-        for r, v in per_u.items():
-            per[r] = max(per.get(r, v), v)
+        """(highest round, {rank: its highest round}) over the planes that hold the job's slots."""
+        tops, per = [], {}
+        for plane in self._holding(job):
+            top, ranks = plane.job_rounds(job.id)
+            if top is not None:
+                tops.append(top)
+            for r, v in ranks.items():
+                per[r] = max(per.get(r, v), v)
         return (max(tops) if tops else None), per
+
+    def _holding(self, job: Job) -> tuple:
+        return holding(self.planes, job)
+
+    def member_stats(self, job: Job) -> list[dict] | None:
+        """Per rank, the member counters of the planes holding the job's slots, summed."""
+        return member_rows(self._holding(job), job)
 
     def _paths(self, job: Job) -> dict:
         """Counters of each path: what the kernel served, what it passed up, what user space served."""
-        k = self.dp.job_stats(job.id)
-        u = self.us.stats()["jobs"].get(job.id, {"counters": {}, "drops": {}})
-        return {"kernel": {"counters": k.counters, "drops": k.drops},
-                "userspace": {"counters": u["counters"], "drops": u["drops"]}}
+        return {name: {"counters": s.counters, "drops": s.drops}
+                for name, s in (("kernel", self.dp.job_stats(job.id)), ("userspace", self.us.job_stats(job.id)))}
 
     def cmd_status(self):
         cfg, dpc = self.config, self.config.dataplane
@@ -417,8 +416,7 @@ class Service:
                        "array_slots": self.kernel_capacity if p4 else max(1, self.kernel_capacity),
                        "used_slots": used, "free_slots": max(0, lim.kernel_budget - used),
                        "largest_free_run": self.registry.largest_free_run()},
-            "userspace": {"alive": bool(self.us and self.us.is_alive()), "errors": self.us.errors,
-                          "send_errors": self.us.send_errors},
+            "userspace": self.us.describe() if self.us else {"alive": False},
             "jobs": [{**self._summary(j), **self._policy_view(j)} for j in self.registry.list()],
         }
 
@@ -442,9 +440,8 @@ class Service:
             self._apply(job)
         except BaseException:
             self.registry.delete(job.id)
-            self.dp.remove_job(job.id)
-            if self.us.has_job(job.id):
-                self.us.remove_job(job.id)
+            for plane in self.planes:
+                plane.remove_job(job.id)
             raise
         self._save()
         log.info("job %s (%d) created: world %d, %s, %d slots (%d in the kernel)", job.name, job.id, job.world,
@@ -453,8 +450,8 @@ class Service:
 
     def cmd_jobs_delete(self, job):
         j = self.registry.delete(job)
-        self.dp.remove_job(j.id)
-        self.us.remove_job(j.id)
+        for plane in self.planes:
+            plane.remove_job(j.id)
         self._save()
         log.info("job %s (%d) deleted; %d kernel slots freed", j.name, j.id, j.kernel_slots)
         return {"name": j.name, "id": j.id, "freed_kernel_slots": j.kernel_slots}

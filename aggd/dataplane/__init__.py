@@ -1,7 +1,9 @@
-"""Data planes behind one interface: the XDP program (``xdp``) and the P4 program on a switch (``p4``).
+"""Data planes behind one interface: the XDP program (``xdp``), the P4 program on a switch (``p4``)
+and the user-space path (``userspace``), which serves what the other two pass on.
 
 The deciding logic (job registry, strategies, policies, metrics) talks only to :class:`DataPlane`;
-``aggd.daemon.service`` picks the implementation from ``[dataplane] kind``. What one data plane cannot
+``aggd.daemon.service`` picks the fast one from ``[dataplane] kind`` and runs the user-space path
+beside it, looping over both. What one data plane cannot
 tell (a P4 target without per-member counters, say) reads as ``None``: absent, never made up.
 """
 from __future__ import annotations
@@ -41,6 +43,32 @@ def rounds_by_member(banks: Iterable[tuple[int, int]]) -> tuple[int | None, dict
             bits >>= 1
             rank += 1
     return top, per_rank
+
+
+def holding(planes: tuple, job) -> tuple:
+    """Of the service's ``planes`` (the fast one first, then user space), those that hold some of
+    ``job``'s slots (``job.kernel_slots``: how many the fast one holds)."""
+    fast, *rest = planes
+    return ((fast,) if job.kernel_slots else ()) + tuple(rest)
+
+
+def member_rows(planes: Iterable["DataPlane"], job) -> list[dict] | None:
+    """Per rank of ``job`` (``id``, ``world``), the ``member_stats`` rows of ``planes`` summed;
+    None when none of them keeps them."""
+    rows = None
+    for plane in planes:
+        mine = plane.member_stats(job.id, job.world)
+        if mine is not None:
+            rows = mine if rows is None else [merge_member_rows(a, b) for a, b in zip(rows, mine)]
+    return rows
+
+
+def merge_member_rows(a: dict, b: dict) -> dict:
+    """One member's ``member_stats`` row from two data planes' (the kernel's and user space's)."""
+    rounds = [x for x in (a.get("last_round"), b.get("last_round")) if x is not None]
+    return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
+            "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
+            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"])}
 
 
 class DataPlaneError(RuntimeError):
@@ -110,8 +138,9 @@ class DataPlane(abc.ABC):
         """Per rank: contributions, lag_ns_sum, late, last_round, last_ns; None when not kept."""
         return None
 
-    def open_slots(self, base: int, count: int) -> int | None:
-        """How many of slots ``[base, base + count)`` hold an open round; None when not readable."""
+    def open_slots(self, job: int) -> int | None:
+        """How many of the slots this data plane holds for ``job`` hold an open round; None when
+        not readable."""
         return None
 
     @property

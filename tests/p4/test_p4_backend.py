@@ -212,7 +212,7 @@ def test_tofino_target(tmp_path):
         stats = dp.job_stats(1)
         assert stats.counters["released"] == 4
         assert "rx_bytes" not in stats.counters and "rx_bytes" in stats.untracked   # not kept: absent, not 0
-        assert dp.open_slots(0, 8) is None and dp.member_stats(1, 3) is None
+        assert dp.open_slots(1) is None and dp.member_stats(1, 3) is None
         assert dp.max_round(1) is None
         dp.install_job(cfg(strategy=parse("sync")))          # reinstalled: counters and banks cleared
         assert dp.job_stats(1).counters["released"] == 0 and s.registers.read(L.TNA_REG_BANK_ROUND, 0) == 0
@@ -423,10 +423,10 @@ def test_restarted_controller_clears_what_it_left(p4dp, sim):
 def test_open_slots_read_the_bank_states(p4dp, sim):
     p4dp.install_job(cfg(slots=4))
     base, count = p4dp.allocation(1)
-    assert p4dp.open_slots(base, count) == 0
+    assert p4dp.open_slots(1) == 0
     sim.registers.write(L.REG_BANK_STATE, L.bank_index(base + 1, 2), L.BANK_OPEN)
     sim.registers.write(L.REG_BANK_STATE, L.bank_index(base + 2, 0), L.BANK_RELEASED)
-    assert p4dp.open_slots(base, count) == 1
+    assert p4dp.open_slots(1) == 1
     assert p4dp.describe()["slots"] == p4dp.total_slots and p4dp.member_stats(1, 3) is None
 
 

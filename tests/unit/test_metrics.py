@@ -1,4 +1,4 @@
-"""aggd.metrics.collector against a fake map reader: names, units and labels by the Prometheus conventions,
+"""aggd.metrics (families, reader, collector, server) against a fake map reader: names, units and labels by the Prometheus conventions,
 values from the data planes' counters, the strategy in force, releases by strategy across a swap,
 policy decisions, truncation of jobs and ranks, per-rank lag and blocking; the daemon's reader over
 fake data planes; and aggctl top's view of two scrapes."""
@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggd.metrics import collector as m
+from aggd.metrics import collector, families, reader as m, server
 from aggd.core.addresses import host_port
 from aggd.cli.commands import top
-from aggd.dataplane import JobStats
+from aggd.dataplane import JobStats, merge_member_rows
 from aggd_client.protocol import Counter, DropReason
 
 
@@ -82,7 +82,7 @@ def job(id_=1, name="train", world=3, strategies=((0, 0, "sync"),), **kw):
 def test_names_units_and_labels_follow_the_conventions():
     r = FakeReader([job()], lags={1: [m.WorkerLag(0, 5, 0.5, lag_seconds=0.1, slowdown=1.0, straggler=False,
                                                   wait_seconds=1.0)]}, busy={1: {"kernel": 1, "user": 0}})
-    reg = m.registry_for(r)
+    reg = server.registry_for(r)
     text = generate_latest(reg).decode()
     names = set()
     for fam in text_string_to_metric_families(text):
@@ -95,7 +95,7 @@ def test_names_units_and_labels_follow_the_conventions():
         else:
             assert not any(s.name.endswith("_total") for s in fam.samples), fam.name
         for s in fam.samples:
-            assert set(s.labels) <= set(m.LABELS), (s.name, s.labels)
+            assert set(s.labels) <= set(families.LABELS), (s.name, s.labels)
             names.add(s.name)
             if "path" in s.labels:
                 assert s.labels["path"] in ("kernel", "user")
@@ -109,8 +109,8 @@ def test_names_units_and_labels_follow_the_conventions():
 
 
 def test_every_data_plane_counter_has_a_metric():
-    assert set(m.COUNTER_METRICS) == {c.name.lower() for c in Counter}
-    names = [n for n, _ in m.COUNTER_METRICS.values()]
+    assert set(families.COUNTERS) == {c.name.lower() for c in Counter}
+    names = [f.name for f in families.COUNTERS.values()]
     assert len(set(names)) == len(names)
 
 
@@ -121,7 +121,7 @@ def test_counters_and_drops_by_path_and_reason():
     u = JobStats({"rx_packets": 40, "elements": 10240, "released": 10}, {"stale": 2})
     r = FakeReader([job()], {(1, "kernel"): k, (1, "user"): u,
                              (None, "kernel"): JobStats({}, {"bad_magic": 7})}, {1: 9})
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert value(s, "aggd_packets_total", aggd_job="train", path="kernel") == 100
     assert value(s, "aggd_packets_total", aggd_job="train", path="user") == 40
     assert value(s, "aggd_bytes_total", aggd_job="train", path="kernel") == 106400
@@ -148,7 +148,7 @@ def test_strategy_in_force_follows_the_round_and_releases_go_to_it():
     swapped = job(strategies=((0, 0, "sync"), (1, 10, "quorum:2:20ms")))
     kernel = JobStats({"released": 30})
     r = FakeReader([swapped], {(1, "kernel"): kernel}, {1: 5})
-    c = m.AggdCollector(r)
+    c = collector.AggdCollector(r)
     s = scrape(c)
     assert value(s, "aggd_job_strategy_info", aggd_job="train", strategy="sync") == 1
     assert value(s, "aggd_job_strategy_version", aggd_job="train") == 0
@@ -174,7 +174,7 @@ def test_strategy_in_force_follows_the_round_and_releases_go_to_it():
 
 def test_policy_decisions_are_counted_once_and_state_shown():
     r = FakeReader([job()], policies={1: m.PolicyState(True, 1, ((100.0, "quorum"),))})
-    c = m.AggdCollector(r)
+    c = collector.AggdCollector(r)
     s = scrape(c)
     assert value(s, "aggd_policy_decisions_total", aggd_job="train", strategy="quorum") == 1
     assert value(s, "aggd_policy_decisions_total", aggd_job="train", strategy="sync") == 0
@@ -193,7 +193,7 @@ def test_jobs_and_ranks_beyond_the_limits_are_left_out_and_counted():
     jobs = [job(i, f"j{i}", world=5) for i in (3, 1, 2)]
     lags = {i: [m.WorkerLag(rank, 10) for rank in range(5)] for i in (1, 2, 3)}
     limits = {"jobs": 2}
-    c = m.AggdCollector(FakeReader(jobs, lags=lags), max_jobs=lambda: limits["jobs"], max_ranks=3)
+    c = collector.AggdCollector(FakeReader(jobs, lags=lags), max_jobs=lambda: limits["jobs"], max_ranks=3)
     s = scrape(c)
     assert {lbl["aggd_job"] for lbl, _ in s["aggd_job_strategy_info"]} == {"j1", "j2"}  # lowest ids
     assert {lbl["rank"] for lbl, _ in s["aggd_worker_contributions_total"]} == {"0", "1", "2"}
@@ -211,7 +211,7 @@ def test_jobs_and_ranks_beyond_the_limits_are_left_out_and_counted():
 def test_worker_families_empty_without_lag_and_detector_values_only_when_judged():
     r = FakeReader([job(1, "a"), job(2, "b")],
                    lags={2: [m.WorkerLag(0, 4, 0.0), m.WorkerLag(1, 4, 2.0, 1, 1, 0.7, 1.0, 3.0, True, 0.0)]})
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert {lbl["aggd_job"] for lbl, _ in s["aggd_worker_contributions_total"]} == {"b"}
     assert [lbl["rank"] for lbl, _ in s["aggd_worker_lag_seconds"]] == ["1"]  # rank 0 not judged yet
     assert value(s, "aggd_worker_lag_seconds", aggd_job="b", rank=1) == 1.0
@@ -225,14 +225,14 @@ def test_worker_families_empty_without_lag_and_detector_values_only_when_judged(
 
 def test_a_job_that_cannot_be_read_is_skipped_and_counted():
     r = FakeReader([job(1, "a"), job(2, "b")], broken={1})
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert {lbl["aggd_job"] for lbl, _ in s["aggd_job_strategy_info"]} == {"b"}
     assert value(s, "aggd_metrics_collect_errors_total") == 1
 
 
 def test_slot_usage_and_health():
     r = FakeReader([job()], busy={1: {"kernel": 3, "user": 1}}, health_=m.Health(False, True))
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert value(s, "aggd_job_slots_busy", aggd_job="train", path="kernel") == 3
     assert value(s, "aggd_job_slots_busy", aggd_job="train", path="user") == 1
     assert value(s, "aggd_xdp_attached") == 0 and value(s, "aggd_userspace_path_up") == 1
@@ -275,7 +275,7 @@ def test_detector_view_joins_the_counters():
 def test_merged_rows_of_both_paths():
     a = {"rank": 0, "contributions": 3, "lag_ns_sum": 10, "late": 1, "last_round": 4, "last_ns": 7}
     b = {"rank": 0, "contributions": 2, "lag_ns_sum": 5, "late": 0, "last_round": None, "last_ns": 9}
-    assert m.merge_rows(a, b) == {"rank": 0, "contributions": 5, "lag_ns_sum": 15, "late": 1, "last_round": 4,
+    assert merge_member_rows(a, b) == {"rank": 0, "contributions": 5, "lag_ns_sum": 15, "late": 1, "last_round": 4,
                                   "last_ns": 9}
 
 
@@ -292,8 +292,8 @@ class FakeDp:
     """The DataPlane calls the reader makes; slot i holds an open round if i is odd."""
     attached = True
 
-    def open_slots(self, base, count):
-        return sum(i % 2 for i in range(base, base + count))
+    def open_slots(self, job):
+        return sum(i % 2 for i in range(0, 8))
 
     def job_stats(self, job):
         return JobStats({"rx_packets": 5 if job is not None else 0}, {"bad_magic": 1} if job is None else {})
@@ -306,27 +306,24 @@ class FakeDp:
 
 
 class FakeUs:
-    errors = send_errors = 0
+    """The user-space path's DataPlane calls: no per-member counters kept."""
+    attached = True
 
-    def is_alive(self):
-        return True
+    def describe(self):
+        return {"alive": True, "errors": 0, "send_errors": 0}
 
-    def has_job(self, job):
-        return True
+    def job_stats(self, job):
+        if job is None:
+            return JobStats({}, {"too_short": 2})
+        return JobStats({c.name.lower(): 7 for c in Counter}, {d.name.lower(): 0 for d in DropReason})
 
-    def counters(self, job):
-        return [7] * len(Counter)
+    def max_round(self, job):
+        return 7
 
-    def drops(self, job):
-        return [0] * len(DropReason)
+    def member_stats(self, job, world):
+        return None
 
-    def stats(self):
-        return {"no_job": {"too_short": 2}}
-
-    def job_rounds(self, job):
-        return 7, {}
-
-    def busy_slots(self, job):
+    def open_slots(self, job):
         return 2
 
 
@@ -344,7 +341,8 @@ def test_service_reader_over_the_daemon_state():
     runner = types.SimpleNamespace(detectors={j.id: det},
                                    policies={j.id: types.SimpleNamespace(switched="quorum:2")},
                                    decisions={j.id: [{"time": 5.0, "strategy": "quorum:2:50ms"}]})
-    svc = types.SimpleNamespace(lock=threading.RLock(), registry=reg, policy=runner, dp=FakeDp(), us=FakeUs(),
+    dp, us = FakeDp(), FakeUs()
+    svc = types.SimpleNamespace(lock=threading.RLock(), registry=reg, policy=runner, dp=dp, us=us, planes=(dp, us),
                                 config=types.SimpleNamespace(dataplane=types.SimpleNamespace(kind="xdp", kernel_memory=1 << 20)),
                                 slot_bytes=4680, kernel_capacity=224)
     r = m.ServiceReader(svc, clock=lambda: 3000)
@@ -365,7 +363,7 @@ def test_service_reader_over_the_daemon_state():
     assert lag[2].blocking_seconds == 0  # quorum governs round 6: nobody waits
     assert r.rounds(info) == 7
     assert r.slot_usage([info]).busy == {info.id: {"kernel": 4, "user": 2}}
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert value(s, "aggd_job_strategy_info", aggd_job="train", strategy="quorum") == 1
     assert value(s, "aggd_policy_decisions_total", aggd_job="train", strategy="quorum") == 1
     # a policy runner of another shape (or none) leaves the rest of the scrape alone
@@ -384,7 +382,7 @@ def test_host_port():
 # -- aggctl top ---------------------------------------------------------------------------------------------
 
 def exposition(reader) -> dict:
-    return top.parse(generate_latest(m.registry_for(reader)).decode())
+    return top.parse(generate_latest(server.registry_for(reader)).decode())
 
 
 def test_top_view_from_two_scrapes():
@@ -449,7 +447,7 @@ def test_a_p4_switch_exports_what_it_keeps_and_nothing_else():
 
     r = SwitchReader([job()], {(1, "kernel"): tofino, (1, "user"): JobStats({"rx_bytes": 5})},
                      health_=m.Health(None, True, p4_connected=True))
-    s = scrape(m.AggdCollector(r))
+    s = scrape(collector.AggdCollector(r))
     assert value(s, "aggd_packets_total", aggd_job="train", path="kernel") == 9
     assert value(s, "aggd_bytes_total", aggd_job="train", path="user") == 5
     assert not [lbl for lbl, _ in s.get("aggd_bytes_total", ()) if lbl.get("path") == "kernel"]
@@ -459,3 +457,21 @@ def test_a_p4_switch_exports_what_it_keeps_and_nothing_else():
     for absent in ("aggd_xdp_attached", "aggd_kernel_memory_bytes", "aggd_kernel_slot_bytes",
                    "aggd_kernel_memory_budget_bytes"):
         assert absent not in s, absent
+
+
+def test_every_family_is_in_the_docs_with_its_type():
+    """docs/observability.md lists each family declared in aggd.metrics.families, with its type."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`aggd_"):
+            for name in re.findall(r"`(aggd_[a-z0-9_]+)`", cells[0]):
+                rows[name] = cells[1]
+    for f in families.ALL:
+        shown = f.name + {"counter": "_total", "info": "_info", "gauge": ""}[f.kind]
+        assert shown in rows, f"{shown} is exported but not in docs/observability.md"
+        assert rows[shown].startswith("gauge" if f.kind == "info" else f.kind), (shown, rows[shown])
+    assert len({f.name for f in families.ALL}) == len(families.ALL)

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggd.metrics import collector as m
+from aggd.metrics import reader as m, server
 from aggd.dataplane import JobStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +175,7 @@ def exported_names() -> set[str]:
     """Every sample name the collector exports when every family has something to say."""
     j = m.JobInfo(1, "train", 2, 2, 16, 8, 0, ((0, 0, "sync"),))
     reader = types_reader(j)
-    text = generate_latest(m.registry_for(reader)).decode()
+    text = generate_latest(server.registry_for(reader)).decode()
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from aggd.dataplane.userspace import kernels
 from aggd.core.model import (NO_JOB, NUMPY_ARITHMETIC, AggregatorModel, JobConfig, np_accumulate, np_load,
                         np_narrow)
+from aggd.dataplane import DataPlaneError
 from aggd.dataplane.userspace.server import UserspaceAggregator
 from aggd_client.protocol import (HEADER_SIZE, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
                                   MsgType, NackCode, decode)
@@ -293,7 +294,7 @@ def test_strategies_over_udp(server, workers):
     assert hdr.flags == Flag.USERSPACE                      # a running sum, not a re-send
     workers[1].sendto(contribution(5, 1, [20], round=2), server.address)
     assert decode(workers[1].recvfrom(65536)[0])[1][0] == 30
-    with pytest.raises(ValueError):
+    with pytest.raises(DataPlaneError, match="1..4 entries"):
         server.set_strategy(5, [])
     # quorum with a 1 ms deadline: released by the next packet to the slot once it passed
     table.install(2, 3, parse("quorum:3:1ms"))

@@ -778,11 +778,12 @@ class P4DataPlane(DataPlane):
         return rounds_by_member((read(L.REG_BANK_ROUND, i), read(L.REG_BANK_BITMAP, i))
                                 for i in banks if read(L.REG_BANK_STATE, i))
 
-    def open_slots(self, base: int, count: int) -> int | None:
-        """Slots of ``[base, base + count)`` with an open bank (BMv2; None on Tofino, whose banks
-        keep only a round and a released flag)."""
+    def open_slots(self, job: int) -> int | None:
+        """The job's slots with an open bank (BMv2; None on Tofino, whose banks keep only a round
+        and a released flag)."""
         if self.target == "tofino":
             return None
+        base, count = self.allocation(job)
         return sum(any(self.registers.read(L.REG_BANK_STATE, L.bank_index(s, b)) == L.BANK_OPEN
                        for b in range(L.BANKS)) for s in range(base, base + count))
 

@@ -34,9 +34,10 @@ from aggd.dataplane.userspace import fastpath
 from aggd.dataplane.userspace import kernels
 
 from aggd.dataplane.userspace import msend
-from aggd.dataplane import rounds_by_member
-from aggd.core.model import NO_JOB, Addr, AggregatorModel, JobConfig, Verdict
+from aggd.dataplane import DataPlane, DataPlaneError, JobStats, rounds_by_member
+from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict
 from aggd.core.strategy import TableEntry
+from aggd_client.protocol import Counter
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,12 @@ def _udp_socket(bind: Addr) -> socket.socket:
     return sock
 
 
-class UserspaceAggregator:
+class UserspaceAggregator(DataPlane):
     """``bind``: the main address (``address``); ``extra_binds``: more addresses served alike.
-    ``handlers``: message type -> Handler, for types the model does not serve."""
+    ``handlers``: message type -> Handler, for types the model does not serve.
+
+    As a :class:`DataPlane` it holds all of a job's slots: it serves whatever reaches it, the
+    chunks beyond the kernel's (or the switch's) slots and the packets of another size."""
 
     def __init__(self, bind: Addr = ("127.0.0.1", 0), elements: int = DEFAULT_ELEMENTS, *,
                  extra_binds: tuple[Addr, ...] = (), handlers: dict[int, Handler] | None = None) -> None:
@@ -137,15 +141,36 @@ class UserspaceAggregator:
             if fastpath.HEADER_SIZE + 4 * elements <= self._batch.rec:  # its results fit a record
                 self._fast.add_job(model, cfg.job)
 
-    def remove_job(self, job: int) -> None:
+    def install_job(self, cfg) -> None:
+        """The DataPlane form of ``add_job``: replaces the job if it is there (``kernel_slots`` is
+        the kernel's business: this path holds every slot of the job)."""
         with self._lock:
-            model = self._route.pop(job, self.model)
-            model.remove_job(job)
-            self._fast.remove_job(job)
+            self.remove_job(cfg.job)
+            self.add_job(JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
+                                   members=dict(cfg.members), group=cfg.group,
+                                   elements=getattr(cfg, "elements", None)))
+
+    def remove_job(self, job: int) -> None:
+        """Remove a job; nothing happens for one that is not here."""
+        with self._lock:
+            model = self._route.pop(job, None)
+            if model is not None:
+                model.remove_job(job)
+                self._fast.remove_job(job)
 
     def has_job(self, job: int) -> bool:
         with self._lock:
             return job in self._route
+
+    def active_jobs(self) -> list[int]:
+        with self._lock:
+            return sorted(self._route)
+
+    def allocation(self, job: int) -> tuple[int, int]:
+        """(0, slots): each job has its own slot array here."""
+        with self._lock:
+            model = self._route.get(job)
+            return (0, model.jobs[job].cfg.slots) if model is not None else (0, 0)
 
     def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
         with self._lock:
@@ -154,18 +179,52 @@ class UserspaceAggregator:
 
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
         """Install a job's strategy table: exactly these rows (``StrategyTable.table_entries()``), as
-        the kernel stores them. ValueError, and the job left as it was, for rows no data plane holds."""
+        the kernel stores them. DataPlaneError, and the job left as it was, for rows no data plane
+        holds."""
         with self._lock:
-            self._route[job].set_strategy(job, entries)
+            try:
+                self._route[job].set_strategy(job, entries)
+            except (ValueError, NotImplementedError) as exc:
+                raise DataPlaneError(str(exc)) from None
             self._fast.refresh(job)
 
     def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
         """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
         with self._lock:
+            if job not in self._route:
+                return None, {}
             self._fast.sync(job)
             state = self._route[job].jobs[job]
             return rounds_by_member((bank.key[0], bank.bitmap) for slot in state.slots for bank in slot.banks
-                                    if bank.state != 0)  # EMPTY
+                                    if bank.state != BankState.EMPTY)
+
+    def job_stats(self, job: int | None) -> JobStats:
+        if job is None:
+            return JobStats({}, {d.name.lower(): int(v) for d, v in zip(DropReason, self.drops(NO_JOB))})
+        with self._lock:
+            if job not in self._route:
+                return JobStats({}, {})
+            return JobStats({c.name.lower(): int(v) for c, v in zip(Counter, self.counters(job))},
+                            {d.name.lower(): int(v) for d, v in zip(DropReason, self.drops(job))})
+
+    def open_slots(self, job: int) -> int | None:
+        with self._lock:
+            if job not in self._route:
+                return None
+            self._fast.sync(job)
+            state = self._route[job].jobs[job]
+            return sum(any(b.state == BankState.OPEN for b in s.banks) for s in state.slots)
+
+    @property
+    def attached(self) -> bool:
+        """Whether the serving thread runs."""
+        return self.is_alive()
+
+    def describe(self) -> dict:
+        return {"alive": self.is_alive(), "errors": self.errors, "send_errors": self.send_errors}
+
+    def max_round(self, job: int) -> int | None:
+        return self.job_rounds(job)[0] if self.has_job(job) else None
 
     def counters(self, job: int) -> np.ndarray:
         """uint64[len(Counter)] of ``job``."""

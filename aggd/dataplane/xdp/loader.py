@@ -321,7 +321,8 @@ class XdpDataPlane(DataPlane):
                                 for bank in self.slots[ctypes.c_uint32(i)].bank
                                 if bank.state != 0)  # BANK_EMPTY
 
-    def open_slots(self, base: int, count: int) -> int:
+    def open_slots(self, job: int) -> int:
+        base, count = self.allocation(job)
         return sum(any(b.state == 1 for b in self.slots[ctypes.c_uint32(i)].bank)  # BANK_OPEN
                    for i in range(base, base + count))
 
