@@ -498,7 +498,7 @@ class Service:
 
         def install(version: int, first: int) -> None:
             saved = list(j.strategies)
-            _, table = self.registry.set_strategy(j.id, strategy, first)
+            _, table = self.registry.set_strategy(j.id, parsed, first)
             try:
                 self._install_strategies(j, table)
             except BaseException:
