@@ -29,7 +29,7 @@ p4:
 
 # The committed P4Info files, from the programs' declarations (no compiler needed).
 p4info: setup
-	$(PY) -m aggd.dataplane.p4.p4info --write
+	$(PY) -m aggd.dataplane.p4.p4info_gen --write
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -164,6 +164,17 @@ class JoinOutcome:
     changed: bool = False
 
 
+def _valid_strategy(strategy: str | strat.Strategy, world: int) -> strat.Strategy:
+    """``strategy`` parsed (unless it is a Strategy already) and checked for a job of ``world``;
+    RegistryError (bad_strategy) saying why not."""
+    try:
+        parsed = strat.parse(strategy) if isinstance(strategy, str) else strategy
+        return parsed.validate(world)
+    except strat.StrategyError as exc:
+        shown = strategy if isinstance(strategy, str) else str(strategy)
+        raise RegistryError(f"bad strategy {shown!r}: {exc}", "bad_strategy") from None
+
+
 class Registry:
     def __init__(self, limits: Limits, *, token_factory: Callable[[], str] = lambda: secrets.token_hex(16)):
         self.limits = limits
@@ -233,10 +244,7 @@ class Registry:
             raise RegistryError(f"elements must be 1..{MAX_ELEMENTS}, not {elements!r}", "bad_request")
         if kernel_slots is not None and (not isinstance(kernel_slots, int) or kernel_slots < 0):
             raise RegistryError(f"kernel_slots must be 0 or more, not {kernel_slots!r}", "bad_request")
-        try:
-            parsed = strat.parse(strategy).validate(world)
-        except strat.StrategyError as exc:
-            raise RegistryError(f"bad strategy {strategy!r}: {exc}", "bad_strategy") from None
+        parsed = _valid_strategy(strategy, world)
         free_ids = [i for i in range(1, MAX_JOBS) if i not in self.jobs] + ([0] if 0 not in self.jobs else [])
         if not free_ids:
             raise RegistryError(f"all {MAX_JOBS} job ids are in use", "full")
@@ -295,15 +303,13 @@ class Registry:
         return job
 
     # -- strategies --------------------------------------------------------------------------------
-    def set_strategy(self, ref: str | int, text: str, from_round: int) -> tuple[Job, strat.StrategyTable]:
-        """Record a new strategy version that governs rounds from ``from_round`` on. Returns the job
-        and its table (whose ``table_entries()`` the data planes install). Nothing changes if the
-        strategy or the round is refused."""
+    def set_strategy(self, ref: str | int, strategy: str | strat.Strategy,
+                     from_round: int) -> tuple[Job, strat.StrategyTable]:
+        """Record a new strategy version (text, or a Strategy its caller parsed already) that governs
+        rounds from ``from_round`` on. Returns the job and its table (whose ``table_entries()`` the
+        data planes install). Nothing changes if the strategy or the round is refused."""
         job = self.get(ref)
-        try:
-            parsed = strat.parse(text).validate(job.world)
-        except strat.StrategyError as exc:
-            raise RegistryError(f"bad strategy {text!r}: {exc}", "bad_strategy") from None
+        parsed = _valid_strategy(strategy, job.world)
         if not isinstance(from_round, int) or not 0 <= from_round < 1 << 32:
             raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
         version, first, _ = job.strategies[-1]

@@ -172,7 +172,8 @@ class Service:
     def _start_p4(self) -> None:
         """Connect to the switch (P4Runtime, and its registers), push the program if configured,
         write the switch-wide entries. Any failure is a ServiceError naming the address."""
-        from aggd.dataplane.p4.backend import P4INFO, TNA_P4INFO, P4DataPlane
+        from aggd.dataplane.p4.backend import P4DataPlane
+        from aggd.dataplane.p4.p4info import P4INFO, TNA_P4INFO
         cfg, p4 = self.config, self.config.p4
         tofino = p4.target == "tofino"
         reg_address = p4.registers or ("127.0.0.1:50052" if tofino else "127.0.0.1:9090")
@@ -494,7 +495,7 @@ class Service:
 
         def install(version: int, first: int) -> None:
             saved = list(j.strategies)
-            _, table = self.registry.set_strategy(j.id, strategy, first)
+            _, table = self.registry.set_strategy(j.id, parsed, first)
             try:
                 self._install_strategies(j, table)
             except BaseException:

@@ -22,8 +22,10 @@ import grpc
 import numpy as np
 
 from aggd.dataplane.p4 import layout as L
-from aggd.dataplane.p4.backend import P4Info, RegisterAccess, decode, multicast_mac
+from aggd.dataplane.p4.encoding import decode, multicast_mac
+from aggd.dataplane.p4.p4info import P4Info
 from aggd.dataplane.p4.proto import SERVICE, p4info_pb2, p4runtime_pb2 as p
+from aggd.dataplane.p4.registers import RegisterAccess
 from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
 from aggd_client import protocol as proto
 

@@ -17,7 +17,7 @@ def port_of(ip: str) -> int:
 
 @pytest.fixture(scope="session")
 def info():
-    from aggd.dataplane.p4.backend import P4Info
+    from aggd.dataplane.p4.p4info import P4Info
     return P4Info()
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from aggd.dataplane.p4.backend import P4INFO, P4DataPlane, P4Info
+from aggd.dataplane.p4.backend import P4DataPlane
+from aggd.dataplane.p4.p4info import P4INFO, P4Info
 from aggd.lab.namespaces import in_netns
 from aggd.core.model import AggregatorModel, JobConfig
 from aggd_client import protocol as proto

@@ -8,9 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd.dataplane.p4 import layout as L
-from aggd.dataplane.p4.backend import (P4DataPlane, P4Error, P4Info, encode, strategy_plan, strategy_segments)
+from aggd.dataplane.p4 import P4Error, layout as L
+from aggd.dataplane.p4.backend import P4DataPlane
+from aggd.dataplane.p4.encoding import encode
+from aggd.dataplane.p4.p4info import P4Info
 from aggd.dataplane.p4.proto import p4runtime_pb2 as p
+from aggd.dataplane.p4.swap_plan import strategy_plan, strategy_segments
 from aggd.core.model import TableEntry, governing
 from aggd.core.strategy import StrategyTable, parse, to_entry
 from aggd.testing.frames import AGG_IP, worker_addr
@@ -189,7 +192,7 @@ def test_refusals(p4dp, sim):
 def test_tofino_target(tmp_path):
     """The TNA program's control plane: same tables plus the rank bits, sync and quorum only,
     power-of-two slot counts, its own counters."""
-    from aggd.dataplane.p4.backend import TNA_P4INFO
+    from aggd.dataplane.p4.p4info import TNA_P4INFO
     info = P4Info(TNA_P4INFO)
     s = SimSwitch(info, HOSTS)
     dp = P4DataPlane(s.address, address=AGG_IP, hosts=HOSTS, registers=s.registers, target="tofino",

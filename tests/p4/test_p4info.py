@@ -8,9 +8,10 @@ import pytest
 from google.protobuf import text_format
 
 from aggd.dataplane.p4 import layout as L
-from aggd.dataplane.p4.backend import P4INFO, P4DataPlane, P4Info
+from aggd.dataplane.p4 import p4info_gen as gen
+from aggd.dataplane.p4.backend import P4DataPlane
+from aggd.dataplane.p4.p4info import P4INFO, P4Info
 from aggd.dataplane.p4.proto import p4info_pb2
-from aggd.dataplane.p4 import p4info as gen
 from aggd_client import protocol as proto
 
 P4_DIR = Path(L.__file__).resolve().parent / "programs"
@@ -79,7 +80,7 @@ def test_ids_are_p4cs():
 @pytest.mark.parametrize("path,target", list(gen.FILES.items()), ids=list(gen.FILES.values()))
 def test_the_committed_p4info_describes_the_program(path, target):
     """The committed P4Info (hand-kept, or p4c's after `make p4`) has every object of the program's
-    description in aggd/dataplane/p4/p4info.py, with the same id, fields, widths and sizes."""
+    description in aggd/dataplane/p4/p4info_gen.py, with the same id, fields, widths and sizes."""
     committed = text_format.Parse(path.read_text(), p4info_pb2.P4Info())
     wanted = gen.build(target)
     for kind in ("tables", "actions", "registers", "counters"):
@@ -92,7 +93,7 @@ def test_the_committed_p4info_describes_the_program(path, target):
                 if f in {d.name for d in o.DESCRIPTOR.fields}:
                     assert getattr(got, f) == getattr(o, f), (o.preamble.name, f)
     if path.read_text().startswith("# P4Info of aggd/dataplane/p4/programs/"):     # the hand-kept file (a compiler's has no header)
-        assert path.read_text() == gen.render(target), "run `python -m aggd.dataplane.p4.p4info --write` (or `make p4`)"
+        assert path.read_text() == gen.render(target), "run `python -m aggd.dataplane.p4.p4info_gen --write` (or `make p4`)"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ def hosts_of(lab) -> dict[str, tuple[str, int]]:
 
 @pytest.fixture
 def switch():
-    from aggd.dataplane.p4.backend import P4Info
+    from aggd.dataplane.p4.p4info import P4Info
     sim = SimSwitch(P4Info(), {})
     thrift = ThriftRegisterServer(sim.registers)
     yield sim, thrift
@@ -81,7 +81,7 @@ def test_daemon_drives_the_switch(make_lab, make_daemon, tmp_path):
     """As docs/p4.md sets up BMv2 in a lab: P4Runtime on a Unix socket, the Thrift register server
     in the switch's namespace (p4.registers_netns), the daemon's user-space path in the
     aggregator's (dataplane.netns)."""
-    from aggd.dataplane.p4.backend import P4Info
+    from aggd.dataplane.p4.p4info import P4Info
     lab = make_lab(2)
     hosts = hosts_of(lab)
     sim = SimSwitch(P4Info(), {})
@@ -202,7 +202,7 @@ def test_tofino_target(make_lab, make_daemon):
     wbsp and slot counts that are not powers of two are refused by aggctl with the reason, and
     nothing changes; counters the TNA program does not keep are absent. Without bfrt_grpc the
     daemon does not start, saying so."""
-    from aggd.dataplane.p4.backend import TNA_P4INFO, P4Info
+    from aggd.dataplane.p4.p4info import TNA_P4INFO, P4Info
     sim = SimSwitch(P4Info(TNA_P4INFO), {})
     lab = make_lab(1)
     hosts = hosts_of(lab)

@@ -158,6 +158,21 @@ def test_strategy_versions():
     assert [v for v, _, _ in job.strategies] == [2, 3, 4, 5]  # the ring keeps the last 4
 
 
+def test_set_strategy_takes_a_parsed_strategy():
+    """The daemon parses the operator's text once and hands the Strategy on; a refused one is
+    named by its text form."""
+    from aggd.core.strategy import parse
+
+    r = registry()
+    r.create("a", 4)
+    job, _ = r.set_strategy("a", parse("quorum:3:20ms"), 10)
+    assert job.strategy_version == 1 and str(job.strategy) == "quorum:3:20ms"
+    with pytest.raises(RegistryError) as info:
+        r.set_strategy("a", parse("quorum:5"), 20)  # k beyond world
+    assert info.value.kind == "bad_strategy" and "bad strategy 'quorum:5:50ms': quorum k=5" in str(info.value)
+    assert job.strategy_version == 1
+
+
 def test_state_round_trip():
     r = registry()
     r.create("a", 2, slots=8, strategy="ssp:1")

@@ -44,7 +44,9 @@ def _check_p4(path: str, cfg, as_json: bool) -> None:
     uses, the packet size) and the files the daemon will read."""
     from pathlib import Path
 
-    from aggd.dataplane.p4.backend import P4INFO, TNA_P4INFO, P4DataPlane, P4Error, P4Info
+    from aggd.dataplane.p4 import P4Error
+    from aggd.dataplane.p4.backend import P4DataPlane
+    from aggd.dataplane.p4.p4info import P4INFO, TNA_P4INFO, P4Info
 
     p4 = cfg.p4
     info_path = p4.p4info or str(TNA_P4INFO if p4.target == "tofino" else P4INFO)

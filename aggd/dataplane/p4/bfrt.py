@@ -12,7 +12,8 @@ with the value in the data field "<P4 name>.f1" (registers, one value per pipe) 
 """
 from __future__ import annotations
 
-from aggd.dataplane.p4.backend import P4Error, RegisterAccess
+from aggd.dataplane.p4 import P4Error
+from aggd.dataplane.p4.registers import RegisterAccess
 
 
 class BfrtRegisters(RegisterAccess):

@@ -79,5 +79,5 @@ p4info_pb2 = _mods["p4.config.v1.p4info_pb2"]
 p4data_pb2 = _mods["p4.v1.p4data_pb2"]
 p4runtime_pb2 = _mods["p4.v1.p4runtime_pb2"]
 
-#: gRPC method paths of the P4Runtime service (the stubs are built from these in aggd.dataplane.p4.backend).
+#: gRPC method paths of the P4Runtime service (the stubs are built from these in aggd.dataplane.p4.runtime).
 SERVICE = "p4.v1.P4Runtime"

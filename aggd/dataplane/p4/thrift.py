@@ -6,7 +6,8 @@ BMv2 does not expose registers over P4Runtime; its Thrift server (``simple_switc
 """
 from __future__ import annotations
 
-from aggd.dataplane.p4.backend import P4Error, RegisterAccess
+from aggd.dataplane.p4 import P4Error
+from aggd.dataplane.p4.registers import RegisterAccess
 
 _U64 = (1 << 64) - 1
 

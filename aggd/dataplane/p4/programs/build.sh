@@ -4,7 +4,7 @@
 #   p4c-bm2-ss (p4c, BMv2)  -> aggd/dataplane/p4/programs/v1model/build/aggd.json   (p4.device_config for BMv2)
 #   bf-p4c (Tofino SDE)     -> aggd/dataplane/p4/programs/tna/build/                 (bf_switchd's conf, tofino.bin)
 # With neither compiler it explains where they come from and fails: nothing is compiled. (The
-# committed P4Info files are kept without a compiler by `make p4info`: aggd/dataplane/p4/p4info.py.)
+# committed P4Info files are kept without a compiler by `make p4info`: aggd/dataplane/p4/p4info_gen.py.)
 #   P4FLAGS="-DAGGD_ELEMENTS=128 -DAGGD_SLOTS=4096" make p4     # other sizes (docs/p4.md)
 set -euo pipefail
 cd "$(dirname "$0")/../../../.."
@@ -42,7 +42,7 @@ if [ "$compiled" -eq 0 ]; then
           PyPI: build them from source, or use the p4lang/p4c and p4lang/behavioral-model images.
   Tofino: bf-p4c from Intel's Tofino SDE (source the SDE's set_sde.bash first).
 Then run `make p4` again; docs/p4.md has the steps. The committed P4Info files do not need a
-compiler: `make p4info` rewrites them from the programs' declarations (aggd/dataplane/p4/p4info.py).
+compiler: `make p4info` rewrites them from the programs' declarations (aggd/dataplane/p4/p4info_gen.py).
 MSG
   exit 1
 fi
