@@ -30,7 +30,9 @@ class Strategy:
 
     def __str__(self) -> str:
         if self.kind == StrategyKind.QUORUM:
-            return f"quorum:{self.k}:{self.timeout_us // 1000}ms"
+            # exact, so the registry's saved text parses back to the same deadline
+            t = self.timeout_us
+            return f"quorum:{self.k}:{t // 1000}ms" if t % 1000 == 0 else f"quorum:{self.k}:{t}us"
         if self.kind == StrategyKind.SSP:
             return f"ssp:{self.staleness}"
         return self.kind.name.lower()

@@ -187,3 +187,12 @@ def test_state_round_trip():
     assert back.get("b").kernel_base == 8 or back.get("b").kernel_slots == 0
     with pytest.raises(RegistryError):
         back.load_json({"version": 99, "jobs": []})
+
+
+@pytest.mark.parametrize("text", ["sync", "async", "wbsp", "ssp:2", "quorum:3:20ms", "quorum:3:500us",
+                                  "quorum:2:1500us", "quorum:1:2s"])
+def test_strategy_text_round_trips_exactly(text):
+    """The registry saves strategies as text: what it reads back is the same strategy."""
+    from aggd.core.strategy import parse
+
+    assert parse(str(parse(text))) == parse(text)
