@@ -354,14 +354,14 @@ class UserspaceAggregator(DataPlane):
         while not self._stopping.is_set():
             self.serve_once(0.05)
 
-    def stop(self) -> None:
+    def _stop_serving(self) -> None:
         if self._thread is not None:
             self._stopping.set()
             self._thread.join()
             self._thread = None
 
     def close(self) -> None:
-        self.stop()
+        self._stop_serving()
         for s in self._socks:
             s.close()
 
