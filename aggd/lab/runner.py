@@ -3,20 +3,18 @@ the worker namespaces. Shared by the netns tests, ``aggctl bench`` and ``aggctl 
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
+import signal
 import sys
-import threading
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from aggd_client import protocol as proto
 
-from aggd.lab.childlines import PipeLines, wait_all
 from aggd.dataplane.xdp.loader import XdpDataPlane
 from aggd.lab.namespaces import Lab
+from aggd.lab.processes import LabProcesses, WorkerRun  # noqa: F401 (WorkerRun: run_workers' runs)
 
 WORKER_PORT = 40000
 
@@ -59,14 +57,6 @@ def xdp_aggregator(lab: Lab, *, elements: int = proto.DEFAULT_ELEMENTS, mode: st
         dp.close()
 
 
-@dataclass
-class WorkerRun:
-    rank: int
-    returncode: int
-    records: list[dict] = field(default_factory=list)
-    stderr: str = ""
-
-
 def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = proto.DEFAULT_ELEMENTS,
                 gso: bool = True, extra: list[str] = (), server_port: int = proto.DEFAULT_PORT,
                 on_record: Callable[[int, dict], None] | None = None,
@@ -74,43 +64,18 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
     """Start one ``aggd.lab.worker`` per member, wait for all, return their records.
 
     ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
-    procs = []
-    for rank, w in enumerate(job.workers):
-        if job.token is not None:
-            who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]
-        else:
-            who = ["--job", str(job.job), "--world", str(job.world), "--group", f"{job.group[0]}:{job.group[1]}",
-                   "--elements", str(elements), "--slots", str(job.slots)]
-        argv = [sys.executable, "-m", "aggd.lab.worker", "--server", f"{lab.agg_ip}:{server_port}",
+    with LabProcesses(lab, f"lab workers of job {job.job}", on_record=on_record, env=env) as workers:
+        for rank, w in enumerate(job.workers):
+            if job.token is not None:
+                who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]
+            else:
+                who = ["--job", str(job.job), "--world", str(job.world), "--group", f"{job.group[0]}:{job.group[1]}",
+                       "--elements", str(elements), "--slots", str(job.slots)]
+            workers.start(lab.worker_ns(w), [
+                sys.executable, "-m", "aggd.lab.worker", "--server", f"{lab.agg_ip}:{server_port}",
                 "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who,
-                *([] if gso else ["--no-gso"]), *extra]
-        procs.append(lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env))
-    runs = [WorkerRun(rank, -1) for rank in range(len(procs))]
-
-    def records_of(rank: int) -> Callable[[str], None]:
-        def on_line(line: str) -> None:
-            if line.startswith("{"):
-                rec = json.loads(line)
-                runs[rank].records.append(rec)
-                if on_record:
-                    on_record(rank, rec)
-        return on_line
-
-    lock = threading.Lock()
-    readers = [(PipeLines(p.stdout, records_of(rank), lock=lock, keep=0), PipeLines(p.stderr))
-               for rank, p in enumerate(procs)]
-    try:
-        codes = wait_all(procs, time.monotonic() + timeout, f"lab workers of job {job.job} ({timeout:.0f} s)")
-        for run, code, (out, err) in zip(runs, codes, readers):
-            out.join(10)
-            run.returncode, run.stderr = code, err.text(10)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return runs
+                *([] if gso else ["--no-gso"]), *extra])
+        return workers.wait(timeout)
 
 
 class StrategyRun:
@@ -125,18 +90,15 @@ class StrategyRun:
         self.lab, self.job, self.obs_w = lab, job, observer_worker
         self.args = dict(steps=steps, delay=delay, slow=slow or {}, jitter=jitter, slow_steps=slow_steps,
                          give_up_after=give_up_after, sizes=sizes)
-        self.procs: list[subprocess.Popen] = []
-        self.outs: list[tuple[PipeLines, PipeLines]] = []
-        self.observer: subprocess.Popen | None = None
+        self.workers = LabProcesses(lab, f"strategy workers of job {job.job}")
+        self.observer = LabProcesses(lab, f"observer of job {job.job}")
 
     def start(self) -> "StrategyRun":
         lab, job, a = self.lab, self.job, self.args
-        self.observer = lab.run(lab.worker_ns(self.obs_w), [
+        self.observer.start(lab.worker_ns(self.obs_w), [
             sys.executable, "-m", "aggd.lab.strategy_worker", "observer", "--group", f"{job.group[0]}:{job.group[1]}",
-            "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert json.loads(self.observer.stdout.readline()).get("ready")
-        self.observed = (PipeLines(self.observer.stdout), PipeLines(self.observer.stderr))
+            "--iface-ip", lab.worker_ip(self.obs_w), "--job", str(job.job)])
+        assert self.observer.first_record(0).get("ready")
         for rank, w in enumerate(job.workers):
             argv = [sys.executable, "-m", "aggd.lab.strategy_worker", "worker",
                     "--server", f"{lab.agg_ip}:{proto.DEFAULT_PORT}", "--group", f"{job.group[0]}:{job.group[1]}",
@@ -148,32 +110,23 @@ class StrategyRun:
                 argv += ["--slow-steps", a["slow_steps"]]
             if a["sizes"]:
                 argv += ["--sizes", a["sizes"]]
-            p = lab.run(lab.worker_ns(w), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            self.procs.append(p)
-            self.outs.append((PipeLines(p.stdout), PipeLines(p.stderr)))
+            self.workers.start(lab.worker_ns(w), argv)
         return self
 
     def running(self) -> bool:
-        return any(p.poll() is None for p in self.procs)
+        return self.workers.running()
 
     def finish(self, timeout: float = 300) -> tuple[dict[int, list[dict]], list[dict], dict[int, str]]:
         records, errors = {}, {}
-        deadline = time.monotonic() + timeout
         try:
-            codes = wait_all(self.procs, deadline, f"strategy workers of job {self.job.job} ({timeout:.0f} s)")
-            for rank, code in enumerate(codes):
-                out, err = self.outs[rank]
-                records[rank] = [json.loads(x) for x in out.join(10) if x.startswith("{")]
-                if code != 0:
-                    errors[rank] = err.text(10)[-3000:]
+            for run in self.workers.wait(timeout):
+                records[run.rank] = run.records
+                if run.returncode != 0:
+                    errors[run.rank] = run.stderr[-3000:]
             time.sleep(0.3)  # let the last releases reach the observer
         finally:
-            for p in self.procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            self.observer.terminate()
-            self.observer.wait(timeout=10)
-        out = self.observed[0].join(10)
-        releases = [json.loads(x) for x in out if x.startswith("{") and "round" in x]
+            self.workers.kill()
+            self.observer.kill(signal.SIGTERM, timeout=10)
+        observed = self.observer.wait(10)[0].records
+        releases = [r for r in observed if "round" in r]
         return records, releases, errors

@@ -189,80 +189,73 @@ def main(argv=None) -> int:
     with client:
         if args.prime:
             _prime(client, args.dtypes.split(",")[0], args.elements)
-        if args.interleave:
-            return _interleaved(client, args)
-        for dtype in args.dtypes.split(","):
-            for size in (int(s) for s in args.sizes.split(",")):
-                out = x = buf = None
-                for i in range(args.warmup + args.rounds):
-                    out = None  # the previous result is not held through this round
-                    if x is None or not args.reuse:
-                        x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
-                    if args.gloo is not None:
-                        client.load(x)  # gloo reduces in place
-                    elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
-                        # the caller's result buffer, made before the memory baseline as gloo's is
-                        buf = np.ones_like(x)
-                    if i == 0:
-                        reset_peak_rss()
-                        held, held_files = rss(), mapped_file_rss()
-                    if i == args.warmup:
-                        host0 = hostcpu.snapshot()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    if args.reuse and args.gloo is None:
-                        # one result buffer for every round, as gloo reduces into one buffer
-                        out = client.allreduce(x, out=buf)
-                    else:
-                        out = client.allreduce(x)
-                    seconds = time.perf_counter() - t0
-                    cpu = time.process_time() - c0
-                    # library code paged in on a path's first use is shared, not this tensor's
-                    files = mapped_file_rss() - held_files
-                    extra = peak_rss() - held - files
-                    if i < args.warmup:
-                        continue
-                    last = i == args.warmup + args.rounds - 1
-                    host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
-                    rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
-                           "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
-                           "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
-                    if isinstance(client, AggClient):
-                        rec.update(retransmits=client.stats["retransmits"],
-                                   packets_sent=client.stats["packets_sent"],
-                                   retransmit_timeout=client.retransmit_timeout, window=client.window)
-                    if host is not None:
-                        rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
-                    if args.digest:
-                        rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
-                    if args.check == "all" or (args.check == "last" and last):
-                        ref = 0 if args.reuse else i
-                        rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
-                                         args.pattern, float_sum=args.gloo is not None))
-                        if not rec["within_bound"] or not rec["shape_ok"]:
-                            status = 1
-                    print(json.dumps(rec), flush=True)
-    return status
-
-
-def _interleaved(client, args) -> int:
-    """Every round reduces each size in turn, as DDP reduces its buckets each step: chunks of the
-    larger tensors sit out the smaller ones' rounds. Every result is checked."""
-    status = 0
-    sizes = [int(s) for s in args.sizes.split(",")]
-    for dtype in args.dtypes.split(","):
-        for i in range(args.rounds):
-            for size in sizes:
-                x = tensor(args.seed, args.rank, size, dtype, i, args.pattern, args.elements)
-                t0 = time.perf_counter()
-                out = client.allreduce(x)
+        for dtype, steps in _blocks(args):
+            out = x = buf = host0 = None
+            for n, (size, i) in enumerate(steps):
+                out = None  # the previous result is not held through this round
+                if x is None or not args.reuse or x.shape != (size,):
+                    x = tensor(args.seed, args.rank, size, dtype, 0 if args.reuse else i, args.pattern,
+                               args.elements)
+                if args.gloo is not None:
+                    client.load(x)  # gloo reduces in place
+                elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
+                    # the caller's result buffer, made before the memory baseline as gloo's is
+                    buf = np.ones_like(x)
+                if n == 0:
+                    reset_peak_rss()
+                    held, held_files = rss(), mapped_file_rss()
+                if i == args.warmup and host0 is None:
+                    host0 = hostcpu.snapshot()
+                t0, c0 = time.perf_counter(), time.process_time()
+                if args.reuse and args.gloo is None:
+                    # one result buffer for every round, as gloo reduces into one buffer
+                    out = client.allreduce(x, out=buf)
+                else:
+                    out = client.allreduce(x)
+                seconds = time.perf_counter() - t0
+                cpu = time.process_time() - c0
+                # library code paged in on a path's first use is shared, not this tensor's
+                files = mapped_file_rss() - held_files
+                extra = peak_rss() - held - files
+                if i < args.warmup:
+                    continue
+                last = n == len(steps) - 1
+                host = hostcpu.between(host0, hostcpu.snapshot()) if last else None
                 rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
-                       "seconds": time.perf_counter() - t0,
-                       "shape_ok": out.shape == x.shape and out.dtype == x.dtype}
-                rec.update(check(out, args.seed, args.world, size, dtype, i, args.elements, args.pattern))
-                if not rec["within_bound"] or not rec["shape_ok"]:
-                    status = 1
+                       "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
+                       "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
+                if isinstance(client, AggClient):
+                    rec.update(retransmits=client.stats["retransmits"],
+                               packets_sent=client.stats["packets_sent"],
+                               retransmit_timeout=client.retransmit_timeout, window=client.window)
+                if host is not None:
+                    rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
+                if args.digest:
+                    rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
+                if args.check == "all" or (args.check == "last" and last):
+                    ref = 0 if args.reuse else i
+                    rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
+                                     args.pattern, float_sum=args.gloo is not None))
+                    if not rec["within_bound"] or not rec["shape_ok"]:
+                        status = 1
                 print(json.dumps(rec), flush=True)
     return status
+
+
+def _blocks(args):
+    """The allreduces to run, as (dtype, [(size, round), ...]) blocks: one block per dtype and size,
+    its rounds in turn; with ``--interleave`` one block per dtype in which every round reduces each
+    size in turn, as DDP reduces its buckets each step (chunks of the larger tensors sit out the
+    smaller ones' rounds). Memory is measured from a block's first allreduce, host CPU over its
+    timed ones."""
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rounds = range(args.warmup + args.rounds)
+    for dtype in args.dtypes.split(","):
+        if args.interleave:
+            yield dtype, [(size, i) for i in rounds for size in sizes]
+        else:
+            for size in sizes:
+                yield dtype, [(size, i) for i in rounds]
 
 
 def _prime(client, dtype: str, elements: int) -> None:

@@ -2,34 +2,28 @@
 ``aggd.training.worker`` per worker namespace. Shared by ``aggctl bench stragglers``, ``aggctl demo``
 and the training tests.
 
-``LabDaemon`` is a real ``aggd`` process (its config written for the lab, XDP in native mode on
-``agg0``, maps pinned in a private bpffs folder, control socket in a temporary folder). ``run()``
-creates a job for one (strategy, scenario), starts the workers, collects their records and deletes
-the job, so one daemon serves a whole benchmark. The ``dynamic`` strategy is a ``sync`` job whose
+``lab_daemon`` is the lab's ``aggd`` (``aggd.lab.daemon.LabDaemon``: XDP in native mode on
+``agg0``, maps pinned in a private bpffs folder, control socket in a temporary folder) with the
+straggler policy on. ``run()`` creates a job for one (strategy, scenario), starts the workers
+(``aggd.lab.processes``), collects their records and deletes the job, so one daemon serves a whole
+benchmark. The ``dynamic`` strategy is a ``sync`` job whose
 name the daemon's policy manages (``policy.jobs``); every other job is left alone.
 """
 from __future__ import annotations
 
-import json
 import os
 import secrets
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
-from aggd.lab.childlines import PipeLines
-from aggd.daemon.config import to_toml
-from aggd.daemon.control import ControlClient, ControlError
+from aggd.daemon.control import ControlError
+from aggd.lab.daemon import LabDaemon
 from aggd.lab.namespaces import Lab
+from aggd.lab.processes import LabProcesses
 
-#: The job names the daemon's policy manages in a LabDaemon (the dynamic runs).
+#: The job names the policy of a ``lab_daemon`` manages (the dynamic runs).
 DYNAMIC_PREFIX = "dyn"
 GLOO_PORT = 29500
 
@@ -107,76 +101,12 @@ class RunResult:
                 "workers": self.workers}
 
 
-class LabDaemon:
-    """An ``aggd`` for ``lab``: ``with LabDaemon(lab, policy={...}) as d: d.call("status")``."""
-
-    def __init__(self, lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info"):
-        self.lab = lab
-        self.workdir = Path(tempfile.mkdtemp(prefix="aggdtr-"))
-        self.pin_dir = f"/sys/fs/bpf/aggdtr-{secrets.token_hex(4)}"
-        self.socket = str(self.workdir / "control.sock")
-        self.log_path = self.workdir / "aggd.log"
-        self.config_path = self.workdir / "aggd.toml"
-        self.settings = {
-            "dataplane": {"interface": lab.agg_ifname, "netns": lab.agg_ns, "pin_dir": self.pin_dir,
-                          "kernel_memory": "8MiB"},
-            "jobs": {"default_slots": slots},
-            "control": {"socket": self.socket},
-            "state": {"dir": str(self.workdir / "state")},
-            "log": {"level": log_level},
-            "policy": {"auto_switch": True, "jobs": f"{DYNAMIC_PREFIX}*", **(policy or {})},
-        }
-        self.proc: subprocess.Popen | None = None
-
-    def _write_config(self) -> None:
-        self.config_path.write_text(to_toml(self.settings))
-
-    def start(self, timeout: float = 120.0) -> "LabDaemon":
-        self._write_config()
-        log = open(self.log_path, "ab")
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "aggd.daemon.main", "--config", str(self.config_path)],
-                                         stdout=log, stderr=subprocess.STDOUT)
-        finally:
-            log.close()
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"aggd exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                self.call("status")
-                return self
-            except ControlError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"aggd not answering after {timeout:.0f} s:\n{self.log()[-3000:]}")
-                time.sleep(0.1)
-
-    def call(self, cmd: str, **args):
-        return ControlClient(self.socket, timeout=10).call(cmd, **args)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        from aggd.dataplane.xdp.loader import remove_pinned
-        remove_pinned(self.pin_dir)
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> "LabDaemon":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+def lab_daemon(lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info") -> LabDaemon:
+    """The lab's aggd for training runs: its policy manages the jobs named ``DYNAMIC_PREFIX*``.
+    ``with lab_daemon(lab, policy={...}) as d: d.call("status")``."""
+    return LabDaemon(lab, prefix="aggdtr-", call_timeout=10, jobs={"default_slots": slots},
+                     log={"level": log_level},
+                     policy={"auto_switch": True, "jobs": f"{DYNAMIC_PREFIX}*", **(policy or {})})
 
 
 def strategy_text(strategy: str, world: int) -> str | None:
@@ -210,7 +140,20 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     text = strategy_text(strategy, world)
     job = None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.worker_ifname}
-    procs = []
+    summaries = {}
+
+    def on_line(rank: int, rec: dict) -> None:
+        if rec.get("summary"):
+            rec["_at"] = time.monotonic()
+            summaries[rank] = rec
+        if on_record:
+            on_record(rank, rec)
+
+    def rank0_done() -> bool:
+        """Rank 0 has reported its summary and the others have had 10 s to drain."""
+        return 0 in summaries and time.monotonic() > summaries[0]["_at"] + 10
+
+    workers = LabProcesses(lab, "training workers", on_record=on_line, env=env, stderr_lines=400)
     try:
         if strategy == "gloo":
             init = f"tcp://{lab.worker_ip(0)}:{GLOO_PORT}"
@@ -227,18 +170,19 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                                   "--bind", f"{lab.worker_ip(rank)}:41000", "--job", job["name"],
                                   "--token", job["token"]]
         for rank in range(world):
-            argv = worker_argv(params, rank, scenario, straggler) + extra(rank)
-            procs.append(lab.run(lab.worker_ns(rank), argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 env=env))
-        records, summaries, errors = _collect(procs, params.timeout_s, on_record)
+            workers.start(lab.worker_ns(rank), worker_argv(params, rank, scenario, straggler) + extra(rank))
+        # every worker done, or rank 0 done and the others given their time
+        runs = workers.wait(params.timeout_s, until=rank0_done)
+        errors = {r.rank: r.stderr[-20000:] for r in runs}
+        for r in runs:
+            if r.returncode not in (0, None) and r.rank not in summaries:
+                raise RuntimeError(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-3000:]}")
+        records = {r.rank: [x for x in r.records if not x.get("summary")] for r in runs}
         decisions = []
         if job is not None:
             decisions = (daemon.call("workers", job=job["name"]).get("policy") or {}).get("decisions", [])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        workers.kill()
         if job is not None:
             try:
                 daemon.call("jobs.delete", job=job["name"])
@@ -260,47 +204,3 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
                                              "drained")} for _, s in sorted(summaries.items())])
 
-
-def _collect(procs, timeout: float, on_record):
-    """The workers' lines as they come; returns (records, summaries, stderr) by rank once every
-    worker is done, or once rank 0 is done and the others have had 10 s to drain."""
-    records = {rank: [] for rank in range(len(procs))}
-    summaries = {}
-
-    def records_of(rank: int):
-        def on_line(line: str) -> None:
-            if not line.startswith("{"):
-                return
-            rec = json.loads(line)
-            if rec.get("summary"):
-                rec["_at"] = time.monotonic()
-                summaries[rank] = rec
-            else:
-                records[rank].append(rec)
-            if on_record:
-                on_record(rank, rec)
-        return on_line
-
-    lock = threading.Lock()
-    readers = [(PipeLines(p.stdout, records_of(rank), lock=lock, keep=0), PipeLines(p.stderr, keep=400))
-               for rank, p in enumerate(procs)]
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"training workers still running after {timeout:.0f} s")
-        with lock:
-            if 0 in summaries and time.monotonic() > summaries[0]["_at"] + 10:
-                break
-        time.sleep(0.2)
-    for p in procs:
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-    for out, _ in readers:
-        out.join(1)
-    errors = {rank: err.text(1)[-20000:] for rank, (_, err) in enumerate(readers)}
-    for rank, p in enumerate(procs):
-        if p.poll() not in (0, None) and rank not in summaries:
-            raise RuntimeError(f"worker {rank} failed ({p.returncode}):\n{errors[rank][-3000:]}")
-    return records, summaries, errors

@@ -1,21 +1,14 @@
-"""A real aggd daemon for the service tests: started as its own process (so it can be SIGKILLed),
-with the XDP data plane in a lab's aggregator namespace (``dataplane.netns``), its control socket,
-state and pinned maps in per-test places, and a NOTIFY_SOCKET the test reads.
+"""A real aggd daemon for the service tests: the lab's (``aggd.lab.daemon.LabDaemon``: its own
+process, so it can be SIGKILLed, with the XDP data plane in a lab's aggregator namespace, its
+control socket, state and pinned maps in per-test places) with a NOTIFY_SOCKET the test reads.
 
 Every daemon runs under ``setpriv`` with exactly the capability bounding set of
 ``systemd/aggd.service``, so every service test also checks that the unit's capabilities suffice.
 """
 from __future__ import annotations
 
-import os
 import re
-import secrets
-import shutil
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -24,8 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from aggd.cli.main import main as aggctl_main
-from aggd.daemon.config import to_toml
-from aggd.daemon.control import ControlClient
+from aggd.lab.daemon import LabDaemon
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "aggd.service"
@@ -74,84 +66,34 @@ class Notifications:
         self.sock.close()
 
 
-class Daemon:
-    """One aggd configuration in a lab; ``start()`` may be called again after a stop or a kill."""
+class Daemon(LabDaemon):
+    """The lab's aggd (``aggd.lab.daemon``) run as systemd runs it: under ``setpriv`` with the
+    unit's capabilities, ready when it says READY=1 on its NOTIFY_SOCKET (``notify``), and driven
+    by ``aggctl`` in-process."""
 
-    def __init__(self, lab, workdir: Path, **overrides):
-        self.lab = lab
-        self.workdir = workdir
-        self.tag = secrets.token_hex(4)
-        self.pin_dir = f"/sys/fs/bpf/aggdt-{self.tag}"
-        self.socket = str(workdir / "control.sock")
-        self.state_dir = workdir / "state"
-        self.config_path = workdir / "aggd.toml"
-        self.log_path = workdir / "aggd.log"
-        self.proc: subprocess.Popen | None = None
-        self.notify = Notifications(workdir / "notify.sock")
-        self.settings = {
-            "dataplane": {"interface": lab.agg_ifname, "netns": lab.agg_ns, "pin_dir": self.pin_dir,
-                          "kernel_memory": "8MiB"},
-            "jobs": {"default_slots": 16},
-            "control": {"socket": self.socket},
-            "state": {"dir": str(self.state_dir)},
-            "log": {"level": "info"},
-        }
-        self.configure(**overrides)
+    def __init__(self, lab, **overrides):
+        super().__init__(lab, prefix="aggdt-", **overrides)
+        self.notify = Notifications(self.workdir / "notify.sock")
+        self._mark = 0
 
-    def configure(self, **sections) -> None:
-        for section, values in sections.items():
-            self.settings.setdefault(section, {}).update(values)
-        self.config_path.write_text(to_toml(self.settings))
-
-    def start(self, *extra: str, wait: bool = True, env: dict | None = None) -> None:
+    def command(self, *extra: str) -> list[str]:
         caps = ",".join("+" + c.lower().removeprefix("cap_") for c in unit_capabilities())
-        argv = ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all",
-                sys.executable, "-m", "aggd.daemon.main", "--config", str(self.config_path), *extra]
+        return ["setpriv", f"--bounding-set=-all,{caps}", "--inh-caps=-all", *super().command(*extra)]
+
+    def start(self, *extra: str, wait: bool = True, env: dict | None = None) -> "Daemon":
         self._mark = len(self.notify.messages)
-        full_env = {**os.environ, "NOTIFY_SOCKET": str(self.notify.path), **(env or {})}
-        log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=full_env)
-        log.close()
-        if wait:
-            self.wait_ready()
+        return super().start(*extra, wait=wait, env={"NOTIFY_SOCKET": str(self.notify.path), **(env or {})})
 
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if any("READY=1" in m.split("\n") for m in self.notify.messages[self._mark:]):
-                return
-            if self.proc.poll() is not None:
-                raise AssertionError(f"aggd exited with {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.05)
-        raise AssertionError(f"aggd not ready after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text() if self.log_path.exists() else ""
-
-    def send(self, sig) -> None:
-        self.proc.send_signal(sig)
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc is None or self.proc.poll() is not None:
-            return self.proc.returncode if self.proc else 0
-        self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
-
-    def call(self, cmd: str, **args):
-        return ControlClient(self.socket).call(cmd, **args)
+    def ready(self) -> bool:
+        return any("READY=1" in m.split("\n") for m in self.notify.messages[self._mark:])
 
     def aggctl(self, *argv: str):
         """Run aggctl in-process against this daemon; returns click's Result."""
         return CliRunner().invoke(aggctl_main, ["--socket", self.socket, *argv])
 
     def close(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        super().close(grace=0)
         self.notify.close()
-        from aggd.dataplane.xdp.loader import remove_pinned
-        remove_pinned(self.pin_dir)
-        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -161,9 +103,7 @@ def make_daemon():
     daemons = []
 
     def make(lab, *, start: bool = True, **sections) -> Daemon:
-        # short paths: Unix socket names must stay under 108 bytes
-        workdir = Path(tempfile.mkdtemp(prefix="aggdt-"))
-        d = Daemon(lab, workdir, **sections)
+        d = Daemon(lab, **sections)
         daemons.append(d)
         if start:
             d.start()

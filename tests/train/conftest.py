@@ -6,14 +6,14 @@ import pytest
 
 @pytest.fixture
 def lab_daemon(make_lab):
-    """Factory ``lab_daemon(workers=4, **policy)`` -> (lab, a started LabDaemon); both torn down."""
-    from aggd.training.labtrain import LabDaemon
+    """Factory ``lab_daemon(workers=4, **policy)`` -> (lab, a started labtrain.lab_daemon); both torn down."""
+    from aggd.training import labtrain
 
     daemons = []
 
     def make(workers: int = 4, **policy):
         lab = make_lab(workers)
-        d = LabDaemon(lab, policy=policy)
+        d = labtrain.lab_daemon(lab, policy=policy)
         daemons.append(d)
         return lab, d.start()
 

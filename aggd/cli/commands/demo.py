@@ -121,7 +121,7 @@ def demo(workers, rounds, compute_ms, slow, target, no_baseline):
     """Train a model with N workers through aggd while one turns slow midway: the daemon switches
     strategy and back; then the same under sync, and the time to target accuracy of both."""
     from aggd.lab.namespaces import Lab
-    from aggd.training.labtrain import LabDaemon, RunParams, Scenario
+    from aggd.training.labtrain import RunParams, Scenario, lab_daemon
 
     if workers < 2:
         raise click.BadParameter("a straggler needs at least 2 workers", param_hint="--workers")
@@ -133,7 +133,7 @@ def demo(workers, rounds, compute_ms, slow, target, no_baseline):
                f"agg0 with its straggler policy on.\nEach worker trains a {64}-{params.hidden}-10 MLP on its "
                f"shard of scikit-learn's digits ({compute_ms:g} ms of compute a step); worker {workers - 1} "
                f"turns {slow:g}x slower for rounds {int(start * rounds)}..{int(end * rounds)}.\n")
-    with Lab(name, workers) as lab, LabDaemon(lab) as daemon:
+    with Lab(name, workers) as lab, lab_daemon(lab) as daemon:
         dyn = _train(lab, daemon, "dynamic", scenario, params,
                      "1) dynamic: the daemon picks the strategy from what it measures")
         for d in dyn.decisions:

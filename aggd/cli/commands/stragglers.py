@@ -47,7 +47,7 @@ def _names(text: str, known, what: str) -> list[str]:
 def stragglers(scenarios, strategies, workers, rounds, compute_ms, target, seed, out_dir, as_json):
     """Time to target accuracy of real training per strategy, with and without stragglers."""
     from aggd.lab.namespaces import Lab
-    from aggd.training.labtrain import SCENARIOS, STRATEGIES, LabDaemon, RunParams, run
+    from aggd.training.labtrain import SCENARIOS, STRATEGIES, RunParams, lab_daemon, run
 
     scen = _names(scenarios, SCENARIOS, "scenario")
     strats = _names(strategies, STRATEGIES, "strategy")
@@ -57,7 +57,7 @@ def stragglers(scenarios, strategies, workers, rounds, compute_ms, target, seed,
     results = []
     t_all = time.monotonic()
     say = (lambda *a, **k: click.echo(*a, err=True, **k)) if as_json else click.echo
-    with Lab("bs" + uuid.uuid4().hex[:6], workers) as lab, LabDaemon(lab) as daemon:
+    with Lab("bs" + uuid.uuid4().hex[:6], workers) as lab, lab_daemon(lab) as daemon:
         for sc in scen:
             for st in strats:
                 t = time.monotonic()
