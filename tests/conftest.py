@@ -28,3 +28,24 @@ def make_lab():
     finally:
         for lab in labs:
             lab.down()
+
+
+@pytest.fixture
+def lab_daemon(make_lab):
+    """Factory ``lab_daemon(workers=4, **policy)`` -> (lab, a started labtrain.lab_daemon: an aggd
+    for training runs); both torn down. Used by tests/train and tests/faults."""
+    from aggd.training import labtrain
+
+    daemons = []
+
+    def make(workers: int = 4, **policy):
+        lab = make_lab(workers)
+        d = labtrain.lab_daemon(lab, policy=policy)
+        daemons.append(d)
+        return lab, d.start()
+
+    try:
+        yield make
+    finally:
+        for d in daemons:
+            d.close()

@@ -85,7 +85,7 @@ struct bank {
  * read back from map memory are not tracked precisely), which keeps it far below its limits. */
 struct scratch {
 	__s32 ik, ifree, irel_old, itarget, irel_chunk, irel_chunk2, ihold;
-	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts;
+	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts, settled;
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released;

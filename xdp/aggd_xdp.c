@@ -234,7 +234,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
-	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = 0;
+	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = sc->settled = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
 	sc->rel_old_key = sc->target_key = sc->hold_key = ~0ULL;
@@ -244,11 +244,19 @@ int aggd_xdp(struct xdp_md *ctx)
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
-		if (b->state == BANK_OPEN && b->kind == AGGD_STRATEGY_KIND_QUORUM && !b->holding &&
-		    now - b->t_first >= (__u64)b->timeout_us * 1000) {
-			b->state = BANK_RELEASED; /* deadline passed: released without the stragglers */
-			b->unannounced = 1;
-			sc->timeouts++;
+		if (b->state == BANK_OPEN && !b->holding) {
+			if (b->kind == AGGD_STRATEGY_KIND_QUORUM) {
+				if (now - b->t_first >= (__u64)b->timeout_us * 1000) {
+					b->state = BANK_RELEASED; /* deadline passed: released without the stragglers */
+					b->unannounced = 1;
+					sc->timeouts++;
+				}
+			} else if ((b->bitmap & all) == all) {
+				/* it waited for a member declared gone since it opened, and has the others */
+				b->state = BANK_RELEASED;
+				b->unannounced = 1;
+				sc->settled++;
+			}
 		}
 		if (b->state == BANK_EMPTY) {
 			if (sc->ifree < 0)
@@ -358,7 +366,14 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 
 	__u32 mi = rank & (AGGD_MAX_MEMBERS - 1);
-	if (sc->late) {
+	if (sc->late && !(all & bit)) {
+		/* a member declared gone: answered with its chunk's newest result, never carried (its
+		 * own contribution to the round may be in already: a carry could exceed the world) */
+		if (sc->irel_chunk >= 0)
+			sc->out = sc->irel_chunk;
+		else
+			sc->reason = AGGD_DROP_REASON_STALE;
+	} else if (sc->late) {
 		__u32 kidx = chunk / cfg->n_slots;
 		int remembered = step == 0 && kidx < 64;
 		__u64 kbit = 1ULL << (kidx & 63);
@@ -536,7 +551,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		out_kind = r->kind;
 		out_param = r->param;
 	}
-	int timeouts = sc->timeouts, reason = sc->reason, add_carried = sc->add_carried;
+	int timeouts = sc->timeouts, settled = sc->settled, reason = sc->reason, add_carried = sc->add_carried;
 	int released = sc->released, partial = sc->partial;
 	int out_group = sc->out_group;
 	int was_late = sc->late;
@@ -558,6 +573,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		jst->counter[AGGD_COUNTER_TIMEOUTS] += timeouts;
 		jst->counter[AGGD_COUNTER_RELEASED] += timeouts;
 	}
+	if (settled)
+		jst->counter[AGGD_COUNTER_RELEASED] += settled;
 	if (reason >= 0)
 		return drop_in(jst, reason);
 	if (add >= 0) {

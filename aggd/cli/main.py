@@ -12,7 +12,7 @@ _COMMANDS = {
     "bench": ("aggd.cli.commands.bench", "bench"),
     "demo": ("aggd.cli.commands.demo", "demo"),
     "status": ("aggd.cli.commands.status", "status"),
-    "workers": ("aggd.cli.commands.status", "workers"),
+    "workers": ("aggd.cli.commands.workers", "workers"),
     "jobs": ("aggd.cli.commands.jobs", "jobs"),
     "strategy": ("aggd.cli.commands.strategy", "strategy"),
     "config": ("aggd.cli.commands.config", "config"),

@@ -274,16 +274,30 @@ class Bank:
         strategy deduplicates so; only wbsp clients send steps > 0."""
         return step >= STEPS or bool(self.steps[rank] >> step & 1)
 
-    def complete(self, world: int) -> bool:
-        """The release test of rule 1."""
+    def complete(self, awaited: int) -> bool:
+        """The release test of rule 1: a quorum of members, or every member a round waits for
+        (``awaited``: the job's members less those declared gone)."""
         if self.kind == StrategyKind.QUORUM:
             return self.bitmap.bit_count() >= self.param
-        return self.bitmap == (1 << world) - 1
+        return self.bitmap & awaited == awaited
+
+    def settled(self, awaited: int) -> bool:
+        """Rule 0: an open round that waits for members no longer awaited (declared gone after it
+        opened) and has every other one."""
+        return (self.state == BankState.OPEN and self.kind != StrategyKind.QUORUM and not self.holding
+                and self.bitmap & awaited == awaited)
 
     def expired(self, now: int) -> bool:
         """Rule 0: an open quorum bank past its deadline."""
         return (self.state == BankState.OPEN and self.kind == StrategyKind.QUORUM and not self.holding
                 and (now - self.t_first) % (1 << 64) >= self.timeout_us * 1000)
+
+
+def check_awaited(awaited: int, world: int) -> int:
+    """``awaited`` if it is a bitmap of some of ``world``'s ranks, at least one; ValueError if not."""
+    if not 0 < awaited < 1 << world:
+        raise ValueError(f"awaited members {awaited:#x} must be a non-empty bitmap of ranks 0..{world - 1}")
+    return awaited
 
 
 @dataclass
@@ -363,6 +377,8 @@ class JobState:
     slots: list[Slot]
     table: list[TableEntry]
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
+    #: The members a round waits for (set_awaited): every member unless some were declared gone.
+    awaited: int = 0
     #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
     pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
                                                              if n.upper() not in Counter.__members__})
@@ -440,7 +456,7 @@ class AggregatorModel:
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
         values = np.zeros((cfg.slots, BANKS, self.elements), np.int64)
         slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
-        self.jobs[cfg.job] = JobState(cfg, slots, table)
+        self.jobs[cfg.job] = JobState(cfg, slots, table, awaited=(1 << cfg.world) - 1)
         self._drops[cfg.job] = _zero_drops()
 
     def remove_job(self, job: int) -> None:
@@ -455,6 +471,13 @@ class AggregatorModel:
             cfg.members.pop(rank, None)
         else:
             cfg.members[rank] = _addr(addr)
+
+    def set_awaited(self, job: int, awaited: int) -> None:
+        """The members a round of ``job`` waits for (a bitmap of ranks): the job's world less the
+        members declared gone. A round already open that has all of them is released by rule 0 at
+        the next packet to its slot."""
+        state = self.jobs[job]
+        state.awaited = check_awaited(awaited, state.cfg.world)
 
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
         """Replace the job's strategy table with exactly these rows (what the data planes store;
@@ -534,6 +557,9 @@ class AggregatorModel:
                 job.count("timeouts")
                 bank.unannounced = True
                 self._release(job, bank, "timeout")
+            elif bank.settled(job.awaited):
+                bank.unannounced = True
+                self._release(job, bank, "complete")
         key = (hdr.round, hdr.chunk)
         bank, newest = slot.bank_of(key), slot.newest()
         if hdr.type == MsgType.REREAD:
@@ -601,7 +627,7 @@ class AggregatorModel:
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
             bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
-        if bank.complete(job.cfg.world):
+        if bank.complete(job.awaited):
             self._release(job, bank, "complete")
             return self._to_group(job, self._result(job, bank, hdr))
         if bank.kind == StrategyKind.ASYNC:
@@ -613,6 +639,11 @@ class AggregatorModel:
               src: Addr, now: int) -> Verdict:
         """Rule 4: carry a late contribution into the next round of its chunk, answer with the
         newest released result of that chunk. ``origin`` is K's released bank, if any."""
+        newest = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+        if not job.awaited >> hdr.rank & 1:    # declared gone: answered, never carried (its own
+            if newest is None:                 # contribution may be in the next round already)
+                return self._drop(job.cfg.job, DropReason.STALE)
+            return self._resend(job, newest, hdr, src)
         key = (hdr.round, hdr.chunk)
         k = hdr.chunk // job.cfg.slots
         remembered = hdr.step == 0 and k < 64         # what the slot's LateMemory can hold

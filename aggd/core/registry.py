@@ -83,6 +83,10 @@ class Job:
     strategies: list[tuple[int, int, str]] = field(default_factory=list)
     members: dict[int, Member] = field(default_factory=dict)
     created_at: float = 0.0
+    #: Members declared gone (silent, removed by hand, restarted): rank -> {"since": time,
+    #: "reason": why, "round": the job's round then (or the round it rejoined at)}. Rounds stop
+    #: waiting for them (``awaited``) until they keep pace again.
+    gone: dict[int, dict] = field(default_factory=dict)
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -92,6 +96,11 @@ class Job:
     @property
     def strategy(self) -> strat.Strategy:
         return strat.parse(self.strategies[-1][2])
+
+    @property
+    def awaited(self) -> int:
+        """The members a round waits for, as a bitmap of ranks: all but those declared gone."""
+        return ((1 << self.world) - 1) & ~sum(1 << r for r in self.gone)
 
     @property
     def strategy_version(self) -> int:
@@ -128,7 +137,8 @@ class Job:
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
              "members": {str(r): m.to_json() for r, m in sorted(self.members.items())},
-             "joined": len(self.members), "created_at": self.created_at}
+             "joined": len(self.members), "created_at": self.created_at,
+             "gone": {str(r): dict(g) for r, g in sorted(self.gone.items())}}
         if with_token:
             d["token"] = self.token
         return d
@@ -151,6 +161,8 @@ class Job:
                   strategies=[(int(v), int(r), str(t)) for v, r, t in d["strategies"]],
                   created_at=float(d.get("created_at", 0.0)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
+        job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"])}
+                    for r, g in d.get("gone", {}).items()}
         return job
 
 
@@ -162,6 +174,8 @@ class JoinOutcome:
     message: str
     job: Job | None = None
     changed: bool = False
+    #: the rank had joined before: a restarted worker (a live client never joins twice)
+    rejoined: bool = False
 
 
 def _valid_strategy(strategy: str | strat.Strategy, world: int) -> strat.Strategy:
@@ -295,7 +309,29 @@ class Registry:
         changed = old is None or old.address != address
         if changed:
             job.members[rank] = Member(rank, address, now)
-        return JoinOutcome(NackCode.NONE, "joined", job, changed)
+        return JoinOutcome(NackCode.NONE, "joined", job, changed, rejoined=old is not None)
+
+    def depart(self, ref: str | int, rank: int, reason: str, now: float = 0.0, at_round: int = 0) -> Job:
+        """Declare ``rank`` of a job gone at round ``at_round``: rounds stop waiting for it.
+        Refused for a rank outside the world, one gone already, or the last member awaited."""
+        job = self.get(ref)
+        if not isinstance(rank, int) or not 0 <= rank < job.world:
+            raise RegistryError(f"rank {rank!r} is not a member of job {job.name!r} (ranks 0..{job.world - 1})",
+                                "bad_rank")
+        if rank in job.gone:
+            raise RegistryError(f"rank {rank} of job {job.name!r} is gone already "
+                                f"({job.gone[rank]['reason']})", "already_gone")
+        if job.awaited == 1 << rank:
+            raise RegistryError(f"rank {rank} is the last member job {job.name!r} waits for", "last_member")
+        job.gone[rank] = {"since": float(now), "reason": str(reason), "round": int(at_round)}
+        return job
+
+    def readmit(self, ref: str | int, rank: int) -> Job:
+        """Rounds wait for ``rank`` again (it keeps pace once more)."""
+        job = self.get(ref)
+        if job.gone.pop(rank, None) is None:
+            raise RegistryError(f"rank {rank} of job {job.name!r} is not gone", "not_gone")
+        return job
 
     def leave(self, ref: str | int, rank: int) -> Job:
         job = self.get(ref)
@@ -339,8 +375,12 @@ class Registry:
         self.limits = limits
 
 
-def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: float = 0.0) -> tuple[bytes | None, JoinOutcome | None]:
+def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: float = 0.0,
+                round_of: Callable[[JoinOutcome, int], int] = lambda outcome, rank: 0
+                ) -> tuple[bytes | None, JoinOutcome | None]:
     """A JOIN message from ``src`` -> (the JOIN_ACK to send back, the registry's outcome).
+    ``round_of(outcome, rank)``: the round the accepted member starts at (0 for a new job's
+    members; the job's next round for one that restarted or was declared gone).
 
     (None, None) for a malformed JOIN (not answered: it may not even come from an aggd client).
     The caller applies an accepted outcome with ``changed`` to the data planes."""
@@ -356,6 +396,7 @@ def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: fl
         return encode_join_ack(job_id, hdr.rank, outcome.code, {"error": outcome.message}), outcome
     body = outcome.job.join_info()
     body["gso"] = registry.limits.gso
+    body["round"] = int(round_of(outcome, hdr.rank))
     return encode_join_ack(outcome.job.id, hdr.rank, 0, body), outcome
 
 

@@ -319,6 +319,14 @@ class PolicyConfig:
     settle_rounds: int = _setting(4, _int_range(0, 1 << 20), "rounds after a switch that are not judged")
     jobs: str = _setting("*", None, "glob of the job names the policy manages (their own strategy "
                          "must be sync)")
+    # Members that go silent (aggd/core/departures.py), whatever auto_switch says.
+    silent_after: float = _setting(5.0, _number_above(-1e-12), "seconds a member may send nothing while "
+                                   "another is at a newer round before it is declared gone and rounds "
+                                   "stop waiting for it (0: never by itself)", _NUMBER)
+    silent_steps: float = _setting(20.0, _number_above(-1e-12), "... and at least this many of the job's "
+                                   "usual steps", _NUMBER)
+    readmit_rounds: int = _setting(2, _int_range(0, 1 << 20), "rounds every other member must be past the "
+                                   "round a gone member left or rejoined at before rounds wait for it again")
 
 
 @dataclass(frozen=True)

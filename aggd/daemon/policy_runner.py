@@ -1,6 +1,7 @@
 """The policy's I/O edge: a daemon thread that feeds every job's per-member counters to the straggler
 detector and the policy (``aggd.core.policy``), applies their decisions through the service's hot
-swap, and keeps the policy's state next to the registry's."""
+swap, and keeps the policy's state next to the registry's. It also declares silent members gone
+and awaits them again once they keep pace (``aggd.core.departures``)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from aggd.core.departures import DepartureRules, keeps_pace, silent_members
 from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
 from aggd.core.straggler import Detector
 
@@ -34,6 +36,7 @@ class PolicyRunner:
         self.policies: dict[int, JobPolicy] = {}
         self.decisions: dict[int, deque] = {}
         self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
+        self._scanned: dict[int, float] = {}   # job id -> when its open rounds were last read
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -45,7 +48,7 @@ class PolicyRunner:
             self._saved = {}
 
     def _forget(self, jid: int) -> None:
-        for d in (self.detectors, self.policies, self.decisions, self._who):
+        for d in (self.detectors, self.policies, self.decisions, self._who, self._scanned):
             d.pop(jid, None)
 
     def _save(self) -> None:
@@ -104,6 +107,7 @@ class PolicyRunner:
                 if rows is None:
                     continue
                 obs = det.update_rows(now, rows)
+                self._watch_members(job, rows, det, now)
                 pol = self.policies.get(job.id)
                 current = str(job.strategy)
                 if pol is None:
@@ -137,6 +141,36 @@ class PolicyRunner:
                             job.name, current, decision.strategy, from_round, decision.round, decision.reason)
                 made.append((job.name, decision))
         return made
+
+    def departure_rules(self) -> DepartureRules:
+        cfg = self._cfg()
+        return DepartureRules(cfg.silent_after, cfg.silent_steps, cfg.readmit_rounds)
+
+    def _watch_members(self, job, rows: list[dict], det: Detector, now: float) -> None:
+        """Declare gone the members a round has waited for too long; await the gone ones that
+        keep pace again. The slots are read only while some member has been quiet that long, at
+        most four times per threshold."""
+        svc, rules = self.service, self.departure_rules()
+        step_s = det.last.period_ms / 1000 if det.last is not None and det.last.period_ms else None
+        limit, now_ns = rules.threshold_s(step_s), int(now * 1e9)
+        for rank, gone in list(job.gone.items()):
+            if keeps_pace(rows, rank, gone["round"], job.awaited, rules):
+                svc.readmit(job, rank, f"at the job's newest round again (gone since round {gone['round']})")
+        if rules.silent_after_s <= 0:
+            return
+        quiet = [r for r in rows if job.awaited >> int(r["rank"]) & 1
+                 and (r["last_round"] is None or now_ns - r["last_ns"] >= limit * 1e9)]
+        if not quiet or now - self._scanned.get(job.id, float("-inf")) < limit / 4:
+            return
+        self._scanned[job.id] = now
+        open_rounds = svc.open_rounds(job)
+        if open_rounds is None:
+            return
+        for s in silent_members(rows, open_rounds, now_ns, job.awaited, rules, step_s):
+            try:
+                svc.depart(job, s.rank, s.reason())
+            except Exception as exc:  # refused (the last awaited member, a data plane that cannot)
+                log.error("job %s: rank %d is silent but cannot be declared gone: %s", job.name, s.rank, exc)
 
     # views for aggctl
     def view(self, job, rank: int | None = None) -> dict:

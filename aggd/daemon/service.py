@@ -127,6 +127,7 @@ class Service:
         # (a switch's slots are known once its P4Info is read, at start)
         self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
         self.registry = Registry(self._limits(config))
+        self.departures: dict[int, int] = {}   # job id -> members declared gone since start
         self.state_path = Path(config.state.dir) / STATE_FILE
 
     def _limits(self, cfg: Config) -> Limits:
@@ -311,6 +312,14 @@ class Service:
         table = job.strategy_table()
         if len(table.entries) > 1 or job.strategy.kind != proto.StrategyKind.SYNC:
             self._install_strategies(job, table)
+        if job.gone:
+            self._set_awaited(job)
+
+    def _set_awaited(self, job: Job) -> None:
+        """Tell every data plane which members the job's rounds wait for (DataPlaneError: one
+        cannot; the caller undoes)."""
+        for plane in self.planes:
+            plane.set_awaited(job.id, job.awaited)
 
     def _install_strategies(self, job: Job, table) -> None:
         """Give every data plane the job's strategy table; ControlError (and nothing changed) if
@@ -325,9 +334,24 @@ class Service:
             raise ControlError("unsupported", f"job {job.name}: {exc}") from None
 
     # -- JOIN (runs on the user-space thread) ---------------------------------------------------------
+    def _join_round(self, outcome, rank: int) -> int:
+        """The round an accepted member starts at: 0 for a member joining for the first time (the
+        others wait for it in round 0); for one declared gone, or restarted (it had joined before),
+        the round after the newest any member sent: it has nothing for the rounds in progress,
+        which stop waiting for it once it is declared gone (``aggd.core.departures``)."""
+        job = outcome.job
+        if rank not in job.gone and not outcome.rejoined:
+            return 0
+        top = self._max_round(job)
+        return 0 if top is None else top + 1
+
+    def _max_round(self, job: Job) -> int | None:
+        tops = [t for t in (p.max_round(job.id) for p in self._holding(job)) if t is not None]
+        return max(tops) if tops else None
+
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
         with self.lock:
-            answer, outcome = answer_join(self.registry, data, src, time.time())
+            answer, outcome = answer_join(self.registry, data, src, time.time(), round_of=self._join_round)
             if outcome is None:
                 log.info("malformed JOIN from %s:%d ignored", src[0], src[1])
             elif outcome.code != proto.NackCode.NONE:
@@ -336,8 +360,10 @@ class Service:
                 job, rank = outcome.job, Header.unpack(data).rank
                 for plane in self.planes:
                     plane.set_member(job.id, rank, src)
-                self._save()
                 log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
+                if rank in job.gone:       # back: awaited once it keeps pace (the policy runner)
+                    job.gone[rank]["round"] = self._join_round(outcome, rank)
+                self._save()
             return answer
 
     # -- reload --------------------------------------------------------------------------------------
@@ -384,6 +410,17 @@ class Service:
 
     def _holding(self, job: Job) -> tuple:
         return holding(self.planes, job)
+
+    def open_rounds(self, job: Job) -> list[tuple[int, int, int]] | None:
+        """(round, bitmap, t_first ns) of the job's open rounds on every plane holding its slots;
+        None when a plane cannot tell."""
+        out = []
+        for plane in self._holding(job):
+            mine = plane.open_rounds(job.id)
+            if mine is None:
+                return None
+            out += mine
+        return out
 
     def member_stats(self, job: Job) -> list[dict] | None:
         """Per rank, the member counters of the planes holding the job's slots, summed."""
@@ -451,6 +488,7 @@ class Service:
 
     def cmd_jobs_delete(self, job):
         j = self.registry.delete(job)
+        self.departures.pop(j.id, None)
         for plane in self.planes:
             plane.remove_job(j.id)
         self._save()
@@ -466,6 +504,43 @@ class Service:
         d["round"] = top
         return d
 
+    # -- members declared gone ---------------------------------------------------------------------
+    def depart(self, job: Job, rank: int, reason: str, at_round: int | None = None) -> Job:
+        """Declare ``rank`` gone: rounds stop waiting for it (``aggd.core.departures``). RegistryError
+        or ControlError, and nothing changed, when refused."""
+        if at_round is None:
+            at_round = (self._max_round(job) or 0) + 1
+        self.registry.depart(job.id, rank, reason, time.time(), at_round)
+        try:
+            self._set_awaited(job)
+        except DataPlaneError as exc:
+            self.registry.readmit(job.id, rank)
+            self._set_awaited(job)
+            raise ControlError("unsupported", f"job {job.name}: rank {rank} cannot be declared gone: {exc}") from None
+        self.departures[job.id] = self.departures.get(job.id, 0) + 1
+        self._save()
+        log.warning("job %s: rank %d declared gone from round %d: %s; rounds wait for ranks %s", job.name, rank,
+                    at_round, reason, [r for r in range(job.world) if job.awaited >> r & 1])
+        return job
+
+    def readmit(self, job: Job, rank: int, reason: str) -> Job:
+        """Rounds wait for ``rank`` again."""
+        self.registry.readmit(job.id, rank)
+        self._set_awaited(job)
+        self._save()
+        log.warning("job %s: rank %d is awaited again: %s", job.name, rank, reason)
+        return job
+
+    def cmd_workers_remove(self, job, rank, reason=None):
+        j = self._job(job)
+        self.depart(j, int(rank), reason or "removed by hand (aggctl workers remove)")
+        return {"job": j.name, "id": j.id, "rank": int(rank), **j.gone[int(rank)]}
+
+    def cmd_workers_readmit(self, job, rank):
+        j = self._job(job)
+        self.readmit(j, int(rank), "readmitted by hand (aggctl workers readmit)")
+        return {"job": j.name, "id": j.id, "rank": int(rank)}
+
     def cmd_workers(self, job):
         j = self._job(job)
         top, per_rank = self._rounds(j)
@@ -474,7 +549,7 @@ class Service:
             m = j.members.get(rank)
             rows.append({"rank": rank, "address": list(m.address) if m else None,
                          "joined_at": m.joined_at if m else None, "last_round": per_rank.get(rank),
-                         "lag": None, **self._policy_view(j, rank)})
+                         "lag": None, "gone": j.gone.get(rank), **self._policy_view(j, rank)})
         return {"job": j.name, "id": j.id, "round": top, "workers": rows, **self._policy_view(j)}
 
     def cmd_strategy_show(self, job):

@@ -113,6 +113,11 @@ class DataPlane(abc.ABC):
     def set_strategy(self, job: int, entries) -> None:
         """Install a job's strategy table (``aggd.core.strategy.TableEntry`` rows, newest last)."""
 
+    def set_awaited(self, job: int, awaited: int) -> None:
+        """The members a round of ``job`` waits for: a bitmap of ranks, the world less the members
+        declared gone (``aggd.core.model.AggregatorModel.set_awaited``)."""
+        raise DataPlaneError(f"{type(self).__name__} cannot release rounds without a member")
+
     def check_strategies(self, entries) -> None:
         """Raise DataPlaneError if this data plane cannot run these strategy rows (checked before
         anything changes anywhere)."""
@@ -136,6 +141,12 @@ class DataPlane(abc.ABC):
 
     def member_stats(self, job: int, world: int) -> list[dict] | None:
         """Per rank: contributions, lag_ns_sum, late, last_round, last_ns; None when not kept."""
+        return None
+
+    def open_rounds(self, job: int) -> list[tuple[int, int, int]] | None:
+        """(round, bitmap of members in it, t_first ns on the data plane's clock) of every open
+        round of ``job`` that waits for every awaited member (not quorum's; holding banks aside);
+        None when not readable."""
         return None
 
     def open_slots(self, job: int) -> int | None:

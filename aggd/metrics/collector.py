@@ -72,7 +72,8 @@ class AggdCollector:
 
         per_job = (F.DROPS, F.JOB_STRATEGY, F.JOB_STRATEGY_VERSION, F.JOB_STRATEGY_PARAM, F.JOB_STRATEGY_TIMEOUT,
                    F.STRATEGY_SWAPS, F.POLICY_DECISIONS, F.JOB_ROUNDS, F.JOB_MEMBERS, F.JOB_MEMBERS_JOINED,
-                   F.JOB_SLOTS, F.JOB_SLOTS_BUSY, F.JOB_POLICY_SWITCHED, F.JOB_STRAGGLERS,
+                   F.JOB_SLOTS, F.JOB_SLOTS_BUSY, F.JOB_POLICY_SWITCHED, F.JOB_STRAGGLERS, F.JOB_DEPARTURES,
+                   F.WORKER_GONE,
                    F.WORKER_CONTRIBUTIONS, F.WORKER_ARRIVAL_LAG, F.WORKER_LATE, F.WORKER_ROUNDS_BEHIND,
                    F.WORKER_BLOCKING, F.WORKER_LAG, F.WORKER_SLOWDOWN, F.WORKER_STRAGGLER, F.WORKER_WAIT)
         for family in (*F.COUNTERS.values(), *per_job):  # present (if empty) in every scrape
@@ -125,6 +126,9 @@ class AggdCollector:
                 out(F.POLICY_DECISIONS).add_metric([name, kind], n)
             out(F.JOB_POLICY_SWITCHED).add_metric([name], int(pol.switched))
             out(F.JOB_STRAGGLERS).add_metric([name], pol.stragglers)
+            out(F.JOB_DEPARTURES).add_metric([name], job.departures)
+            for rank in range(min(job.world, max_ranks)):
+                out(F.WORKER_GONE).add_metric([name, str(rank)], int(rank in job.gone))
             out(F.JOB_ROUNDS).add_metric([name], 0 if top is None else top + 1)
             out(F.JOB_MEMBERS).add_metric([name], job.world)
             out(F.JOB_MEMBERS_JOINED).add_metric([name], job.joined)

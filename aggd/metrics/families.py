@@ -89,6 +89,8 @@ JOB_SLOTS_BUSY = gauge("aggd_job_slots_busy", "Slots of the job holding an open 
 JOB_POLICY_SWITCHED = gauge("aggd_job_policy_switched", "1 while the dynamic-hybrid policy's strategy is in "
                                                         "force instead of the job's own", J)
 JOB_STRAGGLERS = gauge("aggd_job_stragglers", "Ranks the straggler detector flags now", J)
+JOB_DEPARTURES = counter("aggd_job_departures", "Members declared gone (silent while a round waited for "
+                                                "them, or removed by hand) since the daemon started", J)
 
 # -- workers (ranks) ------------------------------------------------------------------------------
 WORKER_CONTRIBUTIONS = counter("aggd_worker_contributions", "Contributions of the rank added to a sum", W)
@@ -105,6 +107,7 @@ WORKER_LAG = gauge("aggd_worker_lag_seconds", "How late the rank's contributions
 WORKER_SLOWDOWN = gauge("aggd_worker_slowdown_ratio", "How many times longer the rank's steps take than the "
                                                       "median member's (1: even)", W)
 WORKER_STRAGGLER = gauge("aggd_worker_straggler", "1 while the straggler detector flags the rank", W)
+WORKER_GONE = gauge("aggd_worker_gone", "1 while the rank is declared gone: rounds do not wait for it", W)
 WORKER_WAIT = counter("aggd_worker_wait_seconds", "Cumulative time the rank waited for others at the barrier "
                                                   "(since the detector started on the job)", W)
 

@@ -49,6 +49,8 @@ class JobInfo:
     #: strategy versions, oldest first: (version, from_round, text), as the registry keeps them
     strategies: tuple[tuple[int, int, str], ...] = ((0, 0, "sync"),)
     created_at: float = 0.0
+    gone: tuple[int, ...] = ()    #: ranks declared gone (rounds do not wait for them)
+    departures: int = 0           #: members declared gone since the daemon started
 
     @property
     def userspace_slots(self) -> int:
@@ -184,8 +186,10 @@ class ServiceReader:
     def jobs(self) -> list[JobInfo]:
         svc = self.service
         with svc.lock:  # the registry, and what the policy thread knows, as of one moment
+            departures = getattr(svc, "departures", {})
             jobs = [JobInfo(j.id, j.name, j.world, len(j.members), j.slots, j.kernel_slots, j.kernel_base,
-                            tuple(tuple(e) for e in j.strategies), j.created_at)
+                            tuple(tuple(e) for e in j.strategies), j.created_at, tuple(sorted(j.gone)),
+                            departures.get(j.id, 0))
                     for j in svc.registry.list()]
             self._detected, self._policy = {}, {}
             runner = getattr(svc, "policy", None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -92,6 +93,7 @@ class RunResult:
     strategies_seen: list[tuple[float, str]]     #: rank 0's (seconds, strategy in force) changes
     decisions: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
+    killed_at: float | None = None               #: rank 0's seconds when ``kill`` struck
 
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "strategy": self.strategy, "strategy_text": self.strategy_text,
@@ -130,9 +132,12 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
 
 def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
         *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
-        tag: str = "") -> RunResult:
+        tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False) -> RunResult:
     """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
-    ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start."""
+    ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start.
+    ``kill=(rank, round)``: SIGKILL that worker once rank 0 reports that round (a dead worker;
+    the run goes on with the others); ``restart``: then start it again at once, as a supervisor
+    would (it rejoins the job where the job is)."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -142,10 +147,19 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.worker_ifname}
     summaries = {}
 
+    killed: dict[int, float] = {}
+
     def on_line(rank: int, rec: dict) -> None:
         if rec.get("summary"):
             rec["_at"] = time.monotonic()
             summaries[rank] = rec
+        if kill and rank == 0 and not killed and rec.get("round", -1) >= kill[1]:
+            victim = workers.procs[kill[0]]
+            victim.send_signal(signal.SIGKILL)
+            killed[kill[0]] = rec["t"]
+            if restart:
+                victim.wait()
+                workers.start(lab.worker_ns(kill[0]), worker_argv(params, kill[0], scenario, straggler) + extra(kill[0]))
         if on_record:
             on_record(rank, rec)
 
@@ -175,7 +189,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         runs = workers.wait(params.timeout_s, until=rank0_done)
         errors = {r.rank: r.stderr[-20000:] for r in runs}
         for r in runs:
-            if r.returncode not in (0, None) and r.rank not in summaries:
+            if r.returncode not in (0, None) and r.rank not in summaries and r.rank not in killed:
                 raise RuntimeError(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-3000:]}")
         records = {r.rank: [x for x in r.records if not x.get("summary")] for r in runs}
         decisions = []
@@ -202,5 +216,6 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     return RunResult(scenario.name, strategy, text, params.target, ttt, s0["final_accuracy"], s0["seconds"],
                      s0["rounds"], curve, rounds_curve, seen, decisions,
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
-                                             "drained")} for _, s in sorted(summaries.items())])
+                                             "drained")} for _, s in sorted(summaries.items())],
+                     next(iter(killed.values()), None))
 

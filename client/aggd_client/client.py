@@ -117,6 +117,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     round it saw released (the default); that assumes every call reduces a tensor of one size, so
     it stops by itself once a call's size differs, and a job whose tensors differ in size from the
     start (DDP's buckets) should pass False (docs/protocol.md, "Tensors of different sizes").
+    ``first_round``: the round of the first allreduce (a member rejoining a running job starts at
+    the job's round, which the JOIN_ACK gives: ``join`` passes it).
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -125,7 +127,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
-                 catch_up: bool = True):
+                 catch_up: bool = True, first_round: int = 0):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -138,6 +140,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError(f"slots must be at least 1, got {slots}")
         if window is not None and int(window) < 1:
             raise ValueError(f"window must be at least 1, got {window}")
+        if not 0 <= int(first_round) <= 0xFFFFFFFF:
+            raise ValueError(f"first_round must be a u32 round number, got {first_round}")
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
@@ -177,17 +181,20 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
 
         # Admission: the next round's number, what a whole round is, the quorum rounds seen on the
         # group (a straggler catches up), the strategy in force and the round whose result said so.
-        self._next_round = 0
+        self._next_round = int(first_round)
         self._round_chunks = 0     # chunks of the newest round started (what a whole round is; 0: none yet)
         self._seen_quorum: dict[int, set[int]] = {}   # quorum rounds seen on the group: chunks
         # Per chunk index, the newest round it took part in (-1: none): each packet's ``skip``
         # tells the aggregator which round of its chunk it follows (docs/protocol.md, rule 3).
-        self._chunk_last = np.full(0, -1, np.int64)
+        # A rejoining member's chunks follow the round before its first (the job's, as far as it
+        # knows): its first round says skip 0, as the others' next round does.
+        self._chunk_floor = int(first_round) - 1
+        self._chunk_last = np.full(0, self._chunk_floor, np.int64)
         # Whether every round so far reduced a tensor of one size: a quorum straggler may then
         # skip to a later round, which (as far as it can tell) holds the same tensor.
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
-        self._own_next = 0   # the round after our newest own one (no quorum catch-up)
+        self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
         self._strategy = info
         self._strategy_round = -1
         self._init_rounds()

@@ -41,6 +41,9 @@ class JobInfo:
     strategy: str
     strategy_version: int
     gso: bool = True        #: false when the aggregator runs XDP in generic mode
+    #: The round the member's next allreduce gets: 0 for a new job; a member that rejoins a running
+    #: job starts where the job is.
+    round: int = 0
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -50,7 +53,7 @@ class JobInfo:
                        port=int(d["port"]),
                        elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
-                       gso=bool(d.get("gso", True)))
+                       gso=bool(d.get("gso", True)), round=int(d.get("round", 0)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
 
@@ -173,6 +176,7 @@ def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
     # The JOIN left from `address`, which is now the registered member address; the client's
     # socket takes it over (the join socket is closed, so the port is free again).
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
-                       bind=address, elements=info.elements, slots=info.slots, **client_options)
+                       bind=address, elements=info.elements, slots=info.slots,
+                       **{"first_round": info.round, **client_options})
     client.job_info = info
     return client

@@ -160,10 +160,11 @@ class ResultHandler:
             np.maximum.at(self._track_chunks(int(chunks.max()) + 1), chunks, rounds)
 
     def _track_chunks(self, n: int) -> np.ndarray:
-        """``_chunk_last`` covering chunks ``0 .. n-1`` at least (-1: no round yet)."""
+        """``_chunk_last`` covering chunks ``0 .. n-1`` at least (``_chunk_floor``, -1 unless the
+        client joined a running job: no round yet)."""
         last = self._chunk_last
         if n > last.size:
-            last = self._chunk_last = np.concatenate([last, np.full(n - last.size, -1, np.int64)])
+            last = self._chunk_last = np.concatenate([last, np.full(n - last.size, self._chunk_floor, np.int64)])
         return last
 
     def _catch_up(self, rounds: np.ndarray | None = None, chunks: np.ndarray | None = None) -> None:

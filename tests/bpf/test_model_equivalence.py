@@ -34,7 +34,7 @@ from aggd.testing.frames import AGG_IP
 from aggd_client.protocol import Counter, DropReason
 
 from tests.harness.equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
-                           ip_checksum, mac_bytes, member, play_scenario, run_sequence, sequences, swaps,
+                           ip_checksum, mac_bytes, member, play_scenario, departures, run_sequence, sequences, swaps,
                            table_for)
 from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, entry
 from tests.fixtures.traffic import OTHER_JOB
@@ -45,6 +45,7 @@ pytestmark = pytest.mark.root
 MIN_SEQUENCES = 1000     #: per strategy
 BATCH = 5                #: sequences per hypothesis example
 SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
+DEPARTURE_SEQUENCES = 500  #: sequences in which members are declared gone (and come back)
 ODD_ELEMENTS = 7         #: a packet size the pairwise payload loops do not divide
 ODD_SEQUENCES = 200      #: per strategy, at ODD_ELEMENTS
 VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
@@ -77,6 +78,10 @@ class Harness:
     def set_strategy(self, entries: list[TableEntry]) -> None:
         self.model.set_strategy(JOB, entries)
         self.dp.set_strategy(JOB, entries)
+
+    def set_awaited(self, awaited: int) -> None:
+        self.model.set_awaited(JOB, awaited)
+        self.dp.set_awaited(JOB, awaited)
 
     def send(self, data: bytes, src: tuple[str, int], now_ns: int, where: str = "") -> Verdict:
         v = self.model.process(data, src, now_ns)
@@ -193,3 +198,20 @@ def test_random_sequences_with_hot_swaps(harness):
 
     swapped_sequences_agree()
     assert RUN["swap"] - before >= SWAP_SEQUENCES
+
+
+def test_random_sequences_with_departures(harness):
+    """Members declared gone mid-sequence (and back): a round waiting only for them is released
+    at the next packet to its slot (rule 0), under every strategy and across swaps."""
+    before = RUN["departures"]
+
+    @settings(SETTINGS, max_examples=DEPARTURE_SEQUENCES // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), st.lists(swaps, max_size=1), departures),
+                          min_size=BATCH, max_size=BATCH))
+    def departed_sequences_agree(batch):
+        for (shape, ops), first, changes, leaving in batch:
+            run_sequence(harness, RUN, "departures", [entry(first)], shape, ops,
+                         changes[0] if changes else (), departures=leaving)
+
+    departed_sequences_agree()
+    assert RUN["departures"] - before >= DEPARTURE_SEQUENCES

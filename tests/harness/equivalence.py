@@ -18,7 +18,7 @@ from aggd.testing.frames import AGG_IP, AGG_MAC, worker_addr
 from aggd_client import protocol as proto
 
 from tests.bpf.conftest import ELEMENTS
-from tests.fixtures.scenarios import SCENARIOS, Scenario, Swap, T0_NS, check, entry
+from tests.fixtures.scenarios import SCENARIOS, Depart, Scenario, Swap, T0_NS, check, entry
 from tests.fixtures.traffic import Sent, Traffic, layout_of, swap_table
 
 KINDS = ("sync", "quorum", "ssp", "async", "wbsp")
@@ -70,6 +70,9 @@ def play_scenario(h, name: str) -> None:
         if isinstance(step, Swap):
             h.set_strategy(list(step.entries))
             continue
+        if isinstance(step, Depart):
+            h.set_awaited(step.awaited)
+            continue
         t_us, p, exp = step
         v = h.send(p.build(ELEMENTS), member(p.rank), T0_NS + t_us * 1000, f"step {i}: {p}")
         check(v, exp, ELEMENTS, where=f"step {i}: {p}")
@@ -89,10 +92,13 @@ def table_for(kind: str, shape: int) -> list[TableEntry]:
 
 
 def run_sequence(h, runs: collections.Counter, label: str, entries: list[TableEntry], shape: int,
-                 ops: list[int], swaps: list[tuple[int, str, int]] = (), elements: int = ELEMENTS) -> None:
+                 ops: list[int], swaps: list[tuple[int, str, int]] = (), elements: int = ELEMENTS,
+                 departures: list[tuple[int, int]] = ()) -> None:
     """One sequence from a fresh job: ``shape`` picks world, slots, chunks and window; ``swaps``
-    are (op index, strategy, rounds ahead) installed as new versions at round boundaries; payloads
-    have ``elements`` values (the data planes' packet size). Counts the sequence in ``runs[label]``."""
+    are (op index, strategy, rounds ahead) installed as new versions at round boundaries;
+    ``departures`` (op index, rank) declare the rank gone, or back if it was (never the last one
+    awaited); payloads have ``elements`` values (the data planes' packet size). Counts the
+    sequence in ``runs[label]``."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
     traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=elements,
@@ -100,11 +106,17 @@ def run_sequence(h, runs: collections.Counter, label: str, entries: list[TableEn
     h.start(world, slots, 8, entries)
     table = StrategyTable(parse("sync"))
     table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
-    pending = sorted(swaps)
+    pending, leaving = sorted(swaps), sorted(departures)
+    awaited = (1 << world) - 1
     for i, op in enumerate(ops):
         while pending and pending[0][0] <= i:
             _, text, ahead = pending.pop(0)
             h.set_strategy(swap_table(table, table.entries[-1][0] + 1, h.model, traffic, text, ahead))
+        while leaving and leaving[0][0] <= i:
+            toggled = awaited ^ (1 << leaving.pop(0)[1] % world)
+            if toggled:
+                awaited = toggled
+                h.set_awaited(awaited)
         sent: Sent = traffic.next(op)
         where = f"{label} op {i} of shape={shape} ops={ops} swaps={swaps} table={entries}"
         traffic.observe(sent, h.send(sent.data, sent.src, sent.now_ns, where))
@@ -119,6 +131,8 @@ SWAP_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:1ms", "ssp:1", "ssp:2", "async"
 #: (op index, strategy, rounds ahead) of the swaps in one sequence.
 swaps = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.sampled_from(SWAP_TEXTS), st.integers(0, 2)),
                  min_size=1, max_size=4)
+#: (op index, rank) of the departures (and returns) in one sequence.
+departures = st.lists(st.tuples(st.integers(0, MAX_OPS - 1), st.integers(0, 3)), min_size=1, max_size=4)
 
 #: Sequences are long and their examples large; each test sets max_examples (and phases). The P4
 #: tests take function-scoped fixtures, reset by ``start`` at each sequence.

@@ -24,7 +24,7 @@ from aggd.lab.namespaces import in_netns
 from aggd.core.model import AggregatorModel, JobConfig
 from aggd_client import protocol as proto
 
-from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, Swap, T0_NS, check
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, Depart, Swap, T0_NS, check
 
 TOOLS = ("p4c-bm2-ss", "simple_switch_grpc")
 MISSING = [t for t in TOOLS if shutil.which(t) is None]
@@ -154,6 +154,10 @@ def test_scenario_on_bmv2(bmv2, name):
         if isinstance(step, Swap):
             bmv2.dp.set_strategy(JOB, list(step.entries))
             model.set_strategy(JOB, list(step.entries))
+            continue
+        if isinstance(step, Depart):
+            bmv2.dp.set_awaited(JOB, step.awaited)
+            model.set_awaited(JOB, step.awaited)
             continue
         t_us, p, exp = step
         now = T0_NS + t_us * 1000

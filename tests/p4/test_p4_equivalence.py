@@ -25,7 +25,7 @@ from aggd_client import protocol as proto
 from ..bpf.conftest import ELEMENTS, job_config
 from ..bpf.test_xdp_fixtures import MALFORMED, contrib
 from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
-                           play_scenario, run_sequence, sequences, swaps, table_for)
+                           departures, play_scenario, run_sequence, sequences, swaps, table_for)
 from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, T0_NS, entry
 from tests.fixtures.traffic import OTHER_JOB
 from .conftest import AGG_PORT_NO, HOSTS, port_of
@@ -74,6 +74,12 @@ class Twin:
             self.xdp.set_strategy(JOB, entries)
         self.p4.set_strategy(JOB, entries)
         self.ref.set_strategy(JOB, entries)
+
+    def set_awaited(self, awaited: int) -> None:
+        if self.xdp is not None:
+            self.xdp.set_awaited(JOB, awaited)
+        self.p4.set_awaited(JOB, awaited)
+        self.ref.set_awaited(JOB, awaited)
 
     @property
     def model(self):
@@ -227,6 +233,14 @@ def test_random_sequences(twin, kind, batch):
 def test_random_sequences_with_hot_swaps(twin, batch):
     for (shape, ops), first, changes in batch:
         run_sequence(twin, RUN, "swap", [entry(first)], shape, ops, changes)
+
+
+@settings(XDP_SETTINGS, max_examples=SWAP_SEQUENCES // BATCH)
+@given(batch=st.lists(st.tuples(sequences, st.sampled_from(SWAP_TEXTS), departures), min_size=BATCH, max_size=BATCH))
+def test_random_sequences_with_departures(twin, batch):
+    """Members declared gone and back: the jobs entry's all_members, written by set_awaited."""
+    for (shape, ops), first, leaving in batch:
+        run_sequence(twin, RUN, "departures", [entry(first)], shape, ops, departures=leaving)
 
 
 @pytest.mark.parametrize("kind", KINDS)

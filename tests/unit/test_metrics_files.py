@@ -86,6 +86,10 @@ def test_alerts_fire_when_they_should(tmp_path):
              firing("AggdOverflowToUserspace", "21m", f'{j}, severity="warning"'),
              {"expr": "aggd_job:aggd_userspace_handoff_ratio:rate5m", "eval_time": "10m",
               "exp_samples": [{"labels": f"aggd_job:aggd_userspace_handoff_ratio:rate5m{{{j}}}", "value": 0.5}]}),
+        # a rank declared gone for a minute
+        case({f"aggd_worker_gone{{{w(3)}}}": "0 0 1 1 1 1 1 1 1", f"aggd_worker_gone{{{w(0)}}}": "0+0x8"},
+             firing("AggdWorkerGone", "1m"),
+             firing("AggdWorkerGone", "1m45s", f'{w(3)}, severity="warning"')),
         # a rank the others have waited for for a minute and more
         case({f"aggd_worker_blocking_seconds{{{w(1)}}}": "0 15 30 45 60 75 90 105 120 135 150",
               f"aggd_worker_blocking_seconds{{{w(0)}}}": "0+0x10"},

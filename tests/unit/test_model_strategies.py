@@ -11,7 +11,7 @@ from aggd.core.model import BANKS, AggregatorModel, BankState, TableEntry, check
 from aggd.core.strategy import StrategyTable, parse
 from aggd_client.protocol import HEADER_SIZE, Counter, DropReason, Flag, MsgType
 from tests.fixtures.scenarios import (ASYNC, E, JOB, Q3, QUORUM, SCENARIOS, SSP, SYNC, Scenario,
-    Swap, T0_NS, addr, c, check, entry, job_config, rr, scenario_model)
+    Depart, Swap, T0_NS, addr, c, check, entry, job_config, rr, scenario_model)
 from tests.fixtures.traffic import (STRATEGY_TEXTS, Traffic, layout_of, swap_table)
 
 
@@ -22,6 +22,9 @@ def test_scenario(name):
     for i, step in enumerate(sc.steps):
         if isinstance(step, Swap):
             m.set_strategy(JOB, list(step.entries))
+            continue
+        if isinstance(step, Depart):
+            m.set_awaited(JOB, step.awaited)
             continue
         t_us, p, exp = step
         check(m.process(p.build(E), addr(p.rank), T0_NS + t_us * 1000), exp, where=f"step {i}: {p}")

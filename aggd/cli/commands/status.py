@@ -1,4 +1,4 @@
-"""``aggctl status`` and ``aggctl workers JOB``: what the daemon is doing."""
+"""``aggctl status``: what the daemon is doing."""
 from __future__ import annotations
 
 import click
@@ -38,7 +38,7 @@ def status(as_json):
     table(job_columns("SWITCH" if dp.get("kind") == "p4" else "KERNEL") + ("STRAGGLERS",),
           [job_cells(j) + (_stragglers(j.get("policy")),) for j in s["jobs"]])
     for j in s["jobs"]:
-        _decision_lines(j["name"], j.get("policy"), last_only=True)
+        decision_lines(j["name"], j.get("policy"), last_only=True)
 
 
 def _stragglers(p: dict | None) -> str | None:
@@ -47,7 +47,7 @@ def _stragglers(p: dict | None) -> str | None:
     return ",".join(str(r) for r in p.get("stragglers_now") or []) or "none"
 
 
-def _decision_lines(job: str, p: dict | None, last_only: bool = False) -> None:
+def decision_lines(job: str, p: dict | None, last_only: bool = False) -> None:
     """The policy's switches of ``job`` (aggd/core/policy.py), newest last, with their reasons."""
     if not p:
         return
@@ -57,26 +57,3 @@ def _decision_lines(job: str, p: dict | None, last_only: bool = False) -> None:
                    f"{d['from_round']}: {d['reason']}")
     if p.get("note"):
         click.echo(f"{job}: policy: {p['note']}")
-
-
-@click.command()
-@click.argument("job")
-@json_option
-def workers(job, as_json):
-    """The members of JOB: registered address, when they joined, the last round they contributed to."""
-    w = call("workers", job=job)
-    if as_json:
-        echo_json(w)
-        return
-    click.echo(f"job {w['job']} ({w['id']}), round {'-' if w['round'] is None else w['round']}")
-    p = w.get("policy")
-    if p:
-        click.echo(f"policy: {'switching' if p['auto_switch'] and p['managed'] else 'watching only'}; "
-                   f"strategy {p.get('in_force', '-')} (its own: {p.get('own', '-')})")
-    table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG ms", "SLOWDOWN", "WAITED s", "STRAGGLER"),
-          [(r["rank"], f"{r['address'][0]}:{r['address'][1]}" if r["address"] else "not joined",
-            ago(r["joined_at"]), r["last_round"], r["lag"],
-            None if r.get("slowdown") is None else f"{r['slowdown']:.2f}x",
-            None if r.get("wait_s") is None else f"{r['wait_s']:.1f}",
-            None if r.get("straggler") is None else ("yes" if r["straggler"] else "no")) for r in w["workers"]])
-    _decision_lines(w["job"], p)

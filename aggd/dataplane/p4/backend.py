@@ -20,6 +20,7 @@ from typing import Iterable, Mapping
 
 from aggd_client import protocol as proto
 
+from aggd.core.model import check_awaited
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, JobStats, checked_job, rounds_by_member
 from aggd.dataplane.p4 import P4Error, layout as L
@@ -46,6 +47,7 @@ class _Job:
     segments: list[Segment]
     ports: tuple[int, ...]
     rows: list | None = None     #: the strategy rows as given (segments merge equal from_rounds)
+    awaited: int | None = None   #: the members a round waits for (None: the whole world)
 
 
 class P4DataPlane(DataPlane):
@@ -222,7 +224,8 @@ class P4DataPlane(DataPlane):
 
     def _job_params(self, j: _Job) -> dict:
         group_ip, group_port = j.group
-        return {"world": j.world, "all_members": (1 << j.world) - 1, "n_slots": int(j.cfg.slots),
+        awaited = (1 << j.world) - 1 if j.awaited is None else j.awaited
+        return {"world": j.world, "all_members": awaited, "n_slots": int(j.cfg.slots),
                 "slot_base": j.base, "switch_slots": j.switch_slots, "max_chunks": int(j.cfg.max_chunks),
                 "group_ip": ip_int(group_ip), "group_mac": multicast_mac(group_ip),
                 "result_port": int(group_port), "mcast_grp": L.job_group(int(j.cfg.job))}
@@ -309,6 +312,20 @@ class P4DataPlane(DataPlane):
             ups.append(update("MODIFY", packet_replication_engine_entry=multicast_group(L.job_group(job), ports)))
             j.ports = ports
         self.client.write(ups)
+
+    def set_awaited(self, job: int, awaited: int) -> None:
+        """The members a round of ``job`` waits for: the jobs entry's ``all_members``, which the
+        v1model program's rule 0 and release test read (the Tofino program counts contributions
+        and cannot tell who is missing)."""
+        j = self._job(job)
+        if self.target == "tofino":
+            raise P4Error("the Tofino program cannot release a round without a member: use a quorum strategy")
+        try:
+            j.awaited = check_awaited(awaited, j.world)
+        except ValueError as exc:
+            raise P4Error(f"job {job}: {exc}") from None
+        self.client.write([update("MODIFY", table_entry=self.info.table_entry(
+            L.JOBS, {"hdr.aggd.job": job}, f"{L.PIPE}.set_job", self._job_params(j)))])
 
     def set_strategy(self, job: int, entries) -> None:
         """Install a job's strategy table (``aggd.core.strategy.TableEntry`` rows, newest last; the

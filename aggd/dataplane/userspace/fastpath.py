@@ -457,7 +457,9 @@ class FastPath:
         while i < n:
             job = (int(stage[i, O_JOB]) << 8 | int(stage[i, O_JOB + 1])) if sizes[i] >= O_JOB + 2 else None
             fj = self.jobs.get(job)
-            if fj is not None and fj.model.on_release is None:  # an observer sees the model's releases
+            # An observer sees the model's releases; a job with members declared gone releases by
+            # the model's rule 0 (Bank.settled), which the kernel does not have.
+            if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1:
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
                           fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty,

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from aggd_client.mrecv import MultiReceiver, sockaddr_addr
-from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, DropReason
+from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, Counter, DropReason, StrategyKind
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 from aggd_client.transport import grow_buffers
 
@@ -37,7 +37,6 @@ from aggd.dataplane.userspace import msend
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, rounds_by_member
 from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict
 from aggd.core.strategy import TableEntry
-from aggd_client.protocol import Counter
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +187,13 @@ class UserspaceAggregator(DataPlane):
                 raise DataPlaneError(str(exc)) from None
             self._fast.refresh(job)
 
+    def set_awaited(self, job: int, awaited: int) -> None:
+        with self._lock:
+            try:
+                self._route[job].set_awaited(job, awaited)
+            except ValueError as exc:
+                raise DataPlaneError(f"job {job}: {exc}") from None
+
     def job_rounds(self, job: int) -> tuple[int | None, dict[int, int]]:
         """(highest round any slot of ``job`` has seen, {rank: highest round it contributed to})."""
         with self._lock:
@@ -206,6 +212,14 @@ class UserspaceAggregator(DataPlane):
                 return JobStats({}, {})
             return JobStats({c.name.lower(): int(v) for c, v in zip(Counter, self.counters(job))},
                             {d.name.lower(): int(v) for d, v in zip(DropReason, self.drops(job))})
+
+    def open_rounds(self, job: int) -> list[tuple[int, int, int]] | None:
+        with self._lock:
+            if job not in self._route:
+                return []
+            self._fast.sync(job)
+            return [(b.key[0], b.bitmap, b.t_first) for s in self._route[job].jobs[job].slots for b in s.banks
+                    if b.state == BankState.OPEN and not b.holding and b.kind != StrategyKind.QUORUM]
 
     def open_slots(self, job: int) -> int | None:
         with self._lock:

@@ -18,6 +18,7 @@ import numpy as np
 
 from aggd_client import protocol as proto
 
+from aggd.core.model import check_awaited
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
 
@@ -295,6 +296,18 @@ class XdpDataPlane(DataPlane):
             dst.from_round, dst.version, dst.kind = e.from_round, e.version, e.kind
             dst.param, dst.timeout_us, dst.valid = e.param, e.timeout_us, 1
 
+    def set_awaited(self, job: int, awaited: int) -> None:
+        """The members a round of ``job`` waits for (the program's ``all_members``)."""
+        key = ctypes.c_uint32(job)
+        j = self.jobs[key]
+        if not j.active:
+            raise XdpError(f"job {job} is not installed")
+        try:
+            j.all_members = check_awaited(awaited, int(j.world))
+        except ValueError as exc:
+            raise XdpError(f"job {job}: {exc}") from None
+        self.jobs[key] = j
+
     def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
         """Register (None: clear) the member address of ``rank``: from then on the program accepts
         that rank's packets only from ``addr``."""
@@ -320,6 +333,12 @@ class XdpDataPlane(DataPlane):
                                 for i in range(base, base + count)
                                 for bank in self.slots[ctypes.c_uint32(i)].bank
                                 if bank.state != 0)  # BANK_EMPTY
+
+    def open_rounds(self, job: int) -> list[tuple[int, int, int]]:
+        base, count = self.allocation(job)
+        return [(int(b.key) >> 32, int(b.bitmap), int(b.t_first))
+                for i in range(base, base + count) for b in self.slots[ctypes.c_uint32(i)].bank
+                if b.state == 1 and not b.holding and b.kind != proto.StrategyKind.QUORUM]  # BANK_OPEN
 
     def open_slots(self, job: int) -> int:
         base, count = self.allocation(job)

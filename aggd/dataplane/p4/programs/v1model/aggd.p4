@@ -17,7 +17,8 @@
 #include "../common/parser.p4"
 
 #define BANK_FIELDS(i) \
-    bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i; bit<8> hd##i;
+    bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i; bit<8> hd##i; \
+    bit<64> bm##i;
 
 /* Metadata. Fields marked @field_list(1) survive recirculation (the later passes of one packet). */
 struct aggd_meta_t {
@@ -285,6 +286,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<32> nhold = 0;         /* holding banks (open, outside the key order) */
         bit<32> nfree = 0;         /* empty or released banks */
         bit<32> timeouts = 0;
+        bit<32> settled = 0;       /* rounds released by rule 0 for members declared gone */
         bit<32> min_open = 0xFFFFFFFF;
         bit<8> ifree = NO_BANK;
         bit<8> ik = NO_BANK;
@@ -470,12 +472,20 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bank_timeout.read(to##i, base + i); \
             bank_t_first.read(tf##i, base + i); \
             bank_holding.read(hd##i, base + i); \
+            bank_bitmap.read(bm##i, base + i); \
             if (st##i == BANK_OPEN && kd##i == AGGD_STRATEGY_KIND_QUORUM && hd##i == 0 && \
                 now - tf##i >= (bit<48>)to##i) { \
                 st##i = BANK_RELEASED; \
                 bank_state.write(base + i, BANK_RELEASED); \
                 bank_unannounced.write(base + i, 1); \
                 timeouts = timeouts + 1; \
+            } else if (st##i == BANK_OPEN && kd##i != AGGD_STRATEGY_KIND_QUORUM && hd##i == 0 && \
+                       (bm##i & meta.all_members) == meta.all_members) { \
+                /* it waited for a member declared gone since it opened, and has the others */ \
+                st##i = BANK_RELEASED; \
+                bank_state.write(base + i, BANK_RELEASED); \
+                bank_unannounced.write(base + i, 1); \
+                settled = settled + 1; \
             } \
             if (st##i == BANK_EMPTY) { \
                 if (ifree == NO_BANK) { ifree = i; } \
@@ -568,7 +578,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 late = 1;                                                 /* rule 4 */
             }
 
-            if (late == 1) {
+            if (late == 1 && (meta.all_members & bit_x) == 0) {
+                /* a member declared gone: answered with its chunk's newest result, never carried
+                 * (its own contribution may be in the next round already) */
+                if (irel_chunk != NO_BANK) {
+                    out = irel_chunk;
+                } else {
+                    reason = AGGD_DROP_REASON_STALE;
+                }
+            } else if (late == 1) {
                 /* The member's late memory of this slot: step 0 of a chunk whose index in the slot
                  * is below 64, for one round (a newer round's replaces it). */
                 ridx = meta.slot * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank;
@@ -813,6 +831,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             if (timeouts != 0) {
                 BUMP(AGGD_COUNTER_TIMEOUTS, timeouts)
                 BUMP(AGGD_COUNTER_RELEASED, timeouts)
+            }
+            if (settled != 0) {
+                BUMP(AGGD_COUNTER_RELEASED, settled)
             }
             if (reason != 0xFF) {
                 COUNT_DROP(hdr.aggd.job, reason)

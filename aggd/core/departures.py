@@ -1,0 +1,87 @@
+"""Members that went silent, and members that keep pace again: pure decisions over the data planes'
+per-member rows (``DataPlane.member_stats``: rank, last_round, last_ns, ...) and their open rounds
+(``DataPlane.open_rounds``: round, bitmap, t_first).
+
+A dead worker under ``sync`` (or ``ssp``, ``wbsp``) stalls every other member: its round never
+completes. The daemon declares a member gone when a round has waited for it longer than
+``max(silent_after_s, silent_steps x the job's usual step)`` and it has sent nothing for as long;
+rounds then stop waiting for it (``aggd.core.model.AggregatorModel.set_awaited``), and the round
+the others are stuck in is released at their next retransmission. A job that pauses (an
+evaluation, a checkpoint) has no open round and loses nobody; under ``quorum`` a round does not
+wait long for anyone. A member declared gone whose contributions reach the job's newest round
+again, once every other member is ``readmit_rounds`` past the round it left (or rejoined) at, is
+awaited again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DepartureRules:
+    #: Seconds a member may be silent before it is declared gone, at least; 0: never by itself.
+    silent_after_s: float = 5.0
+    #: ... and at least this many of the job's usual steps (the median member's).
+    silent_steps: float = 20.0
+    #: Rounds every other member must be past the round a gone member left (or rejoined) at before
+    #: it is awaited again.
+    readmit_rounds: int = 2
+
+    def threshold_s(self, step_s: float | None) -> float:
+        """How long a member may be silent, given the job's usual step (None: not known yet)."""
+        return max(self.silent_after_s, self.silent_steps * step_s if step_s else 0.0)
+
+
+@dataclass(frozen=True)
+class Silent:
+    rank: int
+    silent_s: float      #: since its last contribution
+    threshold_s: float
+    last_round: int
+    waiting_round: int   #: the newest open round that waits for it
+
+    def reason(self) -> str:
+        return (f"silent for {self.silent_s:.1f} s (limit {self.threshold_s:.1f} s; last contribution in round "
+                f"{self.last_round}) while round {self.waiting_round} waits for it")
+
+
+def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], now_ns: int, awaited: int,
+                   rules: DepartureRules, step_s: float | None = None) -> list[Silent]:
+    """The awaited members to declare gone: missing from a round that has been open (with some
+    awaited member in it) longer than the threshold, and silent as long. A member that never
+    contributed is starting (the job waits for it, as at any start) and is left to the operator.
+    ``rows`` and ``open_rounds`` read at ``now_ns``, on the data plane's clock (CLOCK_MONOTONIC)."""
+    if rules.silent_after_s <= 0:
+        return []
+    limit = rules.threshold_s(step_s)
+    waited_for, newest = 0, None
+    for round_, bitmap, t_first in open_rounds:
+        if bitmap & awaited and (now_ns - t_first) / 1e9 >= limit:
+            waited_for |= awaited & ~bitmap
+            newest = round_ if newest is None else max(newest, round_)
+    out = []
+    for r in rows:
+        rank = int(r["rank"])
+        if not waited_for >> rank & 1:
+            continue
+        if r["last_round"] is None:    # not started yet (imports, compilation): the job waits
+            continue
+        silent = (now_ns - r["last_ns"]) / 1e9
+        if silent >= limit:
+            out.append(Silent(rank, silent, limit, r["last_round"], newest))
+    return out
+
+
+def keeps_pace(rows: list[dict], rank: int, since_round: int, awaited: int, rules: DepartureRules) -> bool:
+    """Whether gone member ``rank`` may be awaited again: its newest round is the job's newest,
+    and every awaited member has sent a round ``readmit_rounds`` past ``since_round`` (the round
+    the member left or rejoined at), so no round it skipped is still waiting to complete."""
+    by_rank = {int(r["rank"]): r for r in rows}
+    me = by_rank.get(rank)
+    if me is None or me["last_round"] is None:
+        return False
+    rounds = [r["last_round"] for r in rows if r["last_round"] is not None]
+    if me["last_round"] < max(rounds):
+        return False
+    others = [by_rank[k]["last_round"] for k in by_rank if awaited >> k & 1 and k != rank]
+    return all(o is not None and o >= since_round + rules.readmit_rounds for o in others)

@@ -1,0 +1,55 @@
+"""aggd.core.departures: who is declared gone (a round has waited for it too long, and it sent
+nothing as long), who is not (a paused job, a quorum, a member that only just spoke), and when a
+gone member is awaited again."""
+from __future__ import annotations
+
+from aggd.core.departures import DepartureRules, keeps_pace, silent_members
+
+S = 1_000_000_000
+RULES = DepartureRules(silent_after_s=5.0, silent_steps=20.0, readmit_rounds=2)
+
+
+def row(rank, last_round, last_s):
+    return {"rank": rank, "contributions": 1, "lag_ns_sum": 0, "late": 0, "last_round": last_round,
+            "last_ns": int(last_s * S)}
+
+
+def test_a_dead_member_that_a_round_waits_for_is_declared_gone():
+    rows = [row(0, 7, 100), row(1, 7, 100), row(2, 6, 94)]      # rank 2 died after round 6
+    open_rounds = [(7, 0b011, 100 * S)]                          # round 7 waits for it
+    assert silent_members(rows, open_rounds, 104 * S, 0b111, RULES) == []     # 4 s: not yet
+    (s,) = silent_members(rows, open_rounds, 106 * S, 0b111, RULES)
+    assert (s.rank, s.last_round, s.waiting_round) == (2, 6, 7) and s.silent_s == 12.0
+    assert "round 7 waits for it" in s.reason() and "last contribution in round 6" in s.reason()
+
+
+def test_the_threshold_follows_the_usual_step():
+    rows = [row(0, 7, 100), row(1, 6, 90)]
+    open_rounds = [(7, 0b01, 100 * S)]
+    assert silent_members(rows, open_rounds, 106 * S, 0b11, RULES, step_s=0.5) == []   # 20 steps = 10 s
+    assert [s.rank for s in silent_members(rows, open_rounds, 111 * S, 0b11, RULES, step_s=0.5)] == [1]
+
+
+def test_a_paused_job_a_member_just_heard_and_a_gone_member_are_left_alone():
+    rows = [row(0, 7, 100), row(1, 7, 100), row(2, 6, 94)]
+    assert silent_members(rows, [], 200 * S, 0b111, RULES) == []                      # nothing open
+    assert silent_members(rows, [(7, 0b011, 199 * S)], 200 * S, 0b111, RULES) == []    # opened 1 s ago
+    fresh = [row(0, 7, 100), row(1, 7, 100), row(2, 6, 199)]
+    assert silent_members(fresh, [(7, 0b011, 100 * S)], 200 * S, 0b111, RULES) == []
+    assert silent_members(rows, [(7, 0b011, 100 * S)], 200 * S, 0b011, RULES) == []   # gone already
+    assert silent_members(rows, [(7, 0b100, 100 * S)], 200 * S, 0b011, RULES) == []   # only a gone one in it
+    off = DepartureRules(silent_after_s=0)
+    assert silent_members(rows, [(7, 0b011, 100 * S)], 200 * S, 0b111, off) == []
+
+
+def test_a_member_that_never_sent_is_starting():
+    rows = [row(0, 0, 100), row(1, None, 0)]
+    assert silent_members(rows, [(0, 0b01, 100 * S)], 200 * S, 0b11, RULES) == []
+
+
+def test_awaited_again_once_it_keeps_pace():
+    # rank 2 rejoined at round 10; the others must be at 12 and rank 2 at the newest round
+    assert not keeps_pace([row(0, 11, 0), row(1, 11, 0), row(2, 11, 0)], 2, 10, 0b011, RULES)
+    assert not keeps_pace([row(0, 13, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
+    assert keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
+    assert not keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, None, 0)], 2, 10, 0b011, RULES)
