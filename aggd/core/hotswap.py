@@ -4,7 +4,9 @@ set``, the policy, ``aggctl bench swap`` and the tests all go through ``swap``).
 The new version takes effect from a round no member has reached: ``from_round`` defaults to the
 highest round the data plane has seen plus a margin, and the data plane is asked again after the
 write. A member that raced past ``from_round`` in between would have opened a round of the new
-version under the old one, so that is reported as an error rather than ignored.
+version under the old one, so that is reported as an error rather than ignored. A job that has run
+no round yet takes the new version from round 0, and it replaces every row of the table (none
+has governed a round), so setting strategies before a job starts never fills the table.
 """
 from __future__ import annotations
 
@@ -34,9 +36,10 @@ class TableFull(StrategyError):
 
 
 def next_from_round(max_round: int | None, table: StrategyTable, margin: int = SWAP_MARGIN) -> int:
-    """The first round a new version may govern."""
-    first_free = table.entries[-1][1] + 1
-    return max(first_free, 0 if max_round is None else max_round + margin)
+    """The first round a new version may govern: 0 before any round (it replaces the table)."""
+    if max_round is None:
+        return 0
+    return max(table.entries[-1][1] + 1, max_round + margin)
 
 
 def plan(table: StrategyTable, seen: int | None, from_round: int | None = None,
@@ -47,7 +50,7 @@ def plan(table: StrategyTable, seen: int | None, from_round: int | None = None,
         from_round = next_from_round(seen, table, margin)
     elif seen is not None and from_round <= seen:
         raise RoundPast(f"round {from_round} is already past (the job has reached round {seen})")
-    if len(table.entries) == STRATEGY_VERSIONS:
+    if len(table.entries) == STRATEGY_VERSIONS and from_round > 0:
         # installing drops the oldest entry: only once no round it governs can still be open
         retiring_until = table.entries[1][1]
         if seen is None or seen - MAX_TRAIL < retiring_until:

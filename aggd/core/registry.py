@@ -342,14 +342,15 @@ class Registry:
     def set_strategy(self, ref: str | int, strategy: str | strat.Strategy,
                      from_round: int) -> tuple[Job, strat.StrategyTable]:
         """Record a new strategy version (text, or a Strategy its caller parsed already) that governs
-        rounds from ``from_round`` on. Returns the job and its table (whose ``table_entries()`` the
-        data planes install). Nothing changes if the strategy or the round is refused."""
+        rounds from ``from_round`` on (from round 0, for a job that has run no round, it replaces
+        every version). Returns the job and its table (whose ``table_entries()`` the data planes
+        install). Nothing changes if the strategy or the round is refused."""
         job = self.get(ref)
         parsed = _valid_strategy(strategy, job.world)
         if not isinstance(from_round, int) or not 0 <= from_round < 1 << 32:
             raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
         version, first, _ = job.strategies[-1]
-        if from_round <= first:
+        if 0 < from_round <= first:
             raise RegistryError(f"strategy version {version} of job {job.name!r} governs from round {first}; "
                                 f"a new version must start after it", "bad_round")
         table = job.strategy_table()

@@ -143,8 +143,13 @@ class StrategyTable:
         self.entries: list[tuple[int, int, Strategy]] = [(0, 0, strategy)]
 
     def install(self, version: int, from_round: int, strategy: Strategy) -> None:
-        if from_round < self.entries[-1][1] or version <= self.entries[-1][0]:
+        """Add a version governing rounds from ``from_round`` on; from round 0 (a job that has run
+        no round) it replaces every row."""
+        if version <= self.entries[-1][0] or 0 < from_round < self.entries[-1][1]:
             raise StrategyError("strategy versions and their first rounds must increase")
+        if from_round == 0:
+            self.entries = [(version, 0, strategy)]
+            return
         self.entries = (self.entries + [(version, from_round, strategy)])[-STRATEGY_VERSIONS:]
 
     def governing(self, round_: int) -> tuple[int, Strategy]:
