@@ -40,7 +40,8 @@ enum aggd_nack_code {
 	AGGD_NACK_CODE_BAD_CHUNK = 3,
 	AGGD_NACK_CODE_STALE = 4,
 	AGGD_NACK_CODE_BAD_TOKEN = 5,
-	AGGD_NACK_CODE__COUNT = 6,
+	AGGD_NACK_CODE_BAD_REQUEST = 6,
+	AGGD_NACK_CODE__COUNT = 7,
 };
 
 enum aggd_strategy_kind {

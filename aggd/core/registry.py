@@ -383,14 +383,20 @@ def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: fl
     ``round_of(outcome, rank)``: the round the accepted member starts at (0 for a new job's
     members; the job's next round for one that restarted or was declared gone).
 
-    (None, None) for a malformed JOIN (not answered: it may not even come from an aggd client).
-    The caller applies an accepted outcome with ``changed`` to the data planes."""
+    A malformed payload is refused (NackCode.BAD_REQUEST, the reason in one line); (None, None)
+    when not even the header can be read (it may not come from an aggd client). The caller
+    applies an accepted outcome with ``changed`` to the data planes."""
     from aggd_client.membership import decode_join, encode_join_ack
+    from aggd_client.protocol import HEADER_SIZE, Header
 
+    if len(data) < HEADER_SIZE:
+        return None, None
     try:
         hdr, ref, token = decode_join(data)
-    except (ValueError, UnicodeDecodeError):
-        return None, None
+    except ValueError as exc:
+        hdr = Header.unpack(data)
+        outcome = JoinOutcome(NackCode.BAD_REQUEST, str(exc))
+        return encode_join_ack(hdr.job, hdr.rank, outcome.code, {"error": outcome.message}), outcome
     outcome = registry.join(ref, hdr.rank, token, src, now)
     if outcome.code != NackCode.NONE:
         job_id = outcome.job.id if outcome.job else hdr.job

@@ -353,9 +353,10 @@ class Service:
         with self.lock:
             answer, outcome = answer_join(self.registry, data, src, time.time(), round_of=self._join_round)
             if outcome is None:
-                log.info("malformed JOIN from %s:%d ignored", src[0], src[1])
+                log.info("a JOIN too short for its header from %s:%d ignored", src[0], src[1])
             elif outcome.code != proto.NackCode.NONE:
-                log.warning("join refused (%s) from %s:%d: %s", outcome.code.name, src[0], src[1], outcome.message)
+                log.warning("join refused (%s) from %s:%d: %.200s", outcome.code.name, src[0], src[1],
+                            outcome.message)
             elif outcome.changed:
                 job, rank = outcome.job, Header.unpack(data).rank
                 for plane in self.planes:

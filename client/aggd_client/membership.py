@@ -71,18 +71,41 @@ def encode_join(job: int | str, rank: int, token: str) -> bytes:
     return Header(type=MsgType.JOIN, job=job_field, rank=int(rank)).pack() + json.dumps(body).encode()
 
 
+#: A JOIN's payload is small (a token, a job name): anything longer is refused unread.
+MAX_JOIN_PAYLOAD = 512
+MAX_TOKEN = 128
+MAX_JOB_NAME = 64
+
+
+def _text(body: dict, key: str, limit: int, what: str) -> str:
+    v = body.get(key)
+    if not isinstance(v, str) or not v or len(v) > limit:
+        raise ValueError(f"{what} must be a string of 1..{limit} characters")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode") from None
+    return v
+
+
 def decode_join(data: bytes) -> tuple[Header, int | str, str]:
-    """(header, job id or name, token) of a JOIN; ValueError if malformed."""
+    """(header, job id or name, token) of a JOIN; ValueError with a one-line reason if malformed
+    (bounded: the payload is read only up to MAX_JOIN_PAYLOAD bytes, so no nesting is deep)."""
     hdr = Header.unpack(data)
-    body = json.loads(bytes(data[HEADER_SIZE:]).decode())
-    if not isinstance(body, dict) or not isinstance(body.get("token"), str):
-        raise ValueError("a JOIN payload is a JSON object with a string token")
+    raw = bytes(data[HEADER_SIZE:])
+    if len(raw) > MAX_JOIN_PAYLOAD:
+        raise ValueError(f"a JOIN payload has at most {MAX_JOIN_PAYLOAD} bytes, not {len(raw)}")
+    try:
+        body = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError("a JOIN payload is a UTF-8 JSON object") from None
+    if not isinstance(body, dict):
+        raise ValueError("a JOIN payload is a JSON object")
+    token = _text(body, "token", MAX_TOKEN, "the token")
     job: int | str = hdr.job
     if hdr.job == JOB_BY_NAME:
-        if not isinstance(body.get("job"), str):
-            raise ValueError("a JOIN by name carries the job's name in the payload")
-        job = body["job"]
-    return hdr, job, body["token"]
+        job = _text(body, "job", MAX_JOB_NAME, "the job's name (a JOIN by name)")
+    return hdr, job, token
 
 
 def encode_join_ack(job: int, rank: int, code: int, body: dict) -> bytes:

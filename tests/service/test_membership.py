@@ -70,3 +70,38 @@ def test_wrong_token_refused_and_forged_rank_dropped(make_lab, make_daemon):
     workers = d.call("workers", job="guarded")["workers"]
     assert [w["address"] for w in workers] == [[lab.worker_ip(0), 40000], [lab.worker_ip(1), 40000]]
     assert [w["last_round"] for w in workers] == [3, 3]  # 2 sizes x 2 rounds: allreduces 0..3
+
+
+HOSTILE_JOINS = textwrap.dedent("""
+    import json, socket, sys
+    from aggd_client.membership import JOB_BY_NAME, decode_join_ack
+    from aggd_client.protocol import Header, MsgType
+    server, ip = sys.argv[1], sys.argv[2]
+    head = Header(type=MsgType.JOIN, job=JOB_BY_NAME, rank=0).pack()
+    payloads = [b"[" * 5000 + b"]" * 5000, b'{"token": "\\\\ud800", "job": "train"}',
+                b'{"token": "t", "job": "' + b"n" * 5000 + b'"}', b"\\xff garbage", b"[]"]
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((ip, 40001))
+    s.settimeout(5)
+    out = []
+    for p in payloads:
+        s.sendto(head + p, (server, 47000))
+        hdr, body = decode_join_ack(s.recv(65536))
+        out.append({"code": int(hdr.code), "error": body.get("error")})
+    print(json.dumps(out))
+""")
+
+
+def test_malformed_joins_get_a_one_line_refusal_and_no_traceback(make_lab, make_daemon):
+    lab = make_lab(1)
+    d = make_daemon(lab)
+    d.call("jobs.create", name="train", world=1)
+    out = lab.check_output(lab.worker_ns(0), [sys.executable, "-c", HOSTILE_JOINS, lab.agg_ip,
+                                              lab.worker_ip(0)], timeout=60)
+    answers = json.loads(out.strip().splitlines()[-1])
+    assert [a["code"] for a in answers] == [6] * 5, answers          # NackCode.BAD_REQUEST
+    assert all(a["error"] and "\n" not in a["error"] and len(a["error"]) < 120 for a in answers), answers
+    log = d.log()
+    assert "Traceback" not in log and "n" * 300 not in log, log[-3000:]
+    assert log.count("join refused (BAD_REQUEST)") == 5
+    assert d.call("status")["jobs"][0]["joined"] == 0                  # nothing changed

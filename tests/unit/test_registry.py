@@ -5,6 +5,8 @@ import itertools
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aggd.core.registry import Limits, Registry, RegistryError, answer_join
 from aggd_client.membership import decode_join_ack, encode_join
@@ -134,7 +136,47 @@ def test_answer_join_round_trip():
     answer, _ = answer_join(r, encode_join(job.id, 0, "bad"), ("10.0.0.3", 5000))
     hdr, body = decode_join_ack(answer)
     assert hdr.code == NackCode.BAD_TOKEN and "refused" in body["error"]
-    assert answer_join(r, b"\xa6\x6d\x01\x05" + bytes(36) + b"not json", ("10.0.0.3", 1)) == (None, None)
+    assert answer_join(r, b"\xa6\x6d\x01\x05" + bytes(10), ("10.0.0.3", 1)) == (None, None)   # no header
+
+
+JOIN_HEADER = encode_join("a", 1, "t")[:40]
+
+
+@pytest.mark.parametrize("payload, reason", [
+    (b"not json", "a UTF-8 JSON object"),
+    (b"[" * 5000 + b"]" * 5000, "at most 512 bytes"),                  # RecursionError before
+    (b"[" * 250 + b"]" * 250, "a JSON object"),
+    (b'{"token": "\\ud800", "job": "a"}', "not valid Unicode"),        # UnicodeEncodeError before
+    (b'{"token": "t", "job": "' + b"x" * 400 + b'"}', "1..64 characters"),
+    (b'{"token": 7, "job": "a"}', "the token must be a string"),
+    (b"\xff\xfe", "UTF-8"),
+])
+def test_malformed_joins_are_refused_in_one_line(payload, reason):
+    r = registry()
+    r.create("a", 2)
+    answer, outcome = answer_join(r, JOIN_HEADER + payload, ("10.0.0.3", 1))
+    hdr, body = decode_join_ack(answer)
+    assert hdr.code == NackCode.BAD_REQUEST == outcome.code and reason in body["error"], body
+    assert "\n" not in body["error"] and len(body["error"]) < 120 and not r.get("a").members
+
+
+@settings(max_examples=300, deadline=None)
+@given(payload=st.one_of(st.binary(max_size=600),
+                         st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=80),
+                                      lambda inner: st.lists(inner, max_size=4) |
+                                      st.dictionaries(st.sampled_from(["token", "job", "x"]), inner, max_size=3),
+                                      max_leaves=20).map(lambda v: json.dumps(v).encode())),
+       job_by_name=st.booleans())
+def test_random_join_payloads_never_raise(payload, job_by_name):
+    """Any payload after a JOIN header: answered (accepted only with the job's token) or refused
+    with a code; nothing raises."""
+    r = registry()
+    job = r.create("a", 2)
+    head = encode_join("a" if job_by_name else job.id, 1, "t")[:40]
+    answer, outcome = answer_join(r, head + payload, ("10.0.0.3", 1))
+    hdr, body = decode_join_ack(answer)
+    assert (hdr.code == NackCode.NONE) == (outcome.code == NackCode.NONE)
+    assert hdr.code != NackCode.NONE or job.token.encode() in payload
 
 
 def test_strategy_versions():

@@ -67,6 +67,7 @@ class NackCode(enum.IntEnum):
     BAD_CHUNK = 3
     STALE = 4
     BAD_TOKEN = 5
+    BAD_REQUEST = 6      #: a malformed JOIN: answered, with the reason, rather than ignored
 
 
 class StrategyKind(enum.IntEnum):

@@ -35,6 +35,7 @@ const bit<8> AGGD_NACK_CODE_NOT_MEMBER = 2;
 const bit<8> AGGD_NACK_CODE_BAD_CHUNK = 3;
 const bit<8> AGGD_NACK_CODE_STALE = 4;
 const bit<8> AGGD_NACK_CODE_BAD_TOKEN = 5;
+const bit<8> AGGD_NACK_CODE_BAD_REQUEST = 6;
 
 const bit<8> AGGD_STRATEGY_KIND_SYNC = 0;
 const bit<8> AGGD_STRATEGY_KIND_QUORUM = 1;
