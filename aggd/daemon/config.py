@@ -437,9 +437,12 @@ def load(path: str | Path) -> Config:
     """Read and check a TOML config file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"cannot read: {exc.strerror or exc}"], str(path)) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                           f"TOML files are UTF-8"], str(path)) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

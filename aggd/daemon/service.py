@@ -146,6 +146,9 @@ class Service:
 
         cfg, dpc = self.config, self.config.dataplane
         netns = dpc.netns or None
+        if netns and not Path("/run/netns", netns).exists():
+            raise ServiceError(f"dataplane.netns: no network namespace {netns!r} (/run/netns/{netns} does not "
+                               f"exist; `ip netns list` shows them)")
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = dpc.address or interface_address(dpc.interface, netns)
         if dpc.kind == "p4":
@@ -456,6 +459,9 @@ class Service:
                        "used_slots": used, "free_slots": max(0, lim.kernel_budget - used),
                        "largest_free_run": self.registry.largest_free_run()},
             "userspace": self.us.describe() if self.us else {"alive": False},
+            # packets refused before their job was known (malformed, foreign, unknown job), by path
+            "no_job_drops": {name: plane.job_stats(None).drops
+                             for name, plane in (("kernel", self.dp), ("userspace", self.us)) if plane is not None},
             "jobs": [{**self._summary(j), **self._policy_view(j)} for j in self.registry.list()],
         }
 

@@ -71,3 +71,8 @@ def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
     d.start(wait=False)
     assert d.proc.wait(60) == 1
     assert "no interface nosuch0" in d.log()
+    # a namespace that does not exist: named by its key, no traceback
+    d.configure(dataplane={"netns": "nosuchns"})
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert "dataplane.netns: no network namespace 'nosuchns'" in d.log() and "Traceback" not in d.log()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -88,6 +89,7 @@ HOSTILE_JOINS = textwrap.dedent("""
         s.sendto(head + p, (server, 47000))
         hdr, body = decode_join_ack(s.recv(65536))
         out.append({"code": int(hdr.code), "error": body.get("error")})
+    s.sendto(b"not aggd at all, " * 4, (server, 47000))     # bad magic: dropped, counted
     print(json.dumps(out))
 """)
 
@@ -105,3 +107,7 @@ def test_malformed_joins_get_a_one_line_refusal_and_no_traceback(make_lab, make_
     assert "Traceback" not in log and "n" * 300 not in log, log[-3000:]
     assert log.count("join refused (BAD_REQUEST)") == 5
     assert d.call("status")["jobs"][0]["joined"] == 0                  # nothing changed
+    deadline = time.monotonic() + 10
+    while "bad_magic 1" not in d.aggctl("status").output and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "dropped before reaching a job (kernel): bad_magic 1" in d.aggctl("status").output

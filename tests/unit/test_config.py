@@ -86,6 +86,14 @@ def test_unreadable_and_invalid_toml(tmp_path):
     bad.write_text("[dataplane\n")
     with pytest.raises(c.ConfigError, match="not valid TOML"):
         c.load(bad)
+    latin = tmp_path / "latin1.toml"
+    latin.write_bytes('[log]\n# r\xe9glages\nlevel = "info"\n'.encode("latin-1"))
+    with pytest.raises(c.ConfigError, match=r"not UTF-8 text \(byte 9: b'\\xe9'\)") as info:
+        c.load(latin)
+    assert str(latin) in str(info.value) and "Traceback" not in str(info.value)
+    res = CliRunner().invoke(aggctl, ["config", "check", str(latin)])
+    assert res.exit_code == 1 and "not UTF-8" in res.output and res.exception is None or \
+        isinstance(res.exception, SystemExit), res.output
 
 
 def test_reload_sees_which_keys_changed():

@@ -32,6 +32,10 @@ def status(as_json):
                    f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
     click.echo(f"user-space path: {'running' if us['alive'] else 'STOPPED'}, {us['errors']} errors, "
                f"{us['send_errors']} send errors")
+    for path, drops in (s.get("no_job_drops") or {}).items():
+        shown = ", ".join(f"{reason} {n}" for reason, n in sorted(drops.items()) if n)
+        if shown:
+            click.echo(f"dropped before reaching a job ({path}): {shown}")
     if not s["jobs"]:
         click.echo("no jobs (create one with `aggctl jobs create NAME --world N`)")
         return
