@@ -293,6 +293,17 @@ class Bank:
                 and (now - self.t_first) % (1 << 64) >= self.timeout_us * 1000)
 
 
+#: Columns of ``JobState.members`` (the XDP program's ``struct member_stats``).
+M_CONTRIBUTIONS, M_LAG_NS, M_LATE, M_LAST_ROUND, M_LAST_NS = range(5)
+
+
+def member_rows(members: np.ndarray, world: int) -> list[dict]:
+    """``DataPlane.member_stats`` rows from a ``JobState.members`` array."""
+    return [{"rank": r, "contributions": int(m[M_CONTRIBUTIONS]), "lag_ns_sum": int(m[M_LAG_NS]),
+             "late": int(m[M_LATE]), "last_round": int(m[M_LAST_ROUND]) - 1 if m[M_LAST_ROUND] else None,
+             "last_ns": int(m[M_LAST_NS])} for r, m in enumerate(members[:world])]
+
+
 def check_awaited(awaited: int, world: int) -> int:
     """``awaited`` if it is a bitmap of some of ``world``'s ranks, at least one; ValueError if not."""
     if not 0 < awaited < 1 << world:
@@ -379,9 +390,22 @@ class JobState:
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
     #: The members a round waits for (set_awaited): every member unless some were declared gone.
     awaited: int = 0
+    #: Per member (rank): contributions, lag_ns_sum, late, last round + 1 (0: none), last_ns.
+    members: np.ndarray = field(default_factory=lambda: np.zeros((MAX_MEMBERS, 5), np.uint64))
     #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
     pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
                                                              if n.upper() not in Counter.__members__})
+
+    def count_member(self, rank: int, round_: int, now: int, lag_ns: int, late: bool) -> None:
+        """A contribution of ``rank`` added (its own, or a late one carried): the per-member
+        counters the XDP program keeps in ``member_stats`` (the straggler detector's and the
+        departure rules' input)."""
+        m = self.members[rank]
+        m[M_CONTRIBUTIONS] += 1
+        m[M_LAG_NS] += np.uint64(lag_ns % (1 << 64))
+        m[M_LATE] += int(late)
+        m[M_LAST_ROUND] = max(int(m[M_LAST_ROUND]), round_ + 1)
+        m[M_LAST_NS] = now
 
     def count(self, name: str, n: int = 1) -> None:
         member = Counter.__members__.get(name.upper())
@@ -622,6 +646,7 @@ class AggregatorModel:
                     fresh: bool, now: int) -> Verdict:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
+        job.count_member(hdr.rank, hdr.round, now, now - bank.t_first, late=False)
         if bank.holding:           # the round proper starts: its order, admission and deadline
             bank.holding, bank.t_first = False, now
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
@@ -668,6 +693,7 @@ class AggregatorModel:
         if known:
             mem.refused &= ~(1 << k)
         self._add(job, target, hdr, values, fresh)
+        job.count_member(hdr.rank, hdr.round, now, 0, late=True)
         target.flags |= Flag.CARRIED
         job.count("carried")
         if origin is not None and origin.state != BankState.EMPTY and origin.key == key:

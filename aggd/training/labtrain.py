@@ -132,12 +132,14 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
 
 def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
         *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
-        tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False) -> RunResult:
+        tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False,
+        kernel_slots: int | None = None) -> RunResult:
     """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
     ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start.
     ``kill=(rank, round)``: SIGKILL that worker once rank 0 reports that round (a dead worker;
     the run goes on with the others); ``restart``: then start it again at once, as a supervisor
-    would (it rejoins the job where the job is)."""
+    would (it rejoins the job where the job is). ``kernel_slots``: the job's slots in the kernel
+    (0: every chunk in the daemon's user-space path; None: the daemon's choice)."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -177,7 +179,8 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                 raise ValueError(f"strategy {strategy} needs a LabDaemon")
             name = f"{DYNAMIC_PREFIX if strategy == 'dynamic' else 'st'}-{scenario.name}-{strategy}" \
                    f"{tag}-{secrets.token_hex(2)}"
-            job = daemon.call("jobs.create", name=name, world=world, strategy=text)
+            job = daemon.call("jobs.create", name=name, world=world, strategy=text,
+                              **({} if kernel_slots is None else {"kernel_slots": kernel_slots}))
             if on_job:
                 on_job(job)
             extra = lambda rank: ["--server", f"{lab.agg_ip}:{job['port']}",  # noqa: E731

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from aggd.dataplane.xdp.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from aggd.dataplane.xdp.loader import multicast_mac
-from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict
+from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict, member_rows
 from aggd.testing.frames import AGG_IP
 from aggd_client.protocol import Counter, DropReason
 
@@ -119,6 +119,8 @@ class Harness:
         assert {r.name.lower(): int(drops[r]) for r in DropReason} == xdp.drops, where
         no_job = self.model.drops(NO_JOB)
         assert {r.name.lower(): int(no_job[r]) for r in DropReason} == self.dp.job_stats(None).drops, where
+        state = self.model.jobs[JOB]
+        assert member_rows(state.members, state.cfg.world) == self.dp.member_stats(JOB, state.cfg.world), where
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Nobody left hanging: a real aggd daemon, 4 real workers training the digits MLP in a lab, one of
 them SIGKILLed mid-training.
 
-Under ``sync`` the survivors' round waits for the dead worker. The daemon must declare it gone
+Under ``sync`` the survivors' round waits for the dead worker (its slots in the kernel, or all in
+the daemon's user-space path). The daemon must declare it gone
 within ``[policy] silent_after`` (5 s by default, docs/protocol.md "Members declared gone"), say so
 in ``aggctl workers`` and its log, and the survivors must go on and finish training. A worker
 restarted at once rejoins where the job is (the JOIN answer's round), is declared gone as well
@@ -33,11 +34,12 @@ def longest_stall(result) -> float:
     return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
-def test_a_dead_worker_under_sync_is_declared_gone_and_the_others_finish(lab_daemon):
+@pytest.mark.parametrize("path", ["kernel", "user"])
+def test_a_dead_worker_under_sync_is_declared_gone_and_the_others_finish(lab_daemon, path):
     lab, d = lab_daemon(4)
     job = {}
     res = run(lab, d, "sync", "none", RunParams(rounds=ROUNDS, compute_ms=10.0, target=0.9, timeout_s=180),
-              on_job=job.update, kill=(3, KILL_AT))
+              on_job=job.update, kill=(3, KILL_AT), kernel_slots=None if path == "kernel" else 0)
     survivors = {w["rank"]: w for w in res.workers}
     assert sorted(survivors) == [0, 1, 2], res.workers
     assert all(w["rounds"] >= ROUNDS and w["drained"] is True for w in survivors.values()), res.workers

@@ -142,6 +142,7 @@ def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts):
     assert m.drops(NO_JOB).tolist() == ref.drops(NO_JOB).tolist()
     assert m.stats() == ref.stats()
     assert bank_state(m) == bank_state(ref)
+    assert m.jobs[JOB].members.tolist() == ref.jobs[JOB].members.tolist()    # per-member counters
 
 
 def test_the_kernel_decided_most_packets():

@@ -31,8 +31,8 @@ from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VER
     Flag, MsgType, StrategyKind
 
 from aggd.dataplane.userspace.kernels import accumulate, load, narrow
-from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, RESULT_RANK, STEPS, AggregatorModel, BankState,
-                    JobState, Verdict)
+from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
+                             RESULT_RANK, STEPS, AggregatorModel, BankState, JobState, Verdict)
 
 # Header field offsets, from the protocol definition.
 _OFF = {name: off for name, (_, off) in HEADER_DTYPE.fields.items()}
@@ -156,7 +156,7 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, count
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        member_ip, member_port, table, bi, bu, steps, values, counters, drops, dirty,
+        member_ip, member_port, table, bi, bu, steps, values, counters, drops, dirty, members,
         out, out32, out_len, out_kind, out_reason):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job``; return
     the index of the first that is not (``n`` when all were). See the module docstring."""
@@ -286,6 +286,11 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
         bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + 1) & 0xFFFF
         counters[C_CONTRIBUTIONS] += np.uint64(1)
         counters[C_ELEMENTS] += np.uint64(count)
+        members[rank, M_CONTRIBUTIONS] += np.uint64(1)              # JobState.count_member
+        members[rank, M_LAG_NS] += now - bu[s, b, U_TFIRST]
+        if np.uint64(round_ + 1) > members[rank, M_LAST_ROUND]:
+            members[rank, M_LAST_ROUND] = np.uint64(round_ + 1)
+        members[rank, M_LAST_NS] = now
         if bi[s, b, F_HOLDING]:
             bi[s, b, F_HOLDING] = 0
             bu[s, b, U_TFIRST] = now
@@ -341,6 +346,7 @@ class FastJob:
                 bank.values = self.values[s, b]     # one array, shared with the model
         self.dirty = np.zeros(slots, np.uint8)
         self.counters = self.state.counters          # shared: the model counts in place
+        self.members = self.state.members            # (its per-member counters too)
         self.drops = model._drops[job]               # (the model's per-job drop array, in place too)
         for s in range(slots):
             self.to_arrays(s)
@@ -462,7 +468,7 @@ class FastPath:
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1:
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
                           fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port,
-                          fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty,
+                          fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
                           batch.out, batch.out32, batch.out_len, kind, batch.out_reason)
                 if nxt > i:
                     i = nxt
@@ -510,4 +516,4 @@ def warm_up() -> None:
         np.zeros(64, np.int64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
-        batch.out, batch.out32, one, batch.out_kind, batch.out_reason)
+        np.zeros((64, 5), np.uint64), batch.out, batch.out32, one, batch.out_kind, batch.out_reason)

@@ -35,7 +35,7 @@ from aggd.dataplane.userspace import kernels
 
 from aggd.dataplane.userspace import msend
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, rounds_by_member
-from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict
+from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict, member_rows
 from aggd.core.strategy import TableEntry
 
 log = logging.getLogger(__name__)
@@ -236,6 +236,12 @@ class UserspaceAggregator(DataPlane):
 
     def describe(self) -> dict:
         return {"alive": self.is_alive(), "errors": self.errors, "send_errors": self.send_errors}
+
+    def member_stats(self, job: int, world: int) -> list[dict] | None:
+        with self._lock:
+            if job not in self._route:
+                return None
+            return member_rows(self._route[job].jobs[job].members, world)
 
     def max_round(self, job: int) -> int | None:
         return self.job_rounds(job)[0] if self.has_job(job) else None
