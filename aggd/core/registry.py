@@ -24,7 +24,7 @@ from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
 
 from aggd.core import strategy as strat
 
-_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")   # the whole name (fullmatch: no trailing newline)
 STATE_VERSION = 1
 
 Addr = tuple[str, int]
@@ -48,6 +48,8 @@ class Limits:
     result_port: int
     group_base: str = "239.77.0.0"
     default_slots: int = 1024
+    max_slots: int = 1 << 14          #: most slots a job may ask for ([jobs] max_slots)
+    max_job_memory: int = 256 << 20   #: most bytes of sums a job's slots may take ([jobs] max_job_memory)
     max_chunks: int = 1 << 24
     gso: bool = True                  #: workers may send with UDP GSO (false in generic mode)
 
@@ -178,9 +180,25 @@ class JoinOutcome:
     rejoined: bool = False
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)   # true is not a world size
+
+
+#: Bytes a value takes in a slot: ``aggd.core.model.BANKS`` (4) banks of 64-bit sums.
+SUM_BYTES = 4 * 8
+
+
+def slots_bytes(slots: int, elements: int) -> int:
+    """Bytes of sums ``slots`` slots of ``elements`` values take where every slot of a job is held
+    (the user-space path's arrays)."""
+    return slots * SUM_BYTES * elements
+
+
 def _valid_strategy(strategy: str | strat.Strategy, world: int) -> strat.Strategy:
     """``strategy`` parsed (unless it is a Strategy already) and checked for a job of ``world``;
     RegistryError (bad_strategy) saying why not."""
+    if not isinstance(strategy, (str, strat.Strategy)):
+        raise RegistryError(f"strategy must be text such as 'quorum:3', not {strategy!r}", "bad_strategy")
     try:
         parsed = strat.parse(strategy) if isinstance(strategy, str) else strategy
         return parsed.validate(world)
@@ -198,7 +216,7 @@ class Registry:
     # -- lookup ------------------------------------------------------------------------------------
     def get(self, ref: str | int) -> Job:
         """A job by name or id (an int, or a string of digits)."""
-        if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        if _is_int(ref) or (isinstance(ref, str) and ref.isascii() and ref.isdigit() and len(ref) < 20):
             job = self.jobs.get(int(ref))
         else:
             job = next((j for j in self.jobs.values() if j.name == ref), None)
@@ -243,20 +261,27 @@ class Registry:
                elements: int | None = None, kernel_slots: int | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit)."""
         lim = self.limits
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
                                 f"at most 64 characters", "bad_request")
         if any(j.name == name for j in self.jobs.values()):
             raise RegistryError(f"a job named {name!r} exists already", "exists")
-        if not isinstance(world, int) or not 1 <= world <= MAX_MEMBERS:
+        if not _is_int(world) or not 1 <= world <= MAX_MEMBERS:
             raise RegistryError(f"world must be 1..{MAX_MEMBERS}, not {world!r}", "bad_request")
         slots = lim.default_slots if slots is None else slots
-        if not isinstance(slots, int) or slots < 1:
+        if not _is_int(slots) or slots < 1:
             raise RegistryError(f"slots must be a positive integer, not {slots!r}", "bad_request")
+        if slots > lim.max_slots:
+            raise RegistryError(f"slots {slots} is more than the {lim.max_slots} a job may have "
+                                f"([jobs] max_slots)", "too_large")
         elements = lim.elements if elements is None else elements
-        if not isinstance(elements, int) or not 1 <= elements <= MAX_ELEMENTS:
+        if not _is_int(elements) or not 1 <= elements <= MAX_ELEMENTS:
             raise RegistryError(f"elements must be 1..{MAX_ELEMENTS}, not {elements!r}", "bad_request")
-        if kernel_slots is not None and (not isinstance(kernel_slots, int) or kernel_slots < 0):
+        if slots_bytes(slots, elements) > lim.max_job_memory:
+            raise RegistryError(f"{slots} slots of {elements} values take {slots_bytes(slots, elements)} bytes, "
+                                f"more than the {lim.max_job_memory} a job may have ([jobs] max_job_memory)",
+                                "too_large")
+        if kernel_slots is not None and (not _is_int(kernel_slots) or kernel_slots < 0):
             raise RegistryError(f"kernel_slots must be 0 or more, not {kernel_slots!r}", "bad_request")
         parsed = _valid_strategy(strategy, world)
         free_ids = [i for i in range(1, MAX_JOBS) if i not in self.jobs] + ([0] if 0 not in self.jobs else [])
@@ -315,7 +340,7 @@ class Registry:
         """Declare ``rank`` of a job gone at round ``at_round``: rounds stop waiting for it.
         Refused for a rank outside the world, one gone already, or the last member awaited."""
         job = self.get(ref)
-        if not isinstance(rank, int) or not 0 <= rank < job.world:
+        if not _is_int(rank) or not 0 <= rank < job.world:
             raise RegistryError(f"rank {rank!r} is not a member of job {job.name!r} (ranks 0..{job.world - 1})",
                                 "bad_rank")
         if rank in job.gone:
@@ -329,7 +354,7 @@ class Registry:
     def readmit(self, ref: str | int, rank: int) -> Job:
         """Rounds wait for ``rank`` again (it keeps pace once more)."""
         job = self.get(ref)
-        if job.gone.pop(rank, None) is None:
+        if not _is_int(rank) or job.gone.pop(rank, None) is None:
             raise RegistryError(f"rank {rank} of job {job.name!r} is not gone", "not_gone")
         return job
 
@@ -347,7 +372,7 @@ class Registry:
         install). Nothing changes if the strategy or the round is refused."""
         job = self.get(ref)
         parsed = _valid_strategy(strategy, job.world)
-        if not isinstance(from_round, int) or not 0 <= from_round < 1 << 32:
+        if not _is_int(from_round) or not 0 <= from_round < 1 << 32:
             raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
         version, first, _ = job.strategies[-1]
         if 0 < from_round <= first:

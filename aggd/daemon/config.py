@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from aggd.core.registry import slots_bytes
 from aggd_client.protocol import (DEFAULT_ELEMENTS, DEFAULT_PORT, DEFAULT_RESULT_PORT, MAX_ELEMENTS, MAX_JOBS,
                                   MAX_MEMBERS, NATIVE_MAX_ELEMENTS)
 
@@ -242,6 +243,9 @@ class P4Config:
 @dataclass(frozen=True)
 class JobsConfig:
     default_slots: int = _setting(1024, _int_range(1, 1 << 20), "slots of a job created without --slots")
+    max_slots: int = _setting(1 << 14, _int_range(1, 1 << 20), "most slots a job may ask for")
+    max_job_memory: int = _setting(256 << 20, _size, "most bytes of sums a job's slots may take (slots x "
+                                   "elements x 32)", (int, str))
     max_chunks: int = _setting(1 << 24, _int_range(1, (1 << 32) - 1), "largest chunk number + 1")
     group_base: str = _setting("239.77.0.0", _multicast_base, "job i's results go to this group + i")
     result_port: int = _setting(DEFAULT_RESULT_PORT, _port, "UDP port results are sent to")
@@ -366,7 +370,7 @@ SECTIONS = {f.name: f.default_factory for f in dataclasses.fields(Config) if f.n
 
 #: Settings a SIGHUP applies to the running daemon; any other change needs a restart.
 RELOADABLE = {
-    "log.level", "control.group", "jobs.default_slots", "jobs.max_chunks",
+    "log.level", "control.group", "jobs.default_slots", "jobs.max_slots", "jobs.max_job_memory", "jobs.max_chunks",
     *(f"policy.{f.name}" for f in dataclasses.fields(PolicyConfig)),
     "dataplane.kernel_memory",  # for jobs created afterwards, up to the size loaded at start
     "metrics.max_jobs", "metrics.max_ranks",  # read at every scrape
@@ -399,6 +403,14 @@ def parse(data: dict, source: str | None = None) -> Config:
         if dp.kind == "p4" and not sections["p4"].hosts:
             problems.append('p4.hosts: the switch needs its hosts ({ "IP" = ["MAC", PORT] }, the daemon host '
                             'among them) when dataplane.kind is "p4"')
+        jobs = sections["jobs"]
+        if jobs.default_slots > jobs.max_slots:
+            problems.append(f"jobs.default_slots: must be at most jobs.max_slots ({jobs.max_slots})")
+        elif slots_bytes(jobs.default_slots, dp.elements_per_packet) > jobs.max_job_memory:
+            problems.append(f"jobs.max_job_memory: a job of jobs.default_slots ({jobs.default_slots}) slots of "
+                            f"dataplane.elements_per_packet ({dp.elements_per_packet}) values takes "
+                            f"{slots_bytes(jobs.default_slots, dp.elements_per_packet)} bytes, more than "
+                            f"{jobs.max_job_memory}")
         pol = sections["policy"]
         if pol.even_factor > pol.slow_factor:
             problems.append(f"policy.even_factor: must be at most policy.slow_factor ({pol.slow_factor:g})")

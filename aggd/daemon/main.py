@@ -9,8 +9,8 @@ Signals:
                    logs the changed keys that need a restart. A bad file is refused whole.
 
 sd_notify: READY=1 once jobs are restored and aggctl is served, STATUS= lines, WATCHDOG=1 every
-half WATCHDOG_USEC while the user-space path is alive, RELOADING=1 / READY=1 around a reload,
-STOPPING=1 on the way out.
+half WATCHDOG_USEC while the user-space path and the control socket's thread are alive,
+RELOADING=1 / READY=1 around a reload, STOPPING=1 on the way out.
 """
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ class Daemon:
             cfg = self.service.config
             from aggd.metrics.server import serve as serve_metrics
             self.metrics = serve_metrics(self.service)  # [metrics] address, in dataplane.netns
-            self.control = ControlServer(cfg.control.socket, self.service.dispatch, cfg.control.group)
+            # its own thread: no client holds up this loop (signals, the watchdog ping)
+            self.control = ControlServer(cfg.control.socket, self.service.dispatch, cfg.control.group).start()
         except Exception as exc:
             log.error("cannot start: %s", exc, exc_info=log.isEnabledFor(logging.DEBUG))
             self.notifier.status(f"failed: {exc}")
@@ -134,30 +135,28 @@ class Daemon:
 
     def _loop(self, wake_r: socket.socket) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(self.control, selectors.EVENT_READ, "control")
         sel.register(wake_r, selectors.EVENT_READ, "signal")
         interval = self.notifier.watchdog_interval
         next_ping = time.monotonic()
         try:
             while not self._stop:
                 if interval is not None and time.monotonic() >= next_ping:
-                    # Ping only while the data path works: a dead user-space thread should get us
-                    # restarted by systemd rather than look healthy.
-                    if self.service.healthy():
-                        self.notifier.watchdog()
-                    else:
+                    # Ping only while the data path and aggctl's thread work: a dead thread should get
+                    # us restarted by systemd rather than look healthy.
+                    if not self.service.healthy():
                         log.error("user-space path is not running; withholding the watchdog ping")
+                    elif not self.control.alive:
+                        log.error("the control socket's thread is not running; withholding the watchdog ping")
+                    else:
+                        self.notifier.watchdog()
                     next_ping = time.monotonic() + interval
                 timeout = 1.0 if interval is None else max(0.0, min(1.0, next_ping - time.monotonic()))
-                for key, _ in sel.select(timeout):
-                    if key.data == "signal":
-                        try:
-                            while wake_r.recv(64):
-                                pass
-                        except BlockingIOError:
+                for _ in sel.select(timeout):
+                    try:
+                        while wake_r.recv(64):
                             pass
-                    else:
-                        self.control.handle()
+                    except BlockingIOError:
+                        pass
                 if self._reload:
                     self._reload = False
                     self._do_reload()

@@ -38,7 +38,7 @@ from aggd.core import strategy as strat
 
 from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
-from aggd.daemon.control import ControlError
+from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, member_rows
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
 
@@ -137,7 +137,8 @@ class Service:
         return Limits(kernel_budget=budget,
                       elements=dp.elements_per_packet,
                       port=dp.port, userspace_port=dp.userspace_port, result_port=jobs.result_port,
-                      group_base=jobs.group_base, default_slots=jobs.default_slots, max_chunks=jobs.max_chunks,
+                      group_base=jobs.group_base, default_slots=jobs.default_slots, max_slots=jobs.max_slots,
+                      max_job_memory=jobs.max_job_memory, max_chunks=jobs.max_chunks,
                       gso=dp.mode == "native")
 
     # -- life cycle ------------------------------------------------------------------------------
@@ -384,10 +385,29 @@ class Service:
             return sorted(changed - RELOADABLE)
 
     # -- aggctl requests ---------------------------------------------------------------------------------
+    #: Each aggctl command's arguments and their kinds (aggd.daemon.control.check_args): a request
+    #: is checked against them before its handler runs.
+    COMMANDS = {
+        "status": {},
+        "jobs.list": {},
+        "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
+                        "elements": "int?", "kernel_slots": "int?"},
+        "jobs.delete": {"job": "job"},
+        "jobs.show": {"job": "job"},
+        "workers": {"job": "job"},
+        "workers.remove": {"job": "job", "rank": "int", "reason": "text?"},
+        "workers.readmit": {"job": "job", "rank": "int"},
+        "strategy.show": {"job": "job"},
+        "strategy.set": {"job": "job", "strategy": "text", "from_round": "int?"},
+    }
+
     def dispatch(self, cmd: str, args: dict):
-        handler = getattr(self, "cmd_" + cmd.replace(".", "_").replace("-", "_"), None)
-        if handler is None:
-            raise ControlError("bad_request", f"unknown command {cmd!r}")
+        spec = self.COMMANDS.get(cmd)
+        if spec is None:
+            shown = cmd if len(cmd) <= 40 else cmd[:37] + "..."
+            raise ControlError("bad_request", f"unknown command {shown!r} (known: {', '.join(self.COMMANDS)})")
+        handler = getattr(self, "cmd_" + cmd.replace(".", "_"))
+        args = check_args(cmd, args, spec)
         with self.lock:
             try:
                 return handler(**args)

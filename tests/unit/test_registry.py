@@ -79,12 +79,55 @@ def test_delete_frees_kernel_slots_and_first_fit_reuses_the_gap():
     (dict(name="a", world=2, elements=MAX_ELEMENTS + 1), "bad_request", "elements"),
     (dict(name="a", world=2, strategy="fastest"), "bad_strategy", "unknown strategy"),
     (dict(name="a", world=2, strategy="quorum:3"), "bad_strategy", "quorum k=3"),
+    # what a client can send that is not what it looks like
+    (dict(name="a\n", world=2), "bad_request", "start with a letter"),
+    (dict(name="a", world=True), "bad_request", "world must be 1..64, not True"),
+    (dict(name="a", world=2, slots=True), "bad_request", "slots must be a positive integer"),
+    (dict(name="a", world=2, elements=False), "bad_request", "elements"),
+    (dict(name="a", world=2, kernel_slots=True), "bad_request", "kernel_slots"),
+    (dict(name="a", world=2, strategy=3), "bad_strategy", "strategy must be text"),
+    (dict(name="a", world=2, strategy=["sync"]), "bad_strategy", "strategy must be text"),
+    # sizes: bounded, and the message names the config key
+    (dict(name="a", world=2, slots=10 ** 12), "too_large", r"the 16384 a job may have \(\[jobs\] max_slots\)"),
+    (dict(name="a", world=2, slots=16384, elements=MAX_ELEMENTS), "too_large", r"\[jobs\] max_job_memory"),
 ])
 def test_create_refusals(kwargs, kind, text):
     r = registry()
     with pytest.raises(RegistryError, match=text) as info:
         r.create(**kwargs)
     assert info.value.kind == kind and not r.jobs
+
+
+def test_size_limits_come_from_the_limits():
+    r = registry(max_slots=8, max_job_memory=8 * 32 * 256)
+    assert r.create("a", 2, slots=8).slots == 8
+    with pytest.raises(RegistryError, match="more than the 8 a job may have") as info:
+        r.create("b", 2, slots=9)
+    assert info.value.kind == "too_large"
+    with pytest.raises(RegistryError, match="65792 bytes, more than the 65536") as info:
+        r.create("b", 2, slots=8, elements=257)
+    assert info.value.kind == "too_large" and len(r.jobs) == 1
+
+
+def test_sum_bytes_is_the_models():
+    from aggd.core.model import BANKS
+    from aggd.core.registry import SUM_BYTES
+    assert SUM_BYTES == BANKS * 8
+
+
+def test_odd_job_references_are_unknown_jobs():
+    r = registry()
+    r.create("a", 2)
+    for ref in ("a\n", "\u00b2", "9" * 5000, True, "0" * 30):
+        with pytest.raises(RegistryError) as info:
+            r.get(ref)
+        assert info.value.kind == "unknown_job", ref
+    with pytest.raises(RegistryError) as info:
+        r.depart("a", True, "why")
+    assert info.value.kind == "bad_rank"
+    with pytest.raises(RegistryError) as info:
+        r.set_strategy("a", "sync", True)
+    assert info.value.kind == "bad_request"
 
 
 def test_duplicate_name_and_unknown_job():
