@@ -32,14 +32,15 @@ def make_lab():
 
 @pytest.fixture
 def lab_daemon(make_lab):
-    """Factory ``lab_daemon(workers=4, **policy)`` -> (lab, a started labtrain.lab_daemon: an aggd
+    """Factory ``lab_daemon(workers=4, loss=0.0, **policy)`` -> (lab with ``loss`` percent of packets
+    lost, a started labtrain.lab_daemon: an aggd
     for training runs); both torn down. Used by tests/train and tests/faults."""
     from aggd.training import labtrain
 
     daemons = []
 
-    def make(workers: int = 4, **policy):
-        lab = make_lab(workers)
+    def make(workers: int = 4, loss: float = 0.0, **policy):
+        lab = make_lab(workers, loss_percent=loss)
         d = labtrain.lab_daemon(lab, policy=policy)
         daemons.append(d)
         return lab, d.start()

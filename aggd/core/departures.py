@@ -46,17 +46,18 @@ class Silent:
 
 
 def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], now_ns: int, awaited: int,
-                   rules: DepartureRules, step_s: float | None = None) -> list[Silent]:
+                   rules: DepartureRules, step_s: float | None = None, since_ns: int = 0) -> list[Silent]:
     """The awaited members to declare gone: missing from a round that has been open (with some
     awaited member in it) longer than the threshold, and silent as long. A member that never
     contributed is starting (the job waits for it, as at any start) and is left to the operator.
-    ``rows`` and ``open_rounds`` read at ``now_ns``, on the data plane's clock (CLOCK_MONOTONIC)."""
+    ``rows`` and ``open_rounds`` read at ``now_ns``, on the data plane's clock (CLOCK_MONOTONIC).
+    Nothing before ``since_ns`` counts (the daemon's start: members wait through a restart)."""
     if rules.silent_after_s <= 0:
         return []
     limit = rules.threshold_s(step_s)
     waited_for, newest = 0, None
     for round_, bitmap, t_first in open_rounds:
-        if bitmap & awaited and (now_ns - t_first) / 1e9 >= limit:
+        if bitmap & awaited and (now_ns - max(t_first, since_ns)) / 1e9 >= limit:
             waited_for |= awaited & ~bitmap
             newest = round_ if newest is None else max(newest, round_)
     out = []
@@ -66,7 +67,7 @@ def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], no
             continue
         if r["last_round"] is None:    # not started yet (imports, compilation): the job waits
             continue
-        silent = (now_ns - r["last_ns"]) / 1e9
+        silent = (now_ns - max(r["last_ns"], since_ns)) / 1e9
         if silent >= limit:
             out.append(Silent(rank, silent, limit, r["last_round"], newest))
     return out

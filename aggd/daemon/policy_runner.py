@@ -37,6 +37,8 @@ class PolicyRunner:
         self.decisions: dict[int, deque] = {}
         self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
         self._scanned: dict[int, float] = {}   # job id -> when its open rounds were last read
+        # Silence counts from here: members wait through a restart of the daemon (or its data plane).
+        self._since_ns = time.monotonic_ns()
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -166,7 +168,7 @@ class PolicyRunner:
         open_rounds = svc.open_rounds(job)
         if open_rounds is None:
             return
-        for s in silent_members(rows, open_rounds, now_ns, job.awaited, rules, step_s):
+        for s in silent_members(rows, open_rounds, now_ns, job.awaited, rules, step_s, self._since_ns):
             try:
                 svc.depart(job, s.rank, s.reason())
             except Exception as exc:  # refused (the last awaited member, a data plane that cannot)

@@ -23,6 +23,7 @@ import ctypes
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -45,6 +46,8 @@ from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
 log = logging.getLogger("aggd")
 
 STATE_FILE = "state.json"
+#: Under [state] dir: the user-space path's slots, kept across restarts (aggd.dataplane.userspace.keep).
+USERSPACE_DIR = "userspace"
 BPF_FS_MAGIC = 0xCAFE4A11
 
 
@@ -159,7 +162,8 @@ class Service:
         with _netns(netns):  # sockets stay in the namespace they were made in
             self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
                                           extra_binds=((self.address, dpc.userspace_port),),
-                                          handlers={int(proto.MsgType.JOIN): self._on_join})
+                                          handlers={int(proto.MsgType.JOIN): self._on_join},
+                                          keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
         self._restore()
         self.us.start()
         from aggd.daemon.policy_runner import PolicyRunner
@@ -284,6 +288,10 @@ class Service:
         for orphan in kernel_jobs - set(self.registry.jobs):
             log.warning("job id %d is in the pinned maps but not in %s: removed", orphan, self.state_path)
             self.dp.remove_job(orphan)
+        kept = Path(self.config.state.dir) / USERSPACE_DIR
+        for folder in kept.glob("job-*") if kept.is_dir() else ():
+            if folder.name.removeprefix("job-") not in {str(j) for j in self.registry.jobs}:
+                shutil.rmtree(folder, ignore_errors=True)   # a job deleted while no daemon ran
         self._save()
 
     def _kernel_matches(self, job: Job) -> bool:
@@ -301,7 +309,9 @@ class Service:
         members = {r: m.address for r, m in job.members.items()}
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
                                     members=members, group=job.group, kernel_slots=job.kernel_slots,
-                                    elements=job.elements)
+                                    elements=job.elements,
+                                    # the user-space path keeps this job's slots across restarts
+                                    identity=f"{job.name}@{job.created_at!r}")
         for plane in self.planes:
             if plane is self.dp and keep_kernel:
                 for rank in range(proto.MAX_MEMBERS):

@@ -191,9 +191,11 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         # every worker done, or rank 0 done and the others given their time
         runs = workers.wait(params.timeout_s, until=rank0_done)
         errors = {r.rank: r.stderr[-20000:] for r in runs}
-        for r in runs:
-            if r.returncode not in (0, None) and r.rank not in summaries and r.rank not in killed:
-                raise RuntimeError(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-3000:]}")
+        failed = [r for r in runs if r.returncode not in (0, None) and r.rank not in summaries
+                  and r.rank not in killed]
+        if failed:
+            raise RuntimeError("\n".join(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-1500:]}"
+                                         for r in failed))
         records = {r.rank: [x for x in r.records if not x.get("summary")] for r in runs}
         decisions = []
         if job is not None:
@@ -219,6 +221,6 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     return RunResult(scenario.name, strategy, text, params.target, ttt, s0["final_accuracy"], s0["seconds"],
                      s0["rounds"], curve, rounds_curve, seen, decisions,
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
-                                             "drained")} for _, s in sorted(summaries.items())],
+                                             "drained", "params_sha")} for _, s in sorted(summaries.items())],
                      next(iter(killed.values()), None))
 

@@ -53,3 +53,11 @@ def test_awaited_again_once_it_keeps_pace():
     assert not keeps_pace([row(0, 13, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
     assert keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
     assert not keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, None, 0)], 2, 10, 0b011, RULES)
+
+
+def test_silence_counts_from_the_daemons_start():
+    """A restarted daemon does not hold its own downtime against the members."""
+    rows = [row(0, 7, 100), row(1, 7, 100), row(2, 6, 94)]
+    open_rounds = [(7, 0b011, 100 * S)]
+    assert silent_members(rows, open_rounds, 106 * S, 0b111, RULES, since_ns=103 * S) == []
+    assert [s.rank for s in silent_members(rows, open_rounds, 109 * S, 0b111, RULES, since_ns=103 * S)] == [2]

@@ -28,7 +28,7 @@ from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
 from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
-    Flag, MsgType, StrategyKind
+    MAX_MEMBERS, Flag, MsgType, StrategyKind
 
 from aggd.dataplane.userspace.kernels import accumulate, load, narrow
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
@@ -331,25 +331,43 @@ def _ipv4(host: str) -> int | None:
 class FastJob:
     """One job's arrays for the kernel, tied to its ``JobState`` in ``model``."""
 
-    def __init__(self, model: AggregatorModel, job: int) -> None:
+    @staticmethod
+    def layout(slots: int, elements: int) -> dict[str, tuple[type, tuple[int, ...]]]:
+        """name -> (dtype, shape) of a job's arrays: the slots' and the counters'."""
+        return {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
+                "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "values": (np.int64, (slots, BANKS, elements)),
+                "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
+                "members": (np.uint64, (MAX_MEMBERS, 5))}
+
+    def __init__(self, model: AggregatorModel, job: int, files=None) -> None:
+        """``files``: an ``aggd.dataplane.userspace.keep.SlotFiles`` to keep the arrays in (and
+        take them from, when it ``restored`` them), or None for memory only."""
         self.model, self.job = model, job
         self.state: JobState = model.jobs[job]
-        cfg = self.state.cfg
-        slots = cfg.slots
-        self.bi = np.zeros((slots, BANKS, NF), np.int64)
-        self.bu = np.zeros((slots, BANKS, NU), np.uint64)
-        self.steps = np.zeros((slots, BANKS, len(self.state.slots[0].banks[0].steps)), np.uint8)
-        self.values = np.zeros((slots, BANKS, model.elements), np.int64)
+        slots = self.state.cfg.slots
+        arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))
+                  for name, (dt, shape) in self.layout(slots, model.elements).items()}
+        self.bi, self.bu, self.steps, self.values = arrays["bi"], arrays["bu"], arrays["steps"], arrays["values"]
+        restored = files is not None and files.restored
+        # one array each, shared with the model: it counts (and sums) in place
+        for name, own in (("counters", self.state.counters), ("drops", model._drops[job]),
+                          ("members", self.state.members)):
+            if not restored:
+                arrays[name][:] = own
+        self.state.counters, self.state.members = arrays["counters"], arrays["members"]
+        model._drops[job] = arrays["drops"]
+        self.counters, self.drops, self.members = arrays["counters"], arrays["drops"], arrays["members"]
         for s, slot in enumerate(self.state.slots):
             for b, bank in enumerate(slot.banks):
-                self.values[s, b] = bank.values
-                bank.values = self.values[s, b]     # one array, shared with the model
-        self.dirty = np.zeros(slots, np.uint8)
-        self.counters = self.state.counters          # shared: the model counts in place
-        self.members = self.state.members            # (its per-member counters too)
-        self.drops = model._drops[job]               # (the model's per-job drop array, in place too)
-        for s in range(slots):
-            self.to_arrays(s)
+                if not restored:
+                    self.values[s, b] = bank.values
+                bank.values = self.values[s, b]
+        self.dirty = np.ones(slots, np.uint8) if restored else np.zeros(slots, np.uint8)
+        if restored:                                 # the kept arrays are the truth: objects follow
+            self.sync()
+        else:
+            for s in range(slots):
+                self.to_arrays(s)
         self.refresh()
 
     def refresh(self) -> None:
@@ -436,8 +454,8 @@ class FastPath:
     def __init__(self) -> None:
         self.jobs: dict[int, FastJob] = {}
 
-    def add_job(self, model: AggregatorModel, job: int) -> None:
-        self.jobs[job] = FastJob(model, job)
+    def add_job(self, model: AggregatorModel, job: int, files=None) -> None:
+        self.jobs[job] = FastJob(model, job, files)
 
     def remove_job(self, job: int) -> None:
         self.jobs.pop(job, None)

@@ -20,6 +20,7 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -34,6 +35,7 @@ from aggd.dataplane.userspace import fastpath
 from aggd.dataplane.userspace import kernels
 
 from aggd.dataplane.userspace import msend
+from aggd.dataplane.userspace.keep import SlotFiles
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, rounds_by_member
 from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict, member_rows
 from aggd.core.strategy import TableEntry
@@ -83,13 +85,17 @@ class UserspaceAggregator(DataPlane):
     chunks beyond the kernel's (or the switch's) slots and the packets of another size."""
 
     def __init__(self, bind: Addr = ("127.0.0.1", 0), elements: int = DEFAULT_ELEMENTS, *,
-                 extra_binds: tuple[Addr, ...] = (), handlers: dict[int, Handler] | None = None) -> None:
+                 extra_binds: tuple[Addr, ...] = (), handlers: dict[int, Handler] | None = None,
+                 keep_dir: str | Path | None = None) -> None:
         kernels.warm_up()
         self.elements = elements
         self.model = self._new_model(elements)     # the aggregator's packet size, and unknown jobs
         self._models: dict[int, AggregatorModel] = {elements: self.model}
         self._route: dict[int, AggregatorModel] = {}  # job -> the model of its packet size
         self.handlers: dict[int, Handler] = dict(handlers or {})
+        #: where jobs installed with an ``identity`` keep their slots across restarts (``keep``)
+        self.keep_dir = Path(keep_dir) if keep_dir is not None else None
+        self._files: dict[int, SlotFiles] = {}
         # Reentrant: a handler (JOIN) runs under it, within a batch, and may change the registry.
         self._lock = threading.RLock()
         self._socks: list[socket.socket] = []
@@ -129,7 +135,10 @@ class UserspaceAggregator(DataPlane):
         return [s.getsockname() for s in self._socks]
 
     # -- registry (thread-safe) ------------------------------------------------------------------
-    def add_job(self, cfg: JobConfig) -> None:
+    def add_job(self, cfg: JobConfig, identity: str | None = None) -> bool:
+        """Add a job; with ``identity`` (and a ``keep_dir``) its slots live in files there and a
+        job of the same identity and shapes a previous server kept is taken up where it was.
+        Returns whether it was."""
         elements = cfg.elements or self.elements
         with self._lock:
             model = self._models.get(elements)
@@ -137,25 +146,43 @@ class UserspaceAggregator(DataPlane):
                 model = self._models[elements] = self._new_model(elements)
             model.add_job(cfg)
             self._route[cfg.job] = model
-            if fastpath.HEADER_SIZE + 4 * elements <= self._batch.rec:  # its results fit a record
-                self._fast.add_job(model, cfg.job)
+            if fastpath.HEADER_SIZE + 4 * elements > self._batch.rec:  # its results do not fit a record
+                return False
+            files = None
+            if identity is not None and self.keep_dir is not None:
+                layout = fastpath.FastJob.layout(cfg.slots, elements)
+                files = self._files[cfg.job] = SlotFiles(self.keep_dir / f"job-{cfg.job}", identity,
+                                                         {k: shape for k, (_, shape) in layout.items()})
+            self._fast.add_job(model, cfg.job, files)
+            return files is not None and files.restored
 
     def install_job(self, cfg) -> None:
         """The DataPlane form of ``add_job``: replaces the job if it is there (``kernel_slots`` is
-        the kernel's business: this path holds every slot of the job)."""
+        the kernel's business: this path holds every slot of the job). ``cfg.identity``, if set,
+        keeps the job's slots across restarts (``add_job``)."""
         with self._lock:
-            self.remove_job(cfg.job)
-            self.add_job(JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
-                                   members=dict(cfg.members), group=cfg.group,
-                                   elements=getattr(cfg, "elements", None)))
+            self._drop(cfg.job)
+            restored = self.add_job(JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots,
+                                              max_chunks=cfg.max_chunks, members=dict(cfg.members),
+                                              group=cfg.group, elements=getattr(cfg, "elements", None)),
+                                    getattr(cfg, "identity", None))
+            if restored:
+                log.info("job %d: user-space slots taken up where the previous daemon left them", cfg.job)
+
+    def _drop(self, job: int) -> None:
+        model = self._route.pop(job, None)
+        if model is not None:
+            model.remove_job(job)
+            self._fast.remove_job(job)
+        self._files.pop(job, None)
 
     def remove_job(self, job: int) -> None:
-        """Remove a job; nothing happens for one that is not here."""
+        """Remove a job and its kept slots; nothing happens for one that is not here."""
         with self._lock:
-            model = self._route.pop(job, None)
-            if model is not None:
-                model.remove_job(job)
-                self._fast.remove_job(job)
+            files = self._files.get(job)
+            self._drop(job)
+            if files is not None:
+                files.remove()
 
     def has_job(self, job: int) -> bool:
         with self._lock:

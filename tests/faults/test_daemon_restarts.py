@@ -1,0 +1,56 @@
+"""The daemon killed (SIGKILL) or stopped (SIGTERM) and started again, five times over two runs, while
+4 real workers train, with half of the job's slots in the kernel and half in the daemon's
+user-space path, at 0% and 5% packet loss: every run must finish with bit-identical replicas (under
+``sync`` every worker applies the same results), as kernel-only jobs always did. The user-space
+path keeps its slots in memory-mapped files (aggd/dataplane/userspace/keep.py), as the kernel keeps
+its pinned maps; members are not judged silent for the daemon's downtime."""
+from __future__ import annotations
+
+import signal
+import threading
+
+import pytest
+
+from aggd.training.labtrain import RunParams, run
+
+pytestmark = pytest.mark.root
+
+#: (loss %, the signals of the restarts in one run): five restarts over the two runs
+RUNS = [(0.0, (signal.SIGTERM, signal.SIGKILL)), (5.0, (signal.SIGKILL, signal.SIGTERM, signal.SIGKILL))]
+EVERY = 50                                 #: rounds between restarts
+
+
+@pytest.mark.parametrize("loss, signals", RUNS, ids=["0%", "5%"])
+def test_restarts_mid_training_lose_nothing(lab_daemon, loss, signals):
+    lab, d = lab_daemon(4, loss=loss)
+    params = RunParams(rounds=EVERY * (len(signals) + 1), compute_ms=5.0, target=0.8, timeout_s=300,
+                       eval_every=5)
+    reached = {"round": -1}
+    progressed = threading.Condition()
+    restarts = []
+
+    def on_record(rank, rec):
+        if rank == 0 and "round" in rec:
+            with progressed:
+                reached["round"] = rec["round"]
+                progressed.notify_all()
+
+    def restart():
+        for i, sig in enumerate(signals):
+            with progressed:
+                if not progressed.wait_for(lambda: reached["round"] >= EVERY * (i + 1), timeout=120):
+                    return
+            d.stop(sig)
+            d.start()
+            restarts.append(signal.Signals(sig).name)
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    res = run(lab, d, "sync", "none", params, on_record=on_record, kernel_slots=32)
+    t.join(60)
+    assert restarts == [signal.Signals(s).name for s in signals], restarts
+    assert len(res.workers) == 4 and all(w["drained"] is True and w["rounds"] >= params.rounds
+                                         for w in res.workers), (res.workers, d.log()[-3000:])
+    assert len({w["params_sha"] for w in res.workers}) == 1, res.workers
+    assert d.log().count("user-space slots taken up where the previous daemon left them") == len(signals)
+    assert "declared gone" not in d.log()
