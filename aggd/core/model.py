@@ -352,6 +352,10 @@ class Slot:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
                 and (state is None or b.state == state)]
 
+    def newest_released(self, chunk: int) -> Bank | None:
+        """The released bank of ``chunk`` with the largest key: what answers a late contribution."""
+        return max(self.of_chunk(chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+
     def holding_of(self, chunk: int) -> list[Bank]:
         return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
 
@@ -664,9 +668,10 @@ class AggregatorModel:
               src: Addr, now: int) -> Verdict:
         """Rule 4: carry a late contribution into the next round of its chunk, answer with the
         newest released result of that chunk. ``origin`` is K's released bank, if any."""
-        newest = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
-        if not job.awaited >> hdr.rank & 1:    # declared gone: answered, never carried (its own
-            if newest is None:                 # contribution may be in the next round already)
+        if not job.awaited >> hdr.rank & 1:
+            # declared gone: answered, never carried (its own contribution may be in the next round)
+            newest = slot.newest_released(hdr.chunk)
+            if newest is None:
                 return self._drop(job.cfg.job, DropReason.STALE)
             return self._resend(job, newest, hdr, src)
         key = (hdr.round, hdr.chunk)
@@ -676,7 +681,7 @@ class AggregatorModel:
         known = remembered and mem.round == hdr.round
         if origin is None and hdr.flags & Flag.RETRANSMIT and not (known and mem.refused >> k & 1):
             if known and mem.carried >> k & 1:         # counted, not answered yet
-                answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+                answer = slot.newest_released(hdr.chunk)
                 if answer is None:
                     return self._drop(job.cfg.job, DropReason.NOT_READY)
                 return self._resend(job, answer, hdr, src)
@@ -700,7 +705,7 @@ class AggregatorModel:
             origin.late |= 1 << hdr.rank
             # per (member, step): its retransmission is answered; a later wbsp step is carried too
             origin.steps[hdr.rank] |= 1 << hdr.step
-        answer = max(slot.of_chunk(hdr.chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
+        answer = slot.newest_released(hdr.chunk)       # after the carry: it may have taken a bank
         if answer is None:
             if remembered:                             # its retransmission will be answered
                 mem.at(hdr.round).carried |= 1 << k

@@ -40,7 +40,7 @@ from aggd.core import strategy as strat
 from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError, check_args
-from aggd.dataplane import DataPlaneError, holding, member_rows
+from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
 
 log = logging.getLogger("aggd")
@@ -356,12 +356,8 @@ class Service:
         job = outcome.job
         if rank not in job.gone and not outcome.rejoined:
             return 0
-        top = self._max_round(job)
+        top = max_round(self._holding(job), job)
         return 0 if top is None else top + 1
-
-    def _max_round(self, job: Job) -> int | None:
-        tops = [t for t in (p.max_round(job.id) for p in self._holding(job)) if t is not None]
-        return max(tops) if tops else None
 
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
         with self.lock:
@@ -546,7 +542,7 @@ class Service:
         """Declare ``rank`` gone: rounds stop waiting for it (``aggd.core.departures``). RegistryError
         or ControlError, and nothing changed, when refused."""
         if at_round is None:
-            at_round = (self._max_round(job) or 0) + 1
+            at_round = (max_round(self._holding(job), job) or 0) + 1
         self.registry.depart(job.id, rank, reason, time.time(), at_round)
         try:
             self._set_awaited(job)

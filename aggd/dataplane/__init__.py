@@ -52,6 +52,12 @@ def holding(planes: tuple, job) -> tuple:
     return ((fast,) if job.kernel_slots else ()) + tuple(rest)
 
 
+def max_round(planes: Iterable["DataPlane"], job) -> int | None:
+    """The highest round any member of ``job`` (``id``) sent to any of ``planes``; None: none yet."""
+    tops = [t for t in (p.max_round(job.id) for p in planes) if t is not None]
+    return max(tops) if tops else None
+
+
 def member_rows(planes: Iterable["DataPlane"], job) -> list[dict] | None:
     """Per rank of ``job`` (``id``, ``world``), the ``member_stats`` rows of ``planes`` summed;
     None when none of them keeps them."""

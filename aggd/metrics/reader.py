@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from aggd.dataplane import JobStats, holding, member_rows
+from aggd.dataplane import JobStats, holding, max_round, member_rows
 
 log = logging.getLogger(__name__)
 
@@ -219,9 +219,7 @@ class ServiceReader:
         return self._plane(path).job_stats(None if job is None else job.id)
 
     def rounds(self, job: JobInfo) -> int | None:
-        tops = [p.max_round(job.id) for p in holding(self.service.planes, job)]
-        tops = [t for t in tops if t is not None]
-        return max(tops) if tops else None
+        return max_round(holding(self.service.planes, job), job)
 
     def strategy(self, job: JobInfo, round_: int | None) -> StrategyState:
         return strategy_in_force(job, round_)
