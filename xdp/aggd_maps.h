@@ -51,6 +51,7 @@ struct member {
 	__be16 port;
 	__u8 valid;
 	__u8 _pad;
+	__u64 tag;           /* its JOIN_ACK's tag, which its packets carry in contributors (0: none) */
 };
 
 /* One round of one chunk (docs/protocol.md, "Strategies"). */

@@ -3,7 +3,7 @@
 #define AGGD_PROTO_H
 
 #define AGGD_MAGIC 0xa66d
-#define AGGD_VERSION 1
+#define AGGD_VERSION 2
 #define AGGD_DEFAULT_PORT 47000
 #define AGGD_DEFAULT_RESULT_PORT 47001
 #define AGGD_DEFAULT_ELEMENTS 256
@@ -67,7 +67,8 @@ enum aggd_drop_reason {
 	AGGD_DROP_REASON_STALE = 10,
 	AGGD_DROP_REASON_BUSY = 11,
 	AGGD_DROP_REASON_NOT_READY = 12,
-	AGGD_DROP_REASON__COUNT = 13,
+	AGGD_DROP_REASON_BAD_TAG = 13,
+	AGGD_DROP_REASON__COUNT = 14,
 };
 
 enum aggd_counter {
@@ -89,7 +90,7 @@ enum aggd_counter {
 /* Header fields are big-endian; the int32 payload that follows is little-endian. */
 struct aggd_hdr {
 	__be16 magic;	/* 0xA66D; anything else is dropped */
-	__u8 version;	/* protocol version, 1 */
+	__u8 version;	/* protocol version, 2 */
 	__u8 type;	/* MsgType */
 	__be16 job;	/* job id, 0..MAX_JOBS-1 */
 	__be16 rank;	/* sender's rank (contributions, re-reads); 0xFFFF in results */
@@ -100,7 +101,7 @@ struct aggd_hdr {
 	__be16 exponent;	/* values are int32 * 2**-exponent; the sum uses the smallest */
 	__u8 flags;	/* Flag bits */
 	__u8 code;	/* NackCode in NACKs, 0 otherwise */
-	__be64 contributors;	/* bitmap of ranks summed in a result (bit i = rank i) */
+	__be64 contributors;	/* results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none */
 	__be16 n_contrib;	/* contributions summed in a result (may exceed popcount under wbsp) */
 	__be16 step;	/* local step within the round (wbsp); 0 otherwise */
 	__u8 strategy;	/* StrategyKind that governed the round (results), so clients adapt */

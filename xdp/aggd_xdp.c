@@ -194,6 +194,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		drop_in(jst, AGGD_DROP_REASON_NOT_MEMBER);
 		return nack(ctx, AGGD_NACK_CODE_NOT_MEMBER);
 	}
+	/* A forged source address without the member's tag: dropped, never NACKed (a NACK would go
+	 * to the real member). */
+	if (__builtin_bswap64(HDR(h, __be64, contributors)) != m->tag)
+		return drop_in(jst, AGGD_DROP_REASON_BAD_TAG);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);

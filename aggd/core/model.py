@@ -11,7 +11,9 @@ Points docs/protocol.md leaves open, fixed here (every data plane must follow th
 
 Header checks and counters
 * Order: too_short, bad_magic, bad_version, JOIN (passed up uncounted, kernel mode only), bad_type,
-  bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_chunk,
+  bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_tag
+  (the ``contributors`` field is not the rank's member tag: silent, so a forger cannot make the real
+  member's client give up by a NACK sent to its address), bad_chunk,
   then the hand-off to user space of a payload that is not exactly ``elements`` int32 (``pass``,
   Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are refused by the kernel.
 * Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
@@ -188,6 +190,9 @@ class JobConfig:
     elements: int | None = None
     #: Installed as version 0 from round 0; ``set_strategy`` replaces the table later.
     strategy: Strategy = SYNC
+    #: Each member's tag (given in its JOIN_ACK), which its contributions and re-reads carry in
+    #: ``contributors``; a rank without one has tag 0.
+    tags: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < MAX_JOBS:
@@ -201,12 +206,20 @@ class JobConfig:
         if bad:
             raise ValueError(f"member ranks {bad} outside 0..{self.world - 1}")
         self.members = {int(r): _addr(a) for r, a in self.members.items()}
+        self.tags = {int(r): check_tag(t) for r, t in self.tags.items() if t}
         if self.group is not None:
             self.group = _addr(self.group)
 
 
 def _addr(a: Addr) -> Addr:
     return (str(a[0]), int(a[1]))
+
+
+def check_tag(tag: int) -> int:
+    """A member tag: a u64 (0: none)."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 1 << 64:
+        raise ValueError(f"a member tag is a 64-bit unsigned integer, not {tag!r}")
+    return tag
 
 
 def check_table(entries: list[TableEntry]) -> list[TableEntry]:
@@ -480,7 +493,7 @@ class AggregatorModel:
         if cfg.elements is not None and cfg.elements != self.elements:
             raise ValueError(f"job {cfg.job} wants {cfg.elements} elements a packet, "
                              f"the aggregator has {self.elements}")
-        cfg = replace(cfg, members=dict(cfg.members))  # ours to mutate (set_member)
+        cfg = replace(cfg, members=dict(cfg.members), tags=dict(cfg.tags))  # ours to mutate (set_member)
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
         values = np.zeros((cfg.slots, BANKS, self.elements), np.int64)
         slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
@@ -491,14 +504,18 @@ class AggregatorModel:
         self.jobs.pop(job, None)
         self._drops.pop(job, None)
 
-    def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
+    def set_member(self, job: int, rank: int, addr: Addr | None, tag: int = 0) -> None:
+        """Register ``rank``'s address and tag (``addr`` None: unregister it)."""
         cfg = self.jobs[job].cfg
         if not 0 <= rank < cfg.world:
             raise ValueError(f"rank {rank} outside 0..{cfg.world - 1}")
+        cfg.tags.pop(rank, None)
         if addr is None:
             cfg.members.pop(rank, None)
         else:
             cfg.members[rank] = _addr(addr)
+            if check_tag(tag):
+                cfg.tags[rank] = tag
 
     def set_awaited(self, job: int, awaited: int) -> None:
         """The members a round of ``job`` waits for (a bitmap of ranks): the job's world less the
@@ -568,6 +585,8 @@ class AggregatorModel:
             return self._nack(cfg.job, DropReason.BAD_RANK, NackCode.NOT_MEMBER, hdr, src)
         if cfg.members.get(hdr.rank) != (src[0], src[1]):
             return self._nack(cfg.job, DropReason.NOT_MEMBER, NackCode.NOT_MEMBER, hdr, src)
+        if hdr.contributors != cfg.tags.get(hdr.rank, 0):
+            return self._drop(cfg.job, DropReason.BAD_TAG)
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
         if not self.userspace and size - HEADER_SIZE != self.elements * 4:

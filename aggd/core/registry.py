@@ -2,7 +2,7 @@
 
 Pure logic, no I/O: the daemon (``aggd.daemon.service``) applies what the registry decides to the data
 planes and persists :meth:`Registry.to_json` after every change. Time and randomness come in as
-arguments (``now``, ``token_factory``) so tests are deterministic.
+arguments (``now``, ``token_factory``, ``tag_factory``) so tests are deterministic.
 
 Placement. A job's pool has ``slots`` slots; chunk ``c`` uses slot ``c % slots``. Slots
 ``[0, kernel_slots)`` live in the kernel (a contiguous range of the kernel's slot array, first fit
@@ -59,13 +59,21 @@ class Member:
     rank: int
     address: Addr
     joined_at: float
+    #: The secret its packets carry (docs/protocol.md, "Member tags"): given in its JOIN_ACK, new
+    #: for every new address; 0 for a member that has none.
+    tag: int = 0
 
     def to_json(self) -> dict:
+        return {"rank": self.rank, "address": list(self.address), "joined_at": self.joined_at, "tag": self.tag}
+
+    def describe(self) -> dict:
+        """What operators see: everything but the tag."""
         return {"rank": self.rank, "address": list(self.address), "joined_at": self.joined_at}
 
     @classmethod
     def from_json(cls, d: dict) -> "Member":
-        return cls(int(d["rank"]), (str(d["address"][0]), int(d["address"][1])), float(d["joined_at"]))
+        return cls(int(d["rank"]), (str(d["address"][0]), int(d["address"][1])), float(d["joined_at"]),
+                   int(d.get("tag", 0)))
 
 
 @dataclass
@@ -138,7 +146,7 @@ class Job:
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
-             "members": {str(r): m.to_json() for r, m in sorted(self.members.items())},
+             "members": {str(r): m.describe() for r, m in sorted(self.members.items())},
              "joined": len(self.members), "created_at": self.created_at,
              "gone": {str(r): dict(g) for r, g in sorted(self.gone.items())}}
         if with_token:
@@ -208,10 +216,12 @@ def _valid_strategy(strategy: str | strat.Strategy, world: int) -> strat.Strateg
 
 
 class Registry:
-    def __init__(self, limits: Limits, *, token_factory: Callable[[], str] = lambda: secrets.token_hex(16)):
+    def __init__(self, limits: Limits, *, token_factory: Callable[[], str] = lambda: secrets.token_hex(16),
+                 tag_factory: Callable[[], int] = lambda: secrets.randbits(64) or 1):
         self.limits = limits
         self.jobs: dict[int, Job] = {}
         self._token = token_factory
+        self._tag = tag_factory
 
     # -- lookup ------------------------------------------------------------------------------------
     def get(self, ref: str | int) -> Job:
@@ -313,7 +323,8 @@ class Registry:
 
         Checks in order: the job exists (UNKNOWN_JOB), the token matches (BAD_TOKEN), the rank is
         below the world size (NOT_MEMBER). Accepted, ``address`` becomes the rank's registered
-        address, replacing an earlier one (a restarted worker rejoins from a new port)."""
+        address, replacing an earlier one (a restarted worker rejoins from a new port), with a new
+        tag; a JOIN repeated from the same address (its answer was lost) gets the same tag."""
         try:
             job = self.get(ref)
         except RegistryError as exc:
@@ -333,7 +344,7 @@ class Registry:
         old = job.members.get(rank)
         changed = old is None or old.address != address
         if changed:
-            job.members[rank] = Member(rank, address, now)
+            job.members[rank] = Member(rank, address, now, self._tag())
         return JoinOutcome(NackCode.NONE, "joined", job, changed, rejoined=old is not None)
 
     def depart(self, ref: str | int, rank: int, reason: str, now: float = 0.0, at_round: int = 0) -> Job:
@@ -429,6 +440,7 @@ def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: fl
     body = outcome.job.join_info()
     body["gso"] = registry.limits.gso
     body["round"] = int(round_of(outcome, hdr.rank))
+    body["tag"] = f"{outcome.job.members[hdr.rank].tag:016x}"
     return encode_join_ack(outcome.job.id, hdr.rank, 0, body), outcome
 
 

@@ -307,15 +307,16 @@ class Service:
     def _apply(self, job: Job, keep_kernel: bool = False) -> None:
         """Install ``job`` in every data plane (the kernel's slots kept if ``keep_kernel``)."""
         members = {r: m.address for r, m in job.members.items()}
+        tags = {r: m.tag for r, m in job.members.items()}
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
-                                    members=members, group=job.group, kernel_slots=job.kernel_slots,
+                                    members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
                                     elements=job.elements,
                                     # the user-space path keeps this job's slots across restarts
                                     identity=f"{job.name}@{job.created_at!r}")
         for plane in self.planes:
             if plane is self.dp and keep_kernel:
                 for rank in range(proto.MAX_MEMBERS):
-                    plane.set_member(job.id, rank, members.get(rank))
+                    plane.set_member(job.id, rank, members.get(rank), tags.get(rank, 0))
                 continue
             plane.install_job(cfg)
         base, count = self.dp.allocation(job.id)
@@ -370,7 +371,7 @@ class Service:
             elif outcome.changed:
                 job, rank = outcome.job, Header.unpack(data).rank
                 for plane in self.planes:
-                    plane.set_member(job.id, rank, src)
+                    plane.set_member(job.id, rank, src, job.members[rank].tag)
                 log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
                 if rank in job.gone:       # back: awaited once it keeps pace (the policy runner)
                     job.gone[rank]["round"] = self._join_round(outcome, rank)

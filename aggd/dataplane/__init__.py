@@ -96,7 +96,7 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def install_job(self, cfg) -> None:
         """Install (or replace) a job from ``job, world, slots, max_chunks, members, group`` and
-        optionally ``kernel_slots`` (the slots this data plane holds; 0: none, every chunk goes to
+        optionally ``tags`` (rank -> member tag), ``kernel_slots`` (the slots this data plane holds; 0: none, every chunk goes to
         the user-space path) and ``strategy``."""
 
     @abc.abstractmethod
@@ -112,8 +112,9 @@ class DataPlane(abc.ABC):
         """(first slot, slots) the data plane holds for an installed job; (0, 0) otherwise."""
 
     @abc.abstractmethod
-    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
-        """Register (None: clear) the address rank ``rank`` of ``job`` sends from."""
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None, tag: int = 0) -> None:
+        """Register (None: clear) the address rank ``rank`` of ``job`` sends from and the tag its
+        packets carry (docs/protocol.md, "Member tags"; 0: none)."""
 
     @abc.abstractmethod
     def set_strategy(self, job: int, entries) -> None:

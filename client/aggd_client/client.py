@@ -118,7 +118,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     it stops by itself once a call's size differs, and a job whose tensors differ in size from the
     start (DDP's buckets) should pass False (docs/protocol.md, "Tensors of different sizes").
     ``first_round``: the round of the first allreduce (a member rejoining a running job starts at
-    the job's round, which the JOIN_ACK gives: ``join`` passes it).
+    the job's round, which the JOIN_ACK gives: ``join`` passes it). ``tag``: the member tag every
+    contribution carries (the JOIN_ACK's: ``join`` passes it; 0 for a member configured without a
+    JOIN).
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -127,7 +129,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
-                 catch_up: bool = True, first_round: int = 0):
+                 catch_up: bool = True, first_round: int = 0, tag: int = 0):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -142,6 +144,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError(f"window must be at least 1, got {window}")
         if not 0 <= int(first_round) <= 0xFFFFFFFF:
             raise ValueError(f"first_round must be a u32 round number, got {first_round}")
+        if not 0 <= int(tag) < 1 << 64:
+            raise ValueError("tag must be a u64 (the JOIN_ACK's)")
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
@@ -155,6 +159,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             info = StrategyInfo(StrategyKind(strategy))
         self._server = (socket.gethostbyname(server[0]), int(server[1]))
         self._job, self._rank, self._world = int(job), int(rank), int(world)
+        self._tag = int(tag)
         self._elements = int(elements)
         self._slots = int(slots)
         self._dtype = packet_dtype(self._elements)

@@ -15,7 +15,7 @@ import json
 import select
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .client import AggClient
 from .errors import BadTokenError, NoAnswerError, NotMemberError, ProtocolError, UnknownJobError
@@ -44,6 +44,9 @@ class JobInfo:
     #: The round the member's next allreduce gets: 0 for a new job; a member that rejoins a running
     #: job starts where the job is.
     round: int = 0
+    #: The member's tag: every contribution carries it (docs/protocol.md, "Member tags"); a packet
+    #: with the member's address and another tag is dropped. Secret: not shown in ``repr``.
+    tag: int = field(default=0, repr=False)
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -53,9 +56,17 @@ class JobInfo:
                        port=int(d["port"]),
                        elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
-                       gso=bool(d.get("gso", True)), round=int(d.get("round", 0)))
+                       gso=bool(d.get("gso", True)), round=int(d.get("round", 0)),
+                       tag=_tag(d.get("tag", "0")))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
+
+
+def _tag(text) -> int:
+    """The JOIN_ACK's ``tag``: 16 hex digits (a u64)."""
+    if not isinstance(text, str) or not 1 <= len(text) <= 16:
+        raise ValueError(f"tag must be up to 16 hex digits, not {text!r}")
+    return int(text, 16)
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -200,6 +211,6 @@ def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
     # socket takes it over (the join socket is closed, so the port is free again).
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
                        bind=address, elements=info.elements, slots=info.slots,
-                       **{"first_round": info.round, **client_options})
+                       **{"first_round": info.round, "tag": info.tag, **client_options})
     client.job_info = info
     return client

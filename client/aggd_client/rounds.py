@@ -102,6 +102,7 @@ class _Send:
         h[...] = 0
         h["magic"], h["version"], h["type"] = MAGIC, VERSION, _CONTRIB
         h["job"], h["rank"], h["round"], h["step"] = c._job, c._rank, rnd.r32, step
+        h["contributors"] = c._tag  # contributions carry the member's tag there (docs/protocol.md)
         h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
         self.state = np.zeros(self.n, np.uint8)
         self.sent_at = np.zeros(self.n, np.float64)

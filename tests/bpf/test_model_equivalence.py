@@ -36,7 +36,7 @@ from aggd_client.protocol import Counter, DropReason
 from tests.harness.equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
                            ip_checksum, mac_bytes, member, play_scenario, departures, run_sequence, sequences, swaps,
                            table_for)
-from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, entry
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, entry, tag
 from tests.fixtures.traffic import OTHER_JOB
 from .conftest import ELEMENTS, job_config
 
@@ -68,10 +68,10 @@ class Harness:
         members = {r: member(r) for r in range(world)}
         self.model = AggregatorModel(self.elements)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
-                                     members=members, group=GROUP))
+                                     members=members, tags={r: tag(r) for r in members}, group=GROUP))
         self.dp.remove_job(OTHER_JOB)
         self.dp.install_job(job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP,
-                                       members=members))
+                                       members=members, tags={r: tag(r) for r in members}))
         self.dp._reset_stats(NO_JOB)
         self.set_strategy(entries)
 

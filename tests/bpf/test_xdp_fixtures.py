@@ -245,3 +245,22 @@ def test_packets_the_kernel_cannot_hold_go_to_user_space(dp):
     beyond = contrib(0, job=3, chunk=5)  # slot 5 of 8: only 4 are in the kernel
     assert run(dp, beyond).verdict_name == "pass"
     assert dp.job_stats(3).counters["to_userspace"] == 2
+
+
+def test_forged_tag_is_dropped_silently_and_the_member_is_unharmed(dp):
+    """Members with tags: a packet from a member's address without its tag is dropped ``bad_tag``
+    (no NACK: it would go to the real member) and takes nothing; the members' own packets count."""
+    tags = {0: 0xA1, 1: 0xB2, 2: 0xC3}
+    dp.install_job(job_config(tags=tags))
+    for forged in (0, 0xB2, 0xA1 ^ 1 << 63):
+        assert run(dp, contrib(0, values=np.full(ELEMENTS, 10**6, np.int32), contributors=forged)).verdict_name == "drop"
+    assert drops(dp)["bad_tag"] == 3 and dp.job_stats(1).counters["contributions"] == 0
+    for r in range(3):
+        res = run(dp, contrib(r, contributors=tags[r]))
+    np.testing.assert_array_equal(parse(res.packet).payload, np.full(ELEMENTS, 1 + 2 + 3))
+    assert drops(dp)["duplicate"] == 0 and dp.job_stats(1).counters["contributions"] == 3
+    dp.set_member(1, 0, worker_addr(0)[1:], 0xD4)          # rejoined: a new tag, the old one is refused
+    assert run(dp, contrib(0, round_=1, contributors=0xA1)).verdict_name == "drop"
+    assert drops(dp)["bad_tag"] == 4
+    run(dp, contrib(0, round_=1, contributors=0xD4))
+    assert dp.job_stats(1).counters["contributions"] == 4

@@ -358,9 +358,11 @@ def switch_config(fake: FakeP4Runtime, hosts: dict[str, tuple[str, int]]) -> dic
     engine with every member's port, its group MAC derived from its group address, a bitmap of its
     world, members only below the world size."""
     members: dict[int, dict[int, tuple[str, int]]] = {}
+    tags: dict[int, dict[int, int]] = {}
     for e in fake.entries(L.MEMBERS):
         m, a = e.m, e.a
         members.setdefault(m["hdr.aggd.job"], {})[m["hdr.aggd.rank"]] = (ip_str(a["ip"]), a["port"])
+        tags.setdefault(m["hdr.aggd.job"], {})[m["hdr.aggd.rank"]] = a["tag"]
     jobs = {}
     for e in fake.entries(L.JOBS):
         job, a = e.m["hdr.aggd.job"], e.a
@@ -376,7 +378,7 @@ def switch_config(fake: FakeP4Runtime, hosts: dict[str, tuple[str, int]]) -> dic
             if ip in hosts:
                 assert hosts[ip][1] in ports, f"job {job}: member {ip} port {hosts[ip][1]} not in {ports}"
         cfg = JobConfig(job=job, world=world, slots=a["n_slots"], max_chunks=a["max_chunks"], members=mem,
-                        group=(ip_str(a["group_ip"]), a["result_port"]))
+                        tags=tags.get(job, {}), group=(ip_str(a["group_ip"]), a["result_port"]))
         jobs[job] = JobView(cfg, settled_rows(fake, job), a, ports, fake.generation.get(job, 0))
     return jobs
 
@@ -448,8 +450,9 @@ class SimSwitch:
                                                                          view.cfg.max_chunks, view.cfg.group):
                 raise AssertionError(f"job {job} changed without being reinstalled")
             for rank in set(have.members) | set(view.cfg.members):
-                if have.members.get(rank) != view.cfg.members.get(rank):
-                    m.set_member(job, rank, view.cfg.members.get(rank))
+                if (have.members.get(rank), have.tags.get(rank, 0)) != (view.cfg.members.get(rank),
+                                                                         view.cfg.tags.get(rank, 0)):
+                    m.set_member(job, rank, view.cfg.members.get(rank), view.cfg.tags.get(rank, 0))
             if m.strategy_table(job) != view.rows:
                 m.set_strategy(job, view.rows)
             if m.jobs[job].awaited != view.params["all_members"]:

@@ -24,7 +24,7 @@ from aggd.lab.namespaces import in_netns
 from aggd.core.model import AggregatorModel, JobConfig
 from aggd_client import protocol as proto
 
-from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, Depart, Swap, T0_NS, check
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, Depart, Swap, T0_NS, check, tag
 
 TOOLS = ("p4c-bm2-ss", "simple_switch_grpc")
 MISSING = [t for t in TOOLS if shutil.which(t) is None]
@@ -142,13 +142,14 @@ def test_scenario_on_bmv2(bmv2, name):
     it) and every counter as the model says."""
     sc = SCENARIOS[name]
     members = {r: bmv2.addr(r) for r in range(sc.world)}
+    tags = {r: tag(r) for r in members}
     cfg = types.SimpleNamespace(job=JOB, world=sc.world, slots=sc.slots, max_chunks=sc.max_chunks,
-                                members=members, group=GROUP)
+                                members=members, tags=tags, group=GROUP)
     bmv2.dp.install_job(cfg)
     bmv2.dp.set_strategy(JOB, list(sc.table))
     model = AggregatorModel(ELEMENTS)
     model.add_job(JobConfig(job=JOB, world=sc.world, slots=sc.slots, max_chunks=sc.max_chunks,
-                            members=members, group=GROUP))
+                            members=members, tags=tags, group=GROUP))
     model.set_strategy(JOB, list(sc.table))
     for i, step in enumerate(sc.steps):
         if isinstance(step, Swap):

@@ -26,7 +26,7 @@ from ..bpf.conftest import ELEMENTS, job_config
 from ..bpf.test_xdp_fixtures import MALFORMED, contrib
 from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
                            departures, play_scenario, run_sequence, sequences, swaps, table_for)
-from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, T0_NS, entry
+from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, T0_NS, entry, tag
 from tests.fixtures.traffic import OTHER_JOB
 from .conftest import AGG_PORT_NO, HOSTS, port_of
 
@@ -53,9 +53,12 @@ class Twin:
         self.seen: collections.Counter = collections.Counter()
         self.ref = AggregatorModel(ELEMENTS)
 
-    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
+    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry], tagged: bool = True) -> None:
+        """A fresh job; ``tagged``: its members have the fixtures' tags (the XDP fixture frames carry none)."""
         members = {r: member(r) for r in range(world)}
-        cfg = job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP, members=members)
+        tags = {r: tag(r) for r in members} if tagged else {}
+        cfg = job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP, members=members,
+                         tags=tags)
         for dp in (self.xdp, self.p4):
             if dp is not None:
                 dp.remove_job(OTHER_JOB)
@@ -66,7 +69,7 @@ class Twin:
         self.p4.reset_stats(None)
         self.ref = AggregatorModel(ELEMENTS)
         self.ref.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks, members=members,
-                                   group=GROUP))
+                                   tags=tags, group=GROUP))
         self.ref.set_strategy(JOB, entries)
 
     def set_strategy(self, entries: list[TableEntry]) -> None:
@@ -170,7 +173,7 @@ def test_scenario(twin, name):
 # The XDP fixture frames (tests/bpf/test_xdp_fixtures.py).
 
 def test_sync_round_goes_to_the_group_ports(twin):
-    twin.start(3, 8, 1 << 20, [entry("sync")])
+    twin.start(3, 8, 1 << 20, [entry("sync")], tagged=False)
     for r in range(3):
         v = twin.send_frame(contrib(r), worker_addr(r)[1], T0_NS)
     assert v.dest == "group"
@@ -179,7 +182,7 @@ def test_sync_round_goes_to_the_group_ports(twin):
 
 @pytest.mark.parametrize("name,make,bucket,reason,nack", MALFORMED, ids=[m[0] for m in MALFORMED])
 def test_malformed(twin, name, make, bucket, reason, nack):
-    twin.start(3, 8, 1 << 20, [entry("sync")])
+    twin.start(3, 8, 1 << 20, [entry("sync")], tagged=False)
     pkt = make()
     v = twin.send_frame(pkt, ".".join(str(b) for b in pkt[26:30]), T0_NS, name)
     assert v.reason == reason
@@ -192,7 +195,7 @@ def test_other_traffic_is_forwarded_untouched(twin):
     from scapy.layers.inet import IP, TCP, UDP
     from scapy.layers.l2 import ARP, Ether
     from scapy.packet import Raw
-    twin.start(3, 8, 1 << 20, [entry("sync")])
+    twin.start(3, 8, 1 << 20, [entry("sync")], tagged=False)
     for p in (Ether() / ARP(), Ether() / IP(dst=AGG_IP) / TCP(dport=proto.DEFAULT_PORT),
               Ether() / IP(dst=AGG_IP) / UDP(dport=53) / Raw(b"x" * 100),
               Ether() / IP(dst=AGG_IP, flags="MF") / UDP(dport=proto.DEFAULT_PORT) / Raw(b"x" * 100)):
@@ -200,7 +203,7 @@ def test_other_traffic_is_forwarded_untouched(twin):
 
 
 def test_what_the_switch_cannot_hold_goes_to_the_daemon(twin):
-    twin.start(3, 8, 1 << 20, [entry("sync")])
+    twin.start(3, 8, 1 << 20, [entry("sync")], tagged=False)
     from aggd.testing.frames import frame as mkframe
     hdr = proto.Header(type=proto.MsgType.CONTRIB, job=JOB, rank=0, count=10)
     v = twin.send_frame(mkframe(hdr, np.ones(10, np.int32)), worker_addr(0)[1], T0_NS)

@@ -26,7 +26,8 @@ def daemon():
     def on_join(data, src):
         reply, outcome = answer_join(reg, data, src)
         if outcome is not None and outcome.code == NackCode.NONE and outcome.changed:
-            holder["agg"].set_member(outcome.job.id, int.from_bytes(bytes(data[6:8]), "big"), src)
+            rank = int.from_bytes(bytes(data[6:8]), "big")
+            holder["agg"].set_member(outcome.job.id, rank, src, outcome.job.members[rank].tag)
         return reply
 
     with UserspaceAggregator(("127.0.0.1", 0), elements=E, handlers={int(MsgType.JOIN): on_join}) as agg:

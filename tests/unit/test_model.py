@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from aggd.core.model import (NO_JOB, RESULT_RANK, AggregatorModel, JobConfig, Strategy, StrategyTable,
                         Verdict)
 from aggd_client.protocol import (HEADER_SIZE, ZERO_EXPONENT, Counter, DropReason, Flag, Header,
-                                  MsgType, NackCode, StrategyKind, decode)
+                                  MsgType, NackCode, StrategyKind, VERSION, decode)
 
 E = 8  # small packets keep the tables readable; one test uses the default size
 GROUP = ("239.1.1.1", 47001)
@@ -235,7 +235,7 @@ MALFORMED = [
     ("less than a header", _raw(HEADER_SIZE - 1), addr(0), DropReason.TOO_SHORT, NO_JOB, None),
     ("bad magic", _with(magic=0xA66E), addr(0), DropReason.BAD_MAGIC, NO_JOB, None),
     ("bad magic before version", _with(magic=0, version=9), addr(0), DropReason.BAD_MAGIC, NO_JOB, None),
-    ("bad version", _with(version=2), addr(0), DropReason.BAD_VERSION, NO_JOB, None),
+    ("bad version", _with(version=VERSION + 1), addr(0), DropReason.BAD_VERSION, NO_JOB, None),
     ("type result", _with(type=MsgType.RESULT), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
     ("type nack", _with(type=MsgType.NACK), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
     ("type 0", _with(type=0), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
@@ -362,6 +362,29 @@ def test_member_registered_late():
     m.set_member(1, 2, addr(2))
     assert m.process(*contrib(2, [1])).action == "drop" and m.counters(1)[Counter.CONTRIBUTIONS] == 1
     assert 2 not in c.members                              # the caller's config is not mutated
+
+
+def test_member_tags_keep_forged_packets_out():
+    """A packet from a member's address without its tag is dropped ``bad_tag``, silently (a NACK
+    would reach the real member), counts nothing, and does not displace the member."""
+    tags = {0: 0x1111, 1: 0x2222, 2: 0x3333}
+    m = model(JobConfig(job=1, world=3, slots=2, max_chunks=8, members={r: addr(r) for r in range(3)},
+                        tags=tags, group=GROUP))
+    for forged in (0, 0x2222, 0x1110, 2**64 - 1):          # none, another member's, near, any
+        v = m.process(*contrib(0, [10**6], contributors=forged))
+        assert (v.action, v.reason, v.out) == ("drop", DropReason.BAD_TAG, None)
+    assert m.process(*reread(1, contributors=0)).reason == DropReason.BAD_TAG
+    assert m.drops(1)[DropReason.BAD_TAG] == 5 and m.counters(1)[Counter.CONTRIBUTIONS] == 0
+    for r in range(3):                                     # the members are unharmed
+        v = m.process(*contrib(r, [r + 1], contributors=tags[r]))
+    assert decode(v.out)[1][0] == 6 and m.drops(1)[DropReason.DUPLICATE] == 0
+    # a member that joins again gets a new tag: the old one no longer works
+    m.set_member(1, 0, addr(0), 0x4444)
+    assert m.process(*contrib(0, [1], round=1, contributors=0x1111)).reason == DropReason.BAD_TAG
+    assert m.process(*contrib(0, [1], round=1, contributors=0x4444)).action == "drop"
+    assert m.drops(1)[DropReason.BAD_TAG] == 6 and m.counters(1)[Counter.CONTRIBUTIONS] == 4
+    with pytest.raises(ValueError):
+        m.set_member(1, 0, addr(0), 1 << 64)
 
 
 def test_strategy_table_versions():

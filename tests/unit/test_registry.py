@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggd.core.registry import Limits, Registry, RegistryError, answer_join
-from aggd_client.membership import decode_join_ack, encode_join
+from aggd_client.membership import JobInfo, decode_join_ack, encode_join
 from aggd_client.protocol import MAX_ELEMENTS, MsgType, NackCode
 
 LIMITS = Limits(kernel_budget=16, elements=256, port=47000, userspace_port=47002, result_port=47001)
@@ -162,8 +162,10 @@ def test_join_registers_and_rejoin_moves_the_address():
     again = r.join(1, 0, "token0", ("10.0.0.1", 4000), now=2.0)
     assert again.code == NackCode.NONE and not again.changed      # a retried JOIN changes nothing
     assert r.get("a").members[0].joined_at == 1.0
+    tag = r.get("a").members[0].tag
     moved = r.join("a", 0, "token0", ("10.0.0.1", 4001), now=3.0)  # restarted worker, new port
     assert moved.changed and r.get("a").members[0].address == ("10.0.0.1", 4001)
+    assert 0 < tag != r.get("a").members[0].tag != 0                # and a new tag
     clash = r.join("a", 1, "token0", ("10.0.0.1", 4001))           # one address, two ranks
     assert clash.code == NackCode.NOT_MEMBER and "rank 0" in clash.message
 
@@ -176,6 +178,10 @@ def test_answer_join_round_trip():
     assert (hdr.type, hdr.code, hdr.job, hdr.rank) == (MsgType.JOIN_ACK, 0, job.id, 1)
     assert body["world"] == 2 and body["slots"] == 8 and body["gso"] is False and body["port"] == 47000
     assert outcome.changed
+    # the member's tag, as 16 hex digits; kept in the saved state, never shown to operators
+    assert JobInfo.from_json(body).tag == job.members[1].tag == int(body["tag"], 16) != 0
+    saved = r.to_json()["jobs"][0]["members"][0]
+    assert saved["tag"] == job.members[1].tag and "tag" not in str(job.describe()["members"])
     answer, _ = answer_join(r, encode_join(job.id, 0, "bad"), ("10.0.0.3", 5000))
     hdr, body = decode_join_ack(answer)
     assert hdr.code == NackCode.BAD_TOKEN and "refused" in body["error"]

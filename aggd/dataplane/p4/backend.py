@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping
 
 from aggd_client import protocol as proto
 
-from aggd.core.model import check_awaited
+from aggd.core.model import check_awaited, check_tag
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, JobStats, checked_job, rounds_by_member
 from aggd.dataplane.p4 import P4Error, layout as L
@@ -48,6 +48,7 @@ class _Job:
     ports: tuple[int, ...]
     rows: list | None = None     #: the strategy rows as given (segments merge equal from_rounds)
     awaited: int | None = None   #: the members a round waits for (None: the whole world)
+    tags: dict[int, int] = field(default_factory=dict)   #: member tags (0: none)
 
 
 class P4DataPlane(DataPlane):
@@ -230,9 +231,10 @@ class P4DataPlane(DataPlane):
                 "group_ip": ip_int(group_ip), "group_mac": multicast_mac(group_ip),
                 "result_port": int(group_port), "mcast_grp": L.job_group(int(j.cfg.job))}
 
-    def _member_entry(self, job: int, rank: int, addr: tuple[str, int]):
+    def _member_entry(self, job: int, rank: int, addr: tuple[str, int], tag: int):
         return self.info.table_entry(L.MEMBERS, {"hdr.aggd.job": job, "hdr.aggd.rank": rank},
-                                     f"{L.PIPE}.set_member", {"ip": ip_int(addr[0]), "port": int(addr[1])})
+                                     f"{L.PIPE}.set_member",
+                                     {"ip": ip_int(addr[0]), "port": int(addr[1]), "tag": check_tag(tag)})
 
     def _strategy_entry(self, job: int, seg: Segment, priority: int):
         lo, hi, e = seg
@@ -255,13 +257,15 @@ class P4DataPlane(DataPlane):
         base = self.allocator.allocate(job, switch_slots) if switch_slots else 0
         members = {int(r): (str(a[0]), int(a[1])) for r, a in cfg.members.items()}
         j = _Job(cfg, world, base, switch_slots, (str(cfg.group[0]), int(cfg.group[1])), members,
-                 strategy_segments(entries), self._ports(members))
+                 strategy_segments(entries), self._ports(members),
+                 tags={int(r): int(t) for r, t in (getattr(cfg, "tags", None) or {}).items() if int(r) in members})
         self._clear_slots(base, switch_slots)
         self.reset_stats(job)
         if self.target == "bmv2":
             self.registers.write(L.REG_MAX_ROUND, job, 0)
         # Everything the job needs first; the jobs entry last: the switch knows the job only when whole.
-        ups = [update("INSERT", table_entry=self._member_entry(job, r, a)) for r, a in sorted(members.items())]
+        ups = [update("INSERT", table_entry=self._member_entry(job, r, a, j.tags.get(r, 0)))
+               for r, a in sorted(members.items())]
         ups += [update("INSERT", table_entry=self._strategy_entry(job, s, PRIO_SETTLED)) for s in j.segments]
         ups.append(update("INSERT", packet_replication_engine_entry=multicast_group(L.job_group(job), j.ports)))
         self.client.write(ups)
@@ -291,22 +295,24 @@ class P4DataPlane(DataPlane):
     def active_jobs(self) -> list[int]:
         return sorted(self.jobs)
 
-    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
-        """Register (None: clear) the address rank ``rank`` of ``job`` sends from."""
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None, tag: int = 0) -> None:
+        """Register (None: clear) the address rank ``rank`` of ``job`` sends from and its tag."""
         j = self._job(job)
         if not 0 <= rank < j.world:
             raise P4Error(f"job {job}: rank {rank} outside 0..{j.world - 1}")
         old = j.members.get(rank)
         new = None if addr is None else (str(addr[0]), int(addr[1]))
-        if old == new:
+        if old == new and (new is None or j.tags.get(rank, 0) == tag):
             return
         if new is None:
             ups = [update("DELETE", table_entry=self.info.table_entry(
                 L.MEMBERS, {"hdr.aggd.job": job, "hdr.aggd.rank": rank}))]
             del j.members[rank]
+            j.tags.pop(rank, None)
         else:
-            ups = [update("MODIFY" if old else "INSERT", table_entry=self._member_entry(job, rank, new))]
+            ups = [update("MODIFY" if old else "INSERT", table_entry=self._member_entry(job, rank, new, tag))]
             j.members[rank] = new
+            j.tags[rank] = tag
         ports = self._ports(j.members)
         if ports != j.ports:
             ups.append(update("MODIFY", packet_replication_engine_entry=multicast_group(L.job_group(job), ports)))

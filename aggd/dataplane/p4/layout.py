@@ -61,7 +61,7 @@ TABLES: dict[str, TableUse] = {t.name: t for t in (
                                   Param("group_ip", 32), Param("group_mac", 48), Param("result_port", 16),
                                   Param("mcast_grp", 16))}),
     TableUse(f"{PIPE}.members", (Match("hdr.aggd.job", 16, "exact"), Match("hdr.aggd.rank", 16, "exact")),
-             {f"{PIPE}.set_member": (Param("ip", 32), Param("port", 16))}),
+             {f"{PIPE}.set_member": (Param("ip", 32), Param("port", 16), Param("tag", 64))}),
     TableUse(f"{PIPE}.strategy", (Match("hdr.aggd.job", 16, "exact"), Match("meta.s_round", 32, "range")),
              {f"{PIPE}.set_strategy": (Param("version", 16), Param("kind", 8), Param("param", 8),
                                        Param("timeout_us", 32))}),

@@ -80,6 +80,14 @@ def _be32(p, o):
 
 
 @njit(inline="always")
+def _be64(p, o):
+    v = np.uint64(0)
+    for k in range(8):
+        v = (v << np.uint64(8)) | np.uint64(p[o + k])
+    return v
+
+
+@njit(inline="always")
 def _put(p, o, nbytes, v):
     for k in range(nbytes):
         p[o + k] = np.uint8((v >> (8 * (nbytes - 1 - k))) & 0xFF)
@@ -156,7 +164,7 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, count
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        member_ip, member_port, table, bi, bu, steps, values, counters, drops, dirty, members,
+        member_ip, member_port, member_tag, table, bi, bu, steps, values, counters, drops, dirty, members,
         out, out32, out_len, out_kind, out_reason):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job``; return
     the index of the first that is not (``n`` when all were). See the module docstring."""
@@ -172,7 +180,8 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
         if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS:
             break
         nm = names[i]
-        if member_port[rank] != _be16(nm, 2) or member_ip[rank] != _be32(nm, 4):
+        if member_port[rank] != _be16(nm, 2) or member_ip[rank] != _be32(nm, 4) or \
+                _be64(p, O_CONTRIBUTORS) != member_tag[rank]:
             break
         round_ = _be32(p, O_ROUND)
         exponent = _be16(p, O_EXPONENT)
@@ -375,6 +384,9 @@ class FastJob:
         cfg = self.state.cfg
         self.member_ip = np.zeros(64, np.int64)
         self.member_port = np.full(64, -1, np.int64)   # -1: no address a packet can come from
+        self.member_tag = np.zeros(64, np.uint64)
+        for rank, tag in cfg.tags.items():
+            self.member_tag[rank] = tag
         for rank, (host, port) in cfg.members.items():
             ip = _ipv4(host)
             if ip is not None:
@@ -485,7 +497,7 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1:
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
-                          fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port,
+                          fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
                           batch.out, batch.out32, batch.out_len, kind, batch.out_reason)
                 if nxt > i:
@@ -531,7 +543,7 @@ def warm_up() -> None:
     batch = Batch(1, HDR + 8)
     one = np.zeros(1, np.int64)
     run(batch.stage, batch.stage32, batch.sizes, batch.names, batch.nows, 0, 0, 0, 1, 1, 0, np.zeros(64, np.int64),
-        np.zeros(64, np.int64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
+        np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
         np.zeros((64, 5), np.uint64), batch.out, batch.out32, one, batch.out_kind, batch.out_reason)

@@ -164,7 +164,7 @@ class UserspaceAggregator(DataPlane):
             self._drop(cfg.job)
             restored = self.add_job(JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots,
                                               max_chunks=cfg.max_chunks, members=dict(cfg.members),
-                                              group=cfg.group, elements=getattr(cfg, "elements", None)),
+                                              tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group, elements=getattr(cfg, "elements", None)),
                                     getattr(cfg, "identity", None))
             if restored:
                 log.info("job %d: user-space slots taken up where the previous daemon left them", cfg.job)
@@ -198,9 +198,9 @@ class UserspaceAggregator(DataPlane):
             model = self._route.get(job)
             return (0, model.jobs[job].cfg.slots) if model is not None else (0, 0)
 
-    def set_member(self, job: int, rank: int, addr: Addr | None) -> None:
+    def set_member(self, job: int, rank: int, addr: Addr | None, tag: int = 0) -> None:
         with self._lock:
-            self._route[job].set_member(job, rank, addr)
+            self._route[job].set_member(job, rank, addr, tag)
             self._fast.refresh(job)
 
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from aggd_client import protocol as proto
 
-from aggd.core.model import check_awaited
+from aggd.core.model import check_awaited, check_tag
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
 
@@ -255,12 +255,9 @@ class XdpDataPlane(DataPlane):
         self.remove_job(job)
         base = self.allocator.allocate(job, kernel_slots) if kernel_slots else 0
         self._clear_slots(base, kernel_slots)
+        tags = getattr(cfg, "tags", None) or {}
         for rank in range(proto.MAX_MEMBERS):
-            m = self.members.Leaf()
-            if rank in cfg.members:
-                ip, port = cfg.members[rank]
-                m.ip, m.port, m.valid = _be32_of(ip), _be16_of(int(port)), 1
-            self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
+            self.set_member(job, rank, cfg.members.get(rank), tags.get(rank, 0))
         j = self.jobs.Leaf()
         j.world = world
         j.slot_base = base
@@ -308,12 +305,13 @@ class XdpDataPlane(DataPlane):
             raise XdpError(f"job {job}: {exc}") from None
         self.jobs[key] = j
 
-    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None) -> None:
-        """Register (None: clear) the member address of ``rank``: from then on the program accepts
-        that rank's packets only from ``addr``."""
+    def set_member(self, job: int, rank: int, addr: tuple[str, int] | None, tag: int = 0) -> None:
+        """Register (None: clear) the member address and tag of ``rank``: from then on the program
+        accepts that rank's packets only from ``addr`` and carrying ``tag``."""
         m = self.members.Leaf()
         if addr is not None:
             m.ip, m.port, m.valid = _be32_of(addr[0]), _be16_of(int(addr[1])), 1
+            m.tag = check_tag(tag)
         self.members[ctypes.c_uint32(job * proto.MAX_MEMBERS + rank)] = m
 
     def allocation(self, job: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ import enum
 from dataclasses import dataclass
 
 MAGIC = 0xA66D
-VERSION = 1
+#: 2: contributions and re-reads carry the sender's member tag (``contributors``; see ``HEADER``)
+VERSION = 2
 
 #: UDP port the aggregator listens on; results go to the job's ``result_port``.
 DEFAULT_PORT = 47000
@@ -93,6 +94,7 @@ class DropReason(enum.IntEnum):
     STALE = 10           #: a contribution for a round the slot has moved past
     BUSY = 11            #: the slot still holds an unreleased earlier round
     NOT_READY = 12       #: a re-read of a result not released yet
+    BAD_TAG = 13         #: the member tag is not the one its JOIN was given (forged or stale): never NACKed
 
 
 class Counter(enum.IntEnum):
@@ -132,7 +134,8 @@ HEADER: tuple[Field, ...] = (
     Field("exponent", "i16", "values are int32 * 2**-exponent; the sum uses the smallest"),
     Field("flags", "u8", "Flag bits"),
     Field("code", "u8", "NackCode in NACKs, 0 otherwise"),
-    Field("contributors", "u64", "bitmap of ranks summed in a result (bit i = rank i)"),
+    Field("contributors", "u64", "results: bitmap of ranks summed (bit i = rank i); contributions and "
+                                 "re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none"),
     Field("n_contrib", "u16", "contributions summed in a result (may exceed popcount under wbsp)"),
     Field("step", "u16", "local step within the round (wbsp); 0 otherwise"),
     Field("strategy", "u8", "StrategyKind that governed the round (results), so clients adapt"),

@@ -3,7 +3,7 @@
 #define AGGD_PROTO_P4
 
 const bit<32> AGGD_MAGIC = 42605;
-const bit<32> AGGD_VERSION = 1;
+const bit<32> AGGD_VERSION = 2;
 const bit<32> AGGD_DEFAULT_PORT = 47000;
 const bit<32> AGGD_DEFAULT_RESULT_PORT = 47001;
 const bit<32> AGGD_DEFAULT_ELEMENTS = 256;
@@ -56,6 +56,7 @@ const bit<8> AGGD_DROP_REASON_DUPLICATE = 9;
 const bit<8> AGGD_DROP_REASON_STALE = 10;
 const bit<8> AGGD_DROP_REASON_BUSY = 11;
 const bit<8> AGGD_DROP_REASON_NOT_READY = 12;
+const bit<8> AGGD_DROP_REASON_BAD_TAG = 13;
 
 const bit<8> AGGD_COUNTER_RX_PACKETS = 0;
 const bit<8> AGGD_COUNTER_RX_BYTES = 1;
@@ -72,7 +73,7 @@ const bit<8> AGGD_COUNTER_PARTIALS = 11;
 
 header aggd_h {
     bit<16> magic;  // 0xA66D; anything else is dropped
-    bit<8> version;  // protocol version, 1
+    bit<8> version;  // protocol version, 2
     bit<8> type;  // MsgType
     bit<16> job;  // job id, 0..MAX_JOBS-1
     bit<16> rank;  // sender's rank (contributions, re-reads); 0xFFFF in results
@@ -83,7 +84,7 @@ header aggd_h {
     bit<16> exponent;  // values are int32 * 2**-exponent; the sum uses the smallest
     bit<8> flags;  // Flag bits
     bit<8> code;  // NackCode in NACKs, 0 otherwise
-    bit<64> contributors;  // bitmap of ranks summed in a result (bit i = rank i)
+    bit<64> contributors;  // results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none
     bit<16> n_contrib;  // contributions summed in a result (may exceed popcount under wbsp)
     bit<16> step;  // local step within the round (wbsp); 0 otherwise
     bit<8> strategy;  // StrategyKind that governed the round (results), so clients adapt

@@ -56,6 +56,7 @@ struct aggd_meta_t {
     bit<16> mcast_grp;
     bit<32> member_ip;
     bit<16> member_port;
+    bit<64> member_tag;      /* the tag its packets carry in contributors (0: none) */
     bit<32> s_round;
     bit<16> s_version;
     bit<8>  s_kind;
@@ -236,10 +237,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
         size = AGGD_MAX_JOBS;
     }
 
-    action set_member(bit<32> ip, bit<16> port) {
+    action set_member(bit<32> ip, bit<16> port, bit<64> tag) {
         meta.member_ok = 1;
         meta.member_ip = ip;
         meta.member_port = port;
+        meta.member_tag = tag;
     }
 
     table members {
@@ -376,6 +378,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             hdr.aggd.skip = 0;
             hdr.lanes.setInvalid();
             to_sender();
+            return;
+        }
+        if (hdr.aggd.contributors != meta.member_tag) {   /* forged: never NACKed */
+            drops.count((bit<32>)hdr.aggd.job * AGGD_DROP_STRIDE + (bit<32>)AGGD_DROP_REASON_BAD_TAG);
+            drop();
             return;
         }
         if (hdr.aggd.chunk >= meta.max_chunks) {

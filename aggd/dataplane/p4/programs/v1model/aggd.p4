@@ -59,6 +59,7 @@ struct aggd_meta_t {
     bit<1>  member_ok;
     bit<32> member_ip;
     bit<16> member_port;
+    bit<64> member_tag;      /* the tag its packets carry in contributors (0: none) */
     /* strategy table */
     bit<32> s_round;
     bit<16> s_version;
@@ -171,10 +172,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         size = AGGD_MAX_JOBS;
     }
 
-    action set_member(bit<32> ip, bit<16> port) {
+    action set_member(bit<32> ip, bit<16> port, bit<64> tag) {
         meta.member_ok = 1;
         meta.member_ip = ip;
         meta.member_port = port;
+        meta.member_tag = tag;
     }
 
     table members {
@@ -416,6 +418,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_NOT_MEMBER)
                     nack(AGGD_NACK_CODE_NOT_MEMBER);
                     to_sender();
+                    return;
+                }
+                if (hdr.aggd.contributors != meta.member_tag) {  /* forged: never NACKed */
+                    COUNT_DROP(hdr.aggd.job, AGGD_DROP_REASON_BAD_TAG)
+                    drop();
                     return;
                 }
                 if (hdr.aggd.chunk >= meta.max_chunks || meta.n_slots == 0) {
