@@ -36,3 +36,14 @@ def dp(xdp_program):
     xdp_program._reset_stats(proto.MAX_JOBS)
     xdp_program.install_job(job_config())
     return xdp_program
+
+
+@pytest.fixture(scope="module")
+def harness(xdp_program):
+    """The reference model and the XDP program side by side (tests/harness/xdp_model.py)."""
+    from tests.fixtures.scenarios import JOB
+    from tests.harness.xdp_model import Harness
+    h = Harness(xdp_program)
+    yield h
+    xdp_program.set_clock(0)      # real time again for whoever uses the program next
+    xdp_program.remove_job(JOB)

@@ -20,25 +20,15 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
-import struct
 
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from aggd.dataplane.xdp.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
-from aggd.dataplane.xdp.loader import multicast_mac
-from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict, member_rows
-from aggd.testing.frames import AGG_IP
-from aggd_client.protocol import Counter, DropReason
-
-from tests.harness.equivalence import (KINDS, MACS, NO_SHRINK, SEQUENCE_SETTINGS, STRANGER_MAC, SWAP_TEXTS, describe, frame,
-                           ip_checksum, mac_bytes, member, play_scenario, departures, run_sequence, sequences, swaps,
-                           table_for)
-from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, entry, tag
-from tests.fixtures.traffic import OTHER_JOB
-from .conftest import ELEMENTS, job_config
+from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, play_scenario, departures,
+                                       run_sequence, sequences, swaps, table_for)
+from tests.harness.xdp_model import Harness
+from tests.fixtures.scenarios import SCENARIOS, entry
 
 pytestmark = pytest.mark.root
 
@@ -48,87 +38,6 @@ SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
 DEPARTURE_SEQUENCES = 500  #: sequences in which members are declared gone (and come back)
 ODD_ELEMENTS = 7         #: a packet size the pairwise payload loops do not divide
 ODD_SEQUENCES = 200      #: per strategy, at ODD_ELEMENTS
-VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
-_GROUP_MAC = multicast_mac(GROUP[0])
-
-
-# ---------------------------------------------------------------------------------------------
-# The two data planes side by side.
-
-class Harness:
-    """One job on both data planes; ``send`` runs a packet through both and compares."""
-
-    def __init__(self, dp, elements: int = ELEMENTS) -> None:
-        self.dp = dp
-        self.elements = elements
-        self.packets = 0
-        self.seen: collections.Counter = collections.Counter()   # model outcomes compared
-
-    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
-        members = {r: member(r) for r in range(world)}
-        self.model = AggregatorModel(self.elements)
-        self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
-                                     members=members, tags={r: tag(r) for r in members}, group=GROUP))
-        self.dp.remove_job(OTHER_JOB)
-        self.dp.install_job(job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP,
-                                       members=members, tags={r: tag(r) for r in members}))
-        self.dp._reset_stats(NO_JOB)
-        self.set_strategy(entries)
-
-    def set_strategy(self, entries: list[TableEntry]) -> None:
-        self.model.set_strategy(JOB, entries)
-        self.dp.set_strategy(JOB, entries)
-
-    def set_awaited(self, awaited: int) -> None:
-        self.model.set_awaited(JOB, awaited)
-        self.dp.set_awaited(JOB, awaited)
-
-    def send(self, data: bytes, src: tuple[str, int], now_ns: int, where: str = "") -> Verdict:
-        v = self.model.process(data, src, now_ns)
-        self.dp.set_clock(now_ns)
-        pkt = frame(data, src)
-        res = prog_test_run(self.dp.prog_fd, pkt)
-        self.packets += 1
-        self.seen[(v.action, None if v.reason is None else v.reason.name.lower(), v.dest)] += 1
-        why = f"{where}\n  in : {describe(data)} from {src} at {now_ns}\n  model: {v.action} {v.reason} " \
-              f"{v.dest} {describe(v.out)}\n  xdp  : {res.verdict_name}"
-        if res.verdict == XDP_TX:
-            why += f" to {socket.inet_ntoa(res.packet[30:34])} {describe(res.packet[42:])}"
-        assert res.verdict == VERDICTS[v.action], why
-        if v.action == "pass":
-            assert res.packet == pkt, why
-        if v.action != "tx":
-            return v
-        out = res.packet
-        udp_len = struct.unpack_from("!H", out, 38)[0]
-        msg = out[42:34 + udp_len]
-        assert msg == v.out, why
-        eth_dst, ip_dst, dport = out[0:6], socket.inet_ntoa(out[30:34]), struct.unpack_from("!H", out, 36)[0]
-        if v.dest == "group":
-            assert (eth_dst, ip_dst, dport) == (_GROUP_MAC, GROUP[0], GROUP[1]), why
-        else:
-            assert (eth_dst, ip_dst, dport) == (mac_bytes(MACS.get(src, STRANGER_MAC)), src[0], src[1]), why
-        assert socket.inet_ntoa(out[26:30]) == AGG_IP and ip_checksum(out[14:34]) == 0, why
-        return v
-
-    def check_counters(self, where: str = "") -> None:
-        xdp = self.dp.job_stats(JOB)
-        counters = self.model.counters(JOB)
-        assert {c.name.lower(): int(counters[c]) for c in Counter} == xdp.counters, where
-        drops = self.model.drops(JOB)
-        assert {r.name.lower(): int(drops[r]) for r in DropReason} == xdp.drops, where
-        no_job = self.model.drops(NO_JOB)
-        assert {r.name.lower(): int(no_job[r]) for r in DropReason} == self.dp.job_stats(None).drops, where
-        state = self.model.jobs[JOB]
-        assert member_rows(state.members, state.cfg.world) == self.dp.member_stats(JOB, state.cfg.world), where
-
-
-@pytest.fixture(scope="module")
-def harness(xdp_program):
-    h = Harness(xdp_program)
-    yield h
-    xdp_program.set_clock(0)      # real time again for whoever uses the program next
-    xdp_program.remove_job(JOB)
 
 
 # ---------------------------------------------------------------------------------------------

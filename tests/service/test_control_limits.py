@@ -1,15 +1,20 @@
 """The control socket against hostile clients, on the real daemon: idle and trickling connections
 hold up neither aggctl nor the watchdog ping, and what a client can send (deep JSON, arguments of
-the wrong type, a name with a newline, sizes out of bounds) is refused in one line, never as an
-internal error, and the daemon goes on serving."""
+the wrong type, a name with a newline, sizes out of bounds, random requests) is refused in one
+line, never as an internal error, and the daemon goes on serving."""
 from __future__ import annotations
 
+import collections
 import json
 import socket
 import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aggd.daemon.service import Service
 
 
 pytestmark = pytest.mark.root
@@ -128,4 +133,54 @@ def test_hostile_requests_get_one_line_refusals(make_lab, make_daemon):
     # a refused name is not half-made: the trailing newline case cannot be found because it is not there
     res = d.aggctl("jobs", "create", "b\n", "--world", "1")
     assert res.exit_code == 1 and "aggd refused" in res.output and "internal" not in res.output, res.output
+    assert "Traceback" not in d.log() and "internal error" not in d.log()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+ARGUMENT_NAMES = sorted({k for spec in Service.COMMANDS.values() for k in spec}) + ["x"]
+
+
+@st.composite
+def requests(draw) -> bytes:
+    """A control request line: a known command (or not) with arguments of its own names (or others)
+    and random JSON values; sometimes not an object, or not JSON at all."""
+    kind = draw(st.integers(0, 9))
+    if kind == 0:
+        return draw(st.binary(max_size=200)).replace(b"\n", b" ")
+    if kind == 1:
+        return json.dumps(draw(JSON)).encode()
+    cmd = draw(st.sampled_from(sorted(Service.COMMANDS) + ["jobs", "", "jobs.create.x"]))
+    names = st.sampled_from(sorted(Service.COMMANDS.get(cmd, {})) or ARGUMENT_NAMES) | st.sampled_from(ARGUMENT_NAMES)
+    args = draw(st.dictionaries(names, JSON | st.sampled_from(["a", "fuzz", 1, 2, 8, "sync", "quorum:1:5ms"]),
+                                max_size=4))
+    return json.dumps({"cmd": cmd, "args": args}).encode()
+
+
+def test_random_requests_are_answered_in_one_line_and_never_crash_the_daemon(make_lab, make_daemon):
+    lab = make_lab(1)
+    d = make_daemon(lab)
+    d.call("jobs.create", name="a", world=2, slots=8)
+    kinds = collections.Counter()
+
+    @settings(max_examples=400, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(line=requests())
+    def answered(line):
+        lines = _request(d.socket, line)
+        if not line.strip():       # a blank line asks nothing: no answer
+            assert lines == []
+            return
+        assert len(lines) == 1, (line[:80], lines)
+        reply = json.loads(lines[0])
+        if reply["ok"]:
+            kinds["ok"] += 1
+            return
+        err = reply["error"]
+        kinds[err["kind"]] += 1
+        assert err["kind"] != "internal" and "\n" not in err["message"] and len(err["message"]) < 1000, (line, err)
+
+    answered()
+    assert kinds["ok"] > 0 and kinds["bad_request"] > 0, kinds
+    assert _timed_status(d) < 1.0
     assert "Traceback" not in d.log() and "internal error" not in d.log()
