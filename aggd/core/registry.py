@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
+from aggd_client.quant import HEADROOM, MAX_HEADROOM
 
 from aggd.core import strategy as strat
 
@@ -93,6 +94,10 @@ class Job:
     strategies: list[tuple[int, int, str]] = field(default_factory=list)
     members: dict[int, Member] = field(default_factory=dict)
     created_at: float = 0.0
+    #: Contributions per member every round is quantised for (JOIN_ACK ``headroom``; docs/protocol.md,
+    #: "Quantisation and the error bound"): fixed for the job's life, so that a round sent under one
+    #: strategy and governed by another never holds more than its senders left room for.
+    headroom: int = MAX_HEADROOM
     #: Members declared gone (silent, removed by hand, restarted): rank -> {"since": time,
     #: "reason": why, "round": the job's round then (or the round it rejoined at)}. Rounds stop
     #: waiting for them (``awaited``) until they keep pace again.
@@ -137,12 +142,13 @@ class Job:
                 "group": list(self.group) if self.group else None,
                 "port": self.port, "elements": self.elements, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
-                "strategy_version": self.strategy_version}
+                "strategy_version": self.strategy_version, "headroom": self.headroom}
 
     def describe(self, with_token: bool = True) -> dict:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
              "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
+             "headroom": self.headroom,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
@@ -169,7 +175,7 @@ class Job:
                   group=(str(d["group"][0]), int(d["group"][1])), port=int(d["port"]),
                   kernel_base=int(d["kernel_base"]), kernel_slots=int(d["kernel_slots"]),
                   strategies=[(int(v), int(r), str(t)) for v, r, t in d["strategies"]],
-                  created_at=float(d.get("created_at", 0.0)))
+                  created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
         job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"])}
                     for r, g in d.get("gone", {}).items()}
@@ -202,17 +208,23 @@ def slots_bytes(slots: int, elements: int) -> int:
     return slots * SUM_BYTES * elements
 
 
-def _valid_strategy(strategy: str | strat.Strategy, world: int) -> strat.Strategy:
-    """``strategy`` parsed (unless it is a Strategy already) and checked for a job of ``world``;
-    RegistryError (bad_strategy) saying why not."""
+def _valid_strategy(strategy: str | strat.Strategy, world: int, headroom: int = MAX_HEADROOM) -> strat.Strategy:
+    """``strategy`` parsed (unless it is a Strategy already) and checked for a job of ``world`` whose
+    rounds are quantised for ``headroom`` contributions per member; RegistryError (bad_strategy)
+    saying why not."""
     if not isinstance(strategy, (str, strat.Strategy)):
         raise RegistryError(f"strategy must be text such as 'quorum:3', not {strategy!r}", "bad_strategy")
+    shown = strategy if isinstance(strategy, str) else str(strategy)
     try:
         parsed = strat.parse(strategy) if isinstance(strategy, str) else strategy
-        return parsed.validate(world)
+        parsed = parsed.validate(world)
     except strat.StrategyError as exc:
-        shown = strategy if isinstance(strategy, str) else str(strategy)
         raise RegistryError(f"bad strategy {shown!r}: {exc}", "bad_strategy") from None
+    needs = HEADROOM.get(parsed.kind, 1)
+    if needs > headroom:
+        raise RegistryError(f"strategy {shown!r} puts up to {needs} contributions per member in a round; the "
+                            f"job's rounds leave room for {headroom} (its headroom, set at creation)", "bad_strategy")
+    return parsed
 
 
 class Registry:
@@ -268,8 +280,11 @@ class Registry:
 
     # -- jobs ------------------------------------------------------------------------------------
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
-               elements: int | None = None, kernel_slots: int | None = None, now: float = 0.0) -> Job:
-        """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit)."""
+               elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
+               now: float = 0.0) -> Job:
+        """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
+        ``headroom``: contributions per member its rounds are quantised for (None: room for every
+        strategy; less gives finer sums but refuses the strategies that need more)."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -293,7 +308,10 @@ class Registry:
                                 "too_large")
         if kernel_slots is not None and (not _is_int(kernel_slots) or kernel_slots < 0):
             raise RegistryError(f"kernel_slots must be 0 or more, not {kernel_slots!r}", "bad_request")
-        parsed = _valid_strategy(strategy, world)
+        headroom = MAX_HEADROOM if headroom is None else headroom
+        if not _is_int(headroom) or not 1 <= headroom <= MAX_HEADROOM:
+            raise RegistryError(f"headroom must be 1..{MAX_HEADROOM}, not {headroom!r}", "bad_request")
+        parsed = _valid_strategy(strategy, world, headroom)
         free_ids = [i for i in range(1, MAX_JOBS) if i not in self.jobs] + ([0] if 0 not in self.jobs else [])
         if not free_ids:
             raise RegistryError(f"all {MAX_JOBS} job ids are in use", "full")
@@ -307,7 +325,8 @@ class Registry:
         job = Job(name=name, id=job_id, token=self._token(), world=world, slots=slots,
                   max_chunks=lim.max_chunks, elements=elements, group=group,
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
-                  kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now)
+                  kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
+                  headroom=headroom)
         self.jobs[job_id] = job
         return job
 
@@ -382,7 +401,7 @@ class Registry:
         every version). Returns the job and its table (whose ``table_entries()`` the data planes
         install). Nothing changes if the strategy or the round is refused."""
         job = self.get(ref)
-        parsed = _valid_strategy(strategy, job.world)
+        parsed = _valid_strategy(strategy, job.world, job.headroom)
         if not _is_int(from_round) or not 0 <= from_round < 1 << 32:
             raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
         version, first, _ = job.strategies[-1]

@@ -398,7 +398,7 @@ class Service:
         "status": {},
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
-                        "elements": "int?", "kernel_slots": "int?"},
+                        "elements": "int?", "kernel_slots": "int?", "headroom": "int?"},
         "jobs.delete": {"job": "job"},
         "jobs.show": {"job": "job"},
         "workers": {"job": "job"},
@@ -505,9 +505,10 @@ class Service:
     def cmd_jobs_list(self):
         return [self._summary(j) for j in self.registry.list()]
 
-    def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None):
+    def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
+                        headroom=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
-                                   kernel_slots=kernel_slots, now=time.time())
+                                   kernel_slots=kernel_slots, headroom=headroom, now=time.time())
         try:
             self._apply(job)
         except BaseException:

@@ -86,9 +86,10 @@ def _chunk_max_abs(x: np.ndarray, elements: int) -> np.ndarray:
     return m.astype(np.float64)
 
 
-def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False):
+def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False, terms=None):
     """Per block: (start, exact float64 sum, per-element bound). The bound is aggd's fixed-point
-    quantisation's, or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    quantisation's for contributions quantised for ``terms`` (None: ``world``), or with
+    ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
     b = _block(elements)
     for k, start in enumerate(range(0, size, b)):
         n = min(b, size - start)
@@ -101,7 +102,7 @@ def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_
             if float_sum:
                 mag += np.abs(x)
             else:
-                e = chunk_exponents(_chunk_max_abs(x, elements), world)
+                e = chunk_exponents(_chunk_max_abs(x, elements), world, terms)
                 exps = e if exps is None else np.minimum(exps, e)
         if float_sum:
             bound = world * float(np.finfo(dtype).eps) * mag
@@ -110,21 +111,22 @@ def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_
         yield start, exact, bound
 
 
-def expected(seed, world, size, dtype, round_, elements, pattern="random"):
+def expected(seed, world, size, dtype, round_, elements, pattern="random", terms=None):
     """(exact float64 sum, per-element bound) for this round (whole arrays: for tests and small sizes;
     ``check`` does the same block by block)."""
-    parts = list(_expected_blocks(seed, world, size, dtype, round_, pattern, elements))
+    parts = list(_expected_blocks(seed, world, size, dtype, round_, pattern, elements, terms=terms))
     return np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts])
 
 
 def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="random", *,
-          float_sum: bool = False) -> dict:
+          float_sum: bool = False, terms: int | None = None) -> dict:
     """``out`` against the exact sum of every member's tensor, block by block: the record's
     ``max_abs_error``, ``error_bound`` (largest per-element bound), ``within_bound`` and
     ``max_abs_value``. ``float_sum``: the bound of a float sum (Gloo), not aggd's quantisation."""
     max_err = max_bound = max_val = 0.0
     within = True
-    for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum):
+    for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum,
+                                                terms):
         got = out[start:start + exact.shape[0]]
         bound = bound + output_rounding(got)
         err = np.abs(got.astype(np.float64) - exact)
@@ -167,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reduce the same tensor every round, into the same result buffer")
     args = ap.parse_args(argv)
+    terms = None    # what contributions are quantised for: the world (a sync job), or the joined job's headroom
 
     if args.gloo is not None:
         if args.world is None:
@@ -178,6 +181,7 @@ def main(argv=None) -> int:
                       window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after)
         info = client.job_info
         args.world, args.elements = info.world, info.elements
+        terms = info.world * info.headroom
         print(f"rank {args.rank} joined: {info}", file=sys.stderr, flush=True)
     else:
         if args.world is None:
@@ -235,7 +239,7 @@ def main(argv=None) -> int:
                 if args.check == "all" or (args.check == "last" and last):
                     ref = 0 if args.reuse else i
                     rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
-                                     args.pattern, float_sum=args.gloo is not None))
+                                     args.pattern, float_sum=args.gloo is not None, terms=terms))
                     if not rec["within_bound"] or not rec["shape_ok"]:
                         status = 1
                 print(json.dumps(rec), flush=True)

@@ -120,7 +120,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     ``first_round``: the round of the first allreduce (a member rejoining a running job starts at
     the job's round, which the JOIN_ACK gives: ``join`` passes it). ``tag``: the member tag every
     contribution carries (the JOIN_ACK's: ``join`` passes it; 0 for a member configured without a
-    JOIN).
+    JOIN). ``headroom``: contributions per member every round is quantised for, whatever the
+    strategy (the JOIN_ACK's: ``join`` passes it); None: as many as the strategy in force puts in a
+    round (``quant.terms_for``), for an aggregator whose strategy never changes.
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -129,7 +131,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
-                 catch_up: bool = True, first_round: int = 0, tag: int = 0):
+                 catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -146,6 +148,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError(f"first_round must be a u32 round number, got {first_round}")
         if not 0 <= int(tag) < 1 << 64:
             raise ValueError("tag must be a u64 (the JOIN_ACK's)")
+        if headroom is not None and not 1 <= int(headroom) <= quant.MAX_HEADROOM:
+            raise ValueError(f"headroom must be in 1..{quant.MAX_HEADROOM}, got {headroom}")
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
@@ -160,6 +164,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._server = (socket.gethostbyname(server[0]), int(server[1]))
         self._job, self._rank, self._world = int(job), int(rank), int(world)
         self._tag = int(tag)
+        self._headroom = None if headroom is None else int(headroom)
         self._elements = int(elements)
         self._slots = int(slots)
         self._dtype = packet_dtype(self._elements)

@@ -17,6 +17,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 
+from . import quant
 from .client import AggClient
 from .errors import BadTokenError, NoAnswerError, NotMemberError, ProtocolError, UnknownJobError
 from .protocol import HEADER_SIZE, Header
@@ -47,6 +48,9 @@ class JobInfo:
     #: The member's tag: every contribution carries it (docs/protocol.md, "Member tags"); a packet
     #: with the member's address and another tag is dropped. Secret: not shown in ``repr``.
     tag: int = field(default=0, repr=False)
+    #: Contributions per member every round of the job is quantised for, whatever the strategy
+    #: (docs/protocol.md, "Quantisation and the error bound").
+    headroom: int = quant.MAX_HEADROOM
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -57,7 +61,7 @@ class JobInfo:
                        elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
                        gso=bool(d.get("gso", True)), round=int(d.get("round", 0)),
-                       tag=_tag(d.get("tag", "0")))
+                       tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
 
@@ -211,6 +215,7 @@ def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
     # socket takes it over (the join socket is closed, so the port is free again).
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
                        bind=address, elements=info.elements, slots=info.slots,
-                       **{"first_round": info.round, "tag": info.tag, **client_options})
+                       **{"first_round": info.round, "tag": info.tag, "headroom": info.headroom,
+                          **client_options})
     client.job_info = info
     return client

@@ -26,7 +26,7 @@ import numpy as np
 
 from .protocol.definition import MAX_MEMBERS, ZERO_EXPONENT, StrategyKind
 
-__all__ = ["FLOAT_DTYPES", "HEADROOM", "terms_for", "q_max", "chunk_exponents", "quantise",
+__all__ = ["FLOAT_DTYPES", "HEADROOM", "MAX_HEADROOM", "terms_for", "q_max", "chunk_exponents", "quantise",
            "quantise_flat", "dequantise", "align_and_sum", "error_bound", "output_rounding"]
 
 #: Input dtypes the client accepts; results come back in the same dtype.
@@ -39,6 +39,9 @@ _TINY = float(np.ldexp(1.0, -1074))
 #: late contributions into the next round (at most one per member besides its own), ``wbsp`` takes
 #: several local steps per member (the client sends at most 4 per round).
 HEADROOM = {StrategyKind.QUORUM: 2, StrategyKind.WBSP: 4}
+#: The headroom that fits every strategy: a daemon job's rounds are quantised for this many
+#: contributions per member unless the job was created with less (the JOIN_ACK's ``headroom``).
+MAX_HEADROOM = max(HEADROOM.values())
 #: ``n_contrib`` is a u16 in the header: no result holds more terms.
 MAX_TERMS = 0xFFFF
 

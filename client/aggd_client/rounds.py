@@ -94,7 +94,9 @@ class _Send:
     def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind):
         self.c, self.rnd, self.x, self.step = c, rnd, x, step
         self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
-        self.terms = quant.terms_for(c._world, kind)  # headroom for what the result may hold
+        # headroom for what the result may hold: the job's, fixed, so that a round quantised under one
+        # strategy and governed by another (a swap not yet seen) never holds more than that
+        self.terms = (c._world * c._headroom if c._headroom is not None else quant.terms_for(c._world, kind))
         self.fq, self.jq = quant._q_frexp(c._world, self.terms)
         self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
         self.ring: _Ring | None = c._take_ring(self.R)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import click
 
 from aggd_client.protocol import MAX_ELEMENTS, MAX_MEMBERS
+from aggd_client.quant import MAX_HEADROOM
 
 from aggd.cli.commands._daemon import call, echo_json, job_cells, job_columns, json_option, slot_range, table
 
@@ -38,11 +39,15 @@ def list_(as_json):
               help="Values a packet (default: the kernel's; another size is served in user space).")
 @click.option("--kernel-slots", type=click.IntRange(0),
               help="At most this many slots in the kernel (default: as many as fit; 0: user space only).")
+@click.option("--headroom", type=click.IntRange(1, MAX_HEADROOM),
+              help=f"Contributions per member a round is quantised for (default {MAX_HEADROOM}: room for every "
+                   f"strategy; 1: two bits finer sums, sync/ssp/async only; 2: also quorum).")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, as_json):
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
-    for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots)):
+    for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
+                       ("headroom", headroom)):
         if value is not None:
             args[key] = value
     j = call("jobs.create", **args)
