@@ -102,10 +102,14 @@ def replay(setup, steps, cuts: list[int]):
 
 
 def bank_state(m: AggregatorModel):
+    """Every slot's banks and late memories (slots are made when first used: each is looked at,
+    so a slot one model made and the other did not compares too)."""
+    slots = m.jobs[JOB].slots
     return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.exponent, b.flags, b.version, b.kind, b.param,
               b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist())
-             for b in slot.banks] + [[(mem.round, mem.refused, mem.carried) for mem in slot.late]]
-            for slot in m.jobs[JOB].slots]
+             for b in slot.banks] + [sorted((r, mem.round, mem.refused, mem.carried) for r, mem in slot.late.items()
+                                            if (mem.round, mem.refused, mem.carried) != (None, 0, 0))]
+            for slot in (slots[s] for s in range(len(slots)))]
 
 
 def describe(v: Verdict | None) -> str:
@@ -190,8 +194,8 @@ def test_state_changed_by_the_kernel_reaches_the_objects():
         batch.sizes[i] = len(sent.data)
         batch.names[i] = np.frombuffer(sockaddr_in(sent.src), np.uint8)
         batch.nows[i] = sent.now_ns
+    bank = m.jobs[JOB].slots[0].banks[0]          # the slot's objects, made before the kernel runs
     assert fp.process(batch, len(sents), lambda i: None) == {}
-    bank = m.jobs[JOB].slots[0].banks[0]
     assert bank.state == BankState.EMPTY          # not synced yet
     fp.sync()
     assert (bank.state, bank.key) == (BankState.OPEN, (0, 0))
