@@ -3,7 +3,7 @@ a big job holds anybody up.
 
 A lab daemon (``aggd.lab.daemon.LabDaemon``) is started and driven through its control socket, as
 aggctl drives it: its resident set (``/proc/PID/status``: VmRSS, and its anonymous, file-backed and
-shared parts) is read with no job, after ``jobs`` idle jobs of ``slots`` slots are created, and
+shared parts) is read with no job (after one job was created and deleted), after ``jobs`` idle jobs of ``slots`` slots are created, and
 after they are deleted; then one job served wholly in user space gets contributions into more and
 more of its slots (one member of two sends, so every slot it reaches holds an open round), the
 per-active-slot figure; and a job of ``big_slots`` slots is created while another thread asks for
@@ -151,6 +151,9 @@ def run(*, jobs: int = 256, slots: int | None = None, active: tuple[int, ...] = 
         try:
             d.start()
             pid = d.proc.pid
+            # what the first job loads once (code, caches), and a deletion's heap trim, not counted
+            create_idle_jobs(d, 1, None, prefix="warm")
+            delete_jobs(d, "warm")
             base = settled_memory(pid, 1.0)
             emit({"bench": "memory", "case": "no_jobs", **{f"{k}_bytes": v for k, v in base.items()}})
 
@@ -175,6 +178,9 @@ def run(*, jobs: int = 256, slots: int | None = None, active: tuple[int, ...] = 
             most = max(active)
             job = d.call("jobs.create", name="active", world=2, slots=most, kernel_slots=0)
             empty = settled_memory(pid)
+            emit({"bench": "memory", "case": "empty_job", "slots": most, "kernel_slots": job["kernel_slots"],
+                  **{f"{k}_bytes": v for k, v in empty.items()},
+                  "rss_over_previous_bytes": empty["rss"] - after["rss"]})
             c = Contributor(lab, d, "active", job["token"])
             try:
                 sent = 0

@@ -239,6 +239,8 @@ def bench_memory(jobs, slots, active, big_slots, as_json):
         elif case == "active_slots":
             text += (f"  {row['active_slots']} active slots: {row['rss_per_active_slot_bytes']:.0f} B/slot "
                      f"({row['anon_per_active_slot_bytes']:.0f} anon, {row['file_per_active_slot_bytes']:.0f} file)")
+        elif case == "empty_job":
+            text += f"  a job of {row['slots']} slots, none used: {row['rss_over_previous_bytes'] * mib:+.1f} MiB"
         elif case == "create_big_job":
             text = (f"{case:<20} {row['slots']} slots in {row['create_s'] * 1e3:.0f} ms; status answered "
                     f"{row['status_answers']} times, slowest {row['status_max_s'] * 1e3:.0f} ms")
