@@ -526,12 +526,14 @@ class FastPath:
                     i = nxt
                     continue
             s = self._slot_of(fj, stage[i], sizes[i])
-            if s is not None:
+            # (a slot the model has not made is made from the arrays if it reaches it; one it does
+            # not reach -- a foreign packet's chunk, say -- costs nothing)
+            if s is not None and fj.state.slots.is_made(s):
                 fj.to_objects(s)
             try:
                 verdicts[i] = slow(i)
             finally:
-                if s is not None:
+                if s is not None and fj.state.slots.is_made(s):
                     fj.to_arrays(s)
             i += 1
         return verdicts
