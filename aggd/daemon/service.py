@@ -490,7 +490,11 @@ class Service:
             # packets refused before their job was known (malformed, foreign, unknown job), by path
             "no_job_drops": {name: plane.job_stats(None).drops
                              for name, plane in (("kernel", self.dp), ("userspace", self.us)) if plane is not None},
-            "jobs": [{**self._summary(j), **self._policy_view(j)} for j in self.registry.list()],
+            # each job's drops by path and reason (those that happened): every counter the metrics have
+            "jobs": [{**self._summary(j), **self._policy_view(j),
+                      "drops": {path: {r: n for r, n in s["drops"].items() if n}
+                                for path, s in self._paths(j).items()}}
+                     for j in self.registry.list()],
         }
 
     def _policy_view(self, job: Job, rank: int | None = None) -> dict:

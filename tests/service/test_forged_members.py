@@ -79,3 +79,5 @@ def test_forged_contributions_with_a_members_address_are_dropped_and_results_sta
     # members' own retransmissions)
     served = paths["userspace" if placement != "kernel" else "kernel"]
     assert served["counters"]["contributions"] == 2 * 20 * (5 + 20), paths
+    # and operators see it
+    assert f"{job['name']}: dropped ({checked_by}): bad_tag " in d.aggctl("status").output

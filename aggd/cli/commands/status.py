@@ -42,6 +42,10 @@ def status(as_json):
     table(job_columns("SWITCH" if dp.get("kind") == "p4" else "KERNEL") + ("STRAGGLERS",),
           [job_cells(j) + (_stragglers(j.get("policy")),) for j in s["jobs"]])
     for j in s["jobs"]:
+        for path, drops in (j.get("drops") or {}).items():
+            if drops:
+                shown = ", ".join(f"{reason} {n}" for reason, n in sorted(drops.items()))
+                click.echo(f"{j['name']}: dropped ({path}): {shown}")
         decision_lines(j["name"], j.get("policy"), last_only=True)
 
 
