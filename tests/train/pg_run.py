@@ -152,3 +152,31 @@ def failing(rank: int, world: int, init: str, env: dict, out) -> None:
     except BaseException:  # noqa: BLE001
         out.put(("error", rank, traceback.format_exc()))
         os._exit(1)
+
+
+def ddp_timeout(rank: int, world: int, init: str, env: dict, out) -> None:
+    """DDP over "aggd"; after two steps rank 1 stops (never reduces again): rank 0's backward must
+    raise the group's timeout as a RuntimeError (no crash, no hang), and so must the next one."""
+    try:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        _init(rank, world, init, env, timeout_s=3.0)
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(20, 30), torch.nn.ReLU(), torch.nn.Linear(30, 4)),
+                    bucket_cap_mb=0.001)
+        report: dict = {"rank": rank, "steps": []}
+        for step in range(4):
+            if rank == 1 and step == 2:
+                break
+            t0 = time.monotonic()
+            try:
+                model(torch.randn(8, 20)).sum().backward()
+                report["steps"].append((step, None, time.monotonic() - t0))
+            except Exception as exc:  # noqa: BLE001
+                report["steps"].append((step, f"{type(exc).__name__}: {exc}", time.monotonic() - t0))
+        out.put(("ok", rank, report))
+        os._exit(0)
+    except BaseException:  # noqa: BLE001
+        out.put(("error", rank, traceback.format_exc()))
+        os._exit(1)

@@ -105,6 +105,19 @@ def test_a_round_nobody_answers_fails_after_the_groups_timeout_and_so_do_later_o
     assert r["next_took"] < 1.0
 
 
+def test_a_failed_round_under_ddp_raises_from_backward_without_crashing(loopback):
+    """torch's Future.set_exception is only a Python-side error: handed to DDP's C++ reducer as it
+    is, it segfaulted the worker (aggd_client.torch.work explains the continuation that fixes it)."""
+    job = loopback.create_job("ddpfail", 2)
+    r = spawn(pg_run.ddp_timeout, 2, loopback.env(job))[0]
+    steps = r["steps"]
+    assert [s[1] for s in steps[:2]] == [None, None], steps
+    assert len(steps) == 4, steps
+    assert steps[2][1].startswith("RuntimeError") and "timed out" in steps[2][1] and "3 s" in steps[2][1], steps
+    assert 2.5 <= steps[2][2] <= 10, steps
+    assert "an earlier allreduce failed" in steps[3][1] and steps[3][2] < 1.0, steps
+
+
 def _init_alone(**pg_options):
     dist.init_process_group("aggd", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=20), pg_options=pg_options or None)

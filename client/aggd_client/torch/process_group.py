@@ -6,7 +6,8 @@ from a registered backend's creator and calls the Python methods, from Python an
 DDP's reducer). At construction (inside ``init_process_group``) it:
 
 1. reads its settings (``settings.Settings``: pg_options, then ``AGGD_*``);
-2. makes the inner gloo group over ``PrefixStore("aggd/", store)``;
+2. makes the inner gloo group over ``PrefixStore("aggd/<attempt>/", store)`` (``attempt``: torchrun's
+   ``TORCHELASTIC_RESTART_COUNT``, as torchrun keeps its store across restarts);
 3. JOINs the job as its group rank (``membership.request_join``) and checks the job's world is the
    group's size;
 4. agrees with the other ranks (a MAX over gloo) on the first round: a job's new members start at 0,
@@ -19,6 +20,7 @@ gloo's queue).
 """
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
@@ -73,7 +75,10 @@ class AggdProcessGroup(dist.ProcessGroup):
             _in_use.add(key)
         self._key = key
         try:
-            self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("aggd/", store), rank, size, timeout)
+            # torchrun keeps one store across restarts: a prefix per attempt, or a restarted rank
+            # would read the address the previous attempt's gloo published and fail to connect
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"aggd/{attempt}/", store), rank, size, timeout)
             info, address = request_join(settings.server, settings.job, rank, settings.token,
                                          bind=settings.bind, timeout=settings.join_timeout)
             if info.world != size:

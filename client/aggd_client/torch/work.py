@@ -1,10 +1,15 @@
-"""The ``Work`` the "aggd" process group returns: a ``torch.futures.Future`` completed by the
-reduction thread (``reducer``), or by the inner gloo group's work for the collectives it serves.
+"""The ``Work`` the "aggd" process group returns, over a ``torch.futures.Future`` completed by the
+reduction thread (``reducer``).
 
-``torch.distributed``'s ``_create_work_from_future`` is not used: its work's ``wait()`` returns True
-after the future failed (the error surfaced later, as a crash inside DDP). ``AggdWork.wait`` raises
-the future's error. Its ``timeout`` argument is ignored: the reduction thread fails every round
-after the group's timeout itself, so a wait never outlasts it.
+Errors must reach C++ consumers as errors. ``Future.set_exception`` from Python stores the exception
+as the future's *value* (unwrapped into a raise only by Python's ``wait``), so C++ sees a future that
+succeeded: DDP's reducer then parses the exception object as its tensors and crashes (a segfault in
+``parseCppCommHookResult``), and ``_create_work_from_future``'s ``wait()`` returns True. The future
+this work exposes is therefore a continuation, ``fut.then(lambda f: f.wait())``: when ``fut`` failed,
+the continuation raises, and torch records that as a real C++ error on the continuation, which
+DDP's ``value()`` and our ``wait()`` rethrow (as RuntimeError "Got the following error when running
+the callback: ..."). ``wait``'s ``timeout`` argument is ignored: the reduction thread fails every
+round after the group's timeout itself, so a wait never outlasts it.
 """
 from __future__ import annotations
 
@@ -14,18 +19,20 @@ import torch.distributed as dist
 __all__ = ["AggdWork", "completed_work", "failed_work"]
 
 
+def _unwrap(f: torch.futures.Future):
+    return f.wait()   # raises the reduction's error inside the continuation
+
+
 class AggdWork(dist._Work):
     """A collective's work over ``fut`` (its value: the list of output tensors)."""
 
     def __init__(self, fut: torch.futures.Future, what: str = "allreduce"):
         super().__init__()
-        self._fut = fut
+        self._fut = fut.then(_unwrap)   # a failure of `fut` becomes a C++ error (module docstring)
         self._what = what
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the group's timeout is enforced upstream
-        # Waiting on a continuation re-raises the future's error here (a failed future's own
-        # wait from this override did not reliably surface it).
-        self._fut.then(lambda f: f.wait()).wait()
+        self._fut.wait()
         return True
 
     def get_future(self) -> torch.futures.Future:
