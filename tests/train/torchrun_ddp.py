@@ -79,7 +79,9 @@ def main() -> int:
              sent=np.array(sent, dtype=object), **extra)
     dist.destroy_process_group()
     print(json.dumps({"rank": rank, "attempt": attempt, "done": True}), flush=True)
-    return 0
+    # (gloo's threads once aborted the interpreter's teardown, "terminate called without an active
+    # exception", after a finished run: leave without it, everything is written and destroyed)
+    os._exit(0)
 
 
 if __name__ == "__main__":
