@@ -210,6 +210,15 @@ def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
     ``gso`` is turned off when the daemon says its data plane cannot take GSO batches.
     """
     info, address = request_join(server, job, rank, token, bind=bind, timeout=timeout)
+    return client_for(server, info, address, rank, **client_options)
+
+
+def client_for(server: tuple[str, int], info: JobInfo, address: tuple[str, int], rank: int,
+               **client_options) -> AggClient:
+    """The :class:`AggClient` of ``rank`` once ``request_join`` answered ``info`` for the JOIN sent
+    from ``address`` (``join`` is both steps; a caller that must agree on something with the other
+    ranks first, such as the first round after a restart, calls them apart). ``client_options``
+    go to AggClient (``first_round`` overrides ``info.round``)."""
     client_options["gso"] = bool(client_options.get("gso", True)) and info.gso
     # The JOIN left from `address`, which is now the registered member address; the client's
     # socket takes it over (the join socket is closed, so the port is free again).

@@ -38,32 +38,19 @@ import threading
 
 import numpy as np
 
+from .torch.convert import from_numpy, to_numpy as _to_numpy
+
 __all__ = ["AggdHookState", "aggd_hook", "register", "reduce_tensor"]
-
-
-def _to_numpy(t):
-    """(numpy array to send, torch dtype to return) for a gradient tensor."""
-    import torch
-
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.to(torch.float32).cpu().numpy(), t.dtype
-    if t.dtype in (torch.float32, torch.float16, torch.float64):
-        return t.cpu().numpy(), t.dtype
-    raise TypeError(f"aggd reduces float32, float16, bfloat16 and float64 gradients, not {t.dtype}")
 
 
 def reduce_tensor(client, tensor, op: str = "mean"):
     """Allreduce one tensor through ``client`` (an ``AggClient``); returns (tensor of the input's
     dtype and shape, round that answered, round asked)."""
-    import torch
-
     arr, dtype = _to_numpy(tensor)
     asked = client.round
     h = client.allreduce_async(np.ascontiguousarray(arr).reshape(-1), op)
     out = h.wait()
-    res = torch.from_numpy(np.asarray(out)).to(dtype).reshape(tensor.shape)
-    return res, h.round, asked
+    return from_numpy(out, dtype, tensor.shape), h.round, asked
 
 
 class AggdHookState:

@@ -1,0 +1,128 @@
+"""Where the "aggd" process group finds its aggregator and job: ``pg_options`` first, then the
+environment (``AGGD_<NAME>``), then the defaults below. Every problem is a ``SettingsError`` at
+``init_process_group`` that names the setting.
+
+=================  ======================  =========================================================
+option             environment             meaning
+=================  ======================  =========================================================
+``server``         ``AGGD_SERVER``         the daemon's ``host:port`` (required)
+``job``            ``AGGD_JOB``            the job's name, or its id (digits) (required)
+``token``          ``AGGD_TOKEN``          the job's token (``aggctl jobs show``) (required)
+``bind``           ``AGGD_BIND``           this worker's address, ``host`` or ``host:port``
+                                           (default: any address, a free port)
+``give_up_after``  ``AGGD_GIVE_UP_AFTER``  seconds without any answer before a round fails (60)
+``join_timeout``   ``AGGD_JOIN_TIMEOUT``   seconds to wait for the JOIN answer (10)
+``accept_newer``   ``AGGD_ACCEPT_NEWER``   1: a quorum/async straggler's round answered by a newer
+                                           round is used (same tensor every call); 0: an error (0)
+=================  ======================  =========================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+__all__ = ["Settings", "SettingsError", "ENV_PREFIX"]
+
+ENV_PREFIX = "AGGD_"
+
+
+class SettingsError(ValueError):
+    """A setting of the "aggd" process group is missing or malformed (the message names it)."""
+
+
+def _host_port(text: str, what: str, *, port_required: bool) -> tuple[str, int]:
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep:
+        if port_required:
+            raise SettingsError(f"{what} must be host:port, not {text!r}")
+        host, port = str(text).strip(), "0"
+    if not host:
+        raise SettingsError(f"{what} must be host:port, not {text!r}")
+    try:
+        p = int(port)
+    except ValueError:
+        raise SettingsError(f"{what}: port {port!r} is not a number") from None
+    if not 0 <= p <= 65535 or (port_required and p == 0):
+        raise SettingsError(f"{what}: port {p} is out of range")
+    return host, p
+
+
+def _seconds(value, what: str) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{what} must be a number of seconds, not {value!r}") from None
+    if not v > 0:
+        raise SettingsError(f"{what} must be positive, not {value!r}")
+    return v
+
+
+def _flag(value, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise SettingsError(f"{what} must be 0 or 1, not {value!r}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    server: tuple[str, int]
+    job: int | str
+    token: str
+    bind: tuple[str, int] = ("0.0.0.0", 0)
+    give_up_after: float = 60.0
+    join_timeout: float = 10.0
+    accept_newer: bool = False
+
+    @classmethod
+    def resolve(cls, options: Mapping | "Settings" | None = None,
+                environ: Mapping[str, str] | None = None) -> "Settings":
+        """The settings from ``options`` (a mapping of the names above, or a Settings), falling
+        back to ``environ`` (default ``os.environ``) and the defaults."""
+        if isinstance(options, Settings):
+            return options
+        environ = os.environ if environ is None else environ
+        names = [f.name for f in fields(cls)]
+        opts = dict(options or {})
+        unknown = sorted(set(opts) - set(names))
+        if unknown:
+            raise SettingsError(f"unknown aggd pg_options {unknown}; known: {names}")
+
+        def raw(name: str):
+            if opts.get(name) is not None:
+                return opts[name], f"pg_options[{name!r}]"
+            env = ENV_PREFIX + name.upper()
+            return environ.get(env) or None, env
+
+        def required(name: str, hint: str):
+            value, where = raw(name)
+            if value is None or str(value).strip() == "":
+                raise SettingsError(f"{ENV_PREFIX}{name.upper()} is not set ({hint}; or pass "
+                                    f"pg_options={{{name!r}: ...}} to init_process_group)")
+            return value, where
+
+        server, where = required("server", "the aggd daemon's host:port")
+        server = server if isinstance(server, tuple) else _host_port(server, where, port_required=True)
+        job, where = required("job", "the job's name or id, as `aggctl jobs create` made it")
+        if isinstance(job, str):
+            job = int(job) if job.strip().isdigit() else job.strip()
+        elif not isinstance(job, int):
+            raise SettingsError(f"{where} must be a job name or id, not {job!r}")
+        token, where = required("token", "the job's token, from `aggctl jobs show JOB`")
+        kw = {"server": (str(server[0]), int(server[1])), "job": job, "token": str(token).strip()}
+        bind, where = raw("bind")
+        if bind is not None:
+            kw["bind"] = bind if isinstance(bind, tuple) else _host_port(bind, where, port_required=False)
+        for name in ("give_up_after", "join_timeout"):
+            value, where = raw(name)
+            if value is not None:
+                kw[name] = _seconds(value, where)
+        value, where = raw("accept_newer")
+        if value is not None:
+            kw["accept_newer"] = _flag(value, where)
+        return cls(**kw)

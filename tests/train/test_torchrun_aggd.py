@@ -1,0 +1,113 @@
+"""The "aggd" backend under the real torchrun against the real aggd daemon in a lab (its XDP data
+plane in the aggregator namespace, the workers in worker namespaces): DDP with
+``init_process_group("aggd")`` and no comm hook trains tests/train/torchrun_ddp.py, and the final
+parameters must equal a gloo run of the same script within the bound that follows from aggd's
+quantisation bound (tests/harness/torchrun_launch.ddp_bound). Through the XDP path (two nodes,
+one torchrun each, c10d rendezvous), through the daemon's user-space path (the job's slots all in
+user space), and with torchrun restarting every worker once after one crashed mid-training."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from aggd.training import labtrain
+
+from tests.harness.torchrun_launch import gloo_reference, lab_launch, ddp_bound
+
+from . import ddp_run
+
+pytestmark = pytest.mark.root
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    run = gloo_reference(tmp_path_factory.mktemp("gloo"), WORLD)
+    assert run.returncodes == [0], run.output[-3000:]
+    return run
+
+
+@pytest.fixture
+def daemon(make_lab):
+    lab = make_lab(WORLD)
+    d = labtrain.lab_daemon(lab)
+    try:
+        yield lab, d.start()
+    finally:
+        d.close()
+
+
+def create_job(d, name: str, **kw) -> dict:
+    return d.call("jobs.create", name=name, world=WORLD, strategy="sync", **kw)
+
+
+def released(d, job: dict) -> dict:
+    """Results each path (kernel, userspace) released for ``job``."""
+    paths = d.call("jobs.show", job=job["name"])["paths"]
+    return {name: p["counters"]["released"] for name, p in paths.items()}
+
+
+def check_against_gloo(run, gloo, job: dict) -> dict:
+    """Every rank finished, the replicas agree, and they are within the bound of gloo's."""
+    assert run.returncodes and all(c == 0 for c in run.returncodes), run.output[-6000:]
+    ranks = run.ranks
+    assert all(r for r in ranks), run.output[-6000:]
+    params = [r["params"] for r in ranks]
+    assert np.array_equal(params[0], params[1])
+    sent = [list(r["sent"]) for r in ranks]
+    assert len(sent[0]) == len(sent[1]) >= ddp_run.STEPS
+    bound = ddp_bound(sent, job["elements"], ddp_run.STEPS, ddp_run.LR, params[0])
+    ref = gloo.ranks[0]["params"]
+    diff = float(np.abs(params[0] - ref).max())
+    moved = float(np.abs(ref - ddp_run.train_start("float32")).max())
+    print(f"max |aggd - gloo| {diff:.3g}, bound {bound:.3g}, training moved the model {moved:.3g}")
+    assert diff <= bound, (diff, bound)
+    assert moved > 10 * bound
+    info = json.loads(str(ranks[0]["info"]))
+    assert info["strategy"] == "sync" and info["n_contrib"]["min"] == WORLD, info
+    return info
+
+
+def test_ddp_over_the_xdp_path_two_nodes_equals_gloo_within_the_bound(daemon, gloo, tmp_path):
+    lab, d = daemon
+    job = create_job(d, "tr-xdp")
+    run = lab_launch(lab, f"{lab.agg_ip}:{job['port']}", job, tmp_path, nodes=2, nproc_per_node=1)
+    info = check_against_gloo(run, gloo, job)
+    assert info["round_answered"] == len(run.ranks[0]["sent"]) - 1
+    # the rounds went through the kernel: XDP's slots released them, nothing went up to user space
+    assert job["kernel_slots"] > 0, job
+    paths = released(d, job)
+    assert paths["kernel"] > 0 and paths["userspace"] == 0, paths
+
+
+def test_ddp_over_the_userspace_path_equals_gloo_within_the_bound(daemon, gloo, tmp_path):
+    lab, d = daemon
+    job = create_job(d, "tr-user", kernel_slots=0)
+    assert job["kernel_slots"] == 0 and job["userspace_slots"] > 0, job
+    run = lab_launch(lab, f"{lab.agg_ip}:{job['port']}", job, tmp_path, nodes=1, nproc_per_node=2)
+    check_against_gloo(run, gloo, job)
+    paths = released(d, job)
+    assert paths["userspace"] > 0 and paths["kernel"] == 0, paths
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not solved yet: the round the first attempt left open (the survivor's contributions, the crashed "
+    "rank's missing) keeps its slots; the restarted group's next round (the JOIN answer's round) is "
+    "dropped `busy` there, and stays so even after the daemon declares the missing rank gone (~15-30 s), "
+    "until give_up_after (observed: 'round 8: 2 of 10 chunks answered'); docs/pytorch.md, Restarts"))
+def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_job_is(daemon, gloo, tmp_path):
+    lab, d = daemon
+    job = create_job(d, "tr-restart")
+    crash_step = 4
+    run = lab_launch(lab, f"{lab.agg_ip}:{job['port']}", job, tmp_path, nodes=1, nproc_per_node=2,
+                     max_restarts=1, crash=f"1:{crash_step}", timeout=400)
+    assert f"rank 1: crashing before step {crash_step} (attempt 0)" in run.output
+    info = check_against_gloo(run, gloo, job)
+    first = [int(r["first_round"]) for r in run.ranks]
+    assert [int(r["attempt"]) for r in run.ranks] == [1, 1]
+    # the restarted group started where the job was (after the first attempt's rounds), by itself
+    assert first[0] == first[1] > 0, first
+    assert info["round_answered"] == first[0] + len(run.ranks[0]["sent"]) - 1, (first, info)
