@@ -34,7 +34,8 @@ class LoopbackAggd:
     def _on_join(self, data, src):
         reply, outcome = answer_join(self.registry, data, src, round_of=self._round_of)
         if outcome is not None and outcome.code == NackCode.NONE and outcome.changed:
-            self.agg.set_member(outcome.job.id, int.from_bytes(bytes(data[6:8]), "big"), src)
+            rank = int.from_bytes(bytes(data[6:8]), "big")
+            self.agg.set_member(outcome.job.id, rank, src, outcome.job.members[rank].tag)
         return reply
 
     @property

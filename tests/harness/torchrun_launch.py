@@ -119,7 +119,9 @@ def ddp_bound(sent: list[list[np.ndarray]], elements: int, steps: int, lr: float
         pads = np.zeros((world, n * elements))
         for i, c in enumerate(contribs):
             pads[i, :size] = np.abs(c)
-        exps = np.min([quant.chunk_exponents(p.reshape(n, elements).max(axis=1), world) for p in pads], axis=0)
+        # a daemon job's members quantise for its headroom (docs/protocol.md, "Quantisation")
+        exps = np.min([quant.chunk_exponents(p.reshape(n, elements).max(axis=1), world, world * quant.MAX_HEADROOM)
+                       for p in pads], axis=0)
         q_err = np.repeat(quant.error_bound(world, exps), elements)[:size]
         rounding = 2 * ulp(np.sum(pads, axis=0)[:size], dtype)
         total += lr * float((q_err + rounding).max())
