@@ -22,9 +22,11 @@ Deterministic: the seed fixes the initial model (``torch_models.build``) and eve
 batches, so a gloo run and an aggd run see the same data in the same order.
 
 Restarts (torchrun ``--max-restarts``): rank 0 saves a checkpoint (model, optimiser, step) every
-``--ckpt-every`` steps into ``--ckpt-dir``; a restarted worker (``TORCHELASTIC_RESTART_COUNT``)
-resumes from the newest one. ``--die-at-step S --die-rank R``: rank R SIGKILLs itself before step S
-on its first attempt (a worker killed mid-training, for the fault tests).
+``--ckpt-every`` steps into ``--ckpt-dir`` (which must start empty); a worker that finds one resumes
+from it (every worker restarted by torchrun: the failed node's, whose ``TORCHELASTIC_RESTART_COUNT``
+went up, and the others', restarted for the membership change with theirs unchanged).
+``--die-at-step S --die-rank R``: rank R SIGKILLs itself before step S, once per run (a marker file
+in the checkpoint folder remembers it): a worker killed mid-training, for the fault tests.
 
 Output: one JSON record per rank written to ``--out`` (``{rank}`` in it is replaced, else
 ``.rankN.json`` is appended), with the final parameters in a ``.npy`` beside it; progress lines
@@ -129,8 +131,12 @@ def main(argv=None) -> int:
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=args.momentum)
     batches = Batches(data, rank, world, args.batch, args.seed)
     start_step = 0
+    dest_dir = out_path(args.out, rank).parent
+    dest_dir.mkdir(parents=True, exist_ok=True)
     ckpt = Path(args.ckpt_dir) / "ckpt.pt" if args.ckpt_dir else None
-    if ckpt is not None and restarts > 0 and ckpt.exists():
+    # resume whenever there is a checkpoint: torchrun restarts the workers of nodes that did not fail
+    # with TORCHELASTIC_RESTART_COUNT unchanged (a membership change is not a failure)
+    if ckpt is not None and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
         net.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -173,9 +179,11 @@ def main(argv=None) -> int:
     print(json.dumps({"rank": rank, "ready": True, "start_step": start_step, "restarts": restarts,
                       "startup_s": round(time.monotonic() - t_start, 3)}), flush=True)
     for step in range(start_step, args.steps):
-        if (args.die_at_step is not None and step == args.die_at_step and rank == args.die_rank
-                and restarts == 0):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if args.die_at_step is not None and step == args.die_at_step and rank == args.die_rank:
+            marker = Path(args.ckpt_dir or dest_dir) / f"died-rank{rank}"
+            if not marker.exists():          # once per run (the marker outlives the process)
+                marker.touch()
+                os.kill(os.getpid(), signal.SIGKILL)
         x, y = batches.next()
         ts = time.monotonic()
         grad_max.append(0.0)
@@ -207,7 +215,7 @@ def main(argv=None) -> int:
     record = {
         "rank": rank, "world": world, "model": args.model, "comm": args.comm, "strategy": args.strategy,
         "n_params": int(params.size), "steps": args.steps, "start_step": start_step, "steps_run": steps_run,
-        "restarts": restarts, "batch": args.batch, "lr": lr, "momentum": args.momentum, "seed": args.seed,
+        "restarts": restarts, "resumed": start_step > 0, "batch": args.batch, "lr": lr, "momentum": args.momentum, "seed": args.seed,
         "bucket_cap_mb": args.bucket_cap_mb,
         "ddp_buckets": {k: logging_data.get(k) for k in ("bucket_sizes", "num_buckets_reduced", "rebuilt_bucket_sizes")
                         if k in logging_data},

@@ -115,7 +115,12 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
     for old in out.glob("rank*.json"):
         old.unlink()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": lab.worker_ifname,
-           "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+           "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1",
+           # the workers' store: a new TCPStore on rank 0's --local-addr for every rendezvous round;
+           # the agents' shared store keeps keys under attempt_{TORCHELASTIC_RESTART_COUNT}, which
+           # differs between the failed node and the others after a restart, and their gloo mesh
+           # then read stale addresses (connection refused)
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     job = job_after = None
     lines: list[dict] = []
 
@@ -125,7 +130,7 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
             on_record(rec)
 
     procs = LabProcesses(lab, f"torchrun agents ({run.comm} {run.model})", on_record=on_line, env=env,
-                         stderr_lines=300)
+                         stderr_lines=None)
     try:
         aggd_vars: dict[str, str] = {}
         if run.comm != "gloo":
@@ -145,11 +150,20 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
             argv = ["env", *(f"{k}={v}" for k, v in node_env.items()),
                     *torchrun_argv(lab, node, run, rdzv, rdzv_id, str(out / "rank{rank}.json"), str(ckpt_dir))]
             procs.start(lab.worker_ns(node), argv)
-        runs = procs.wait(run.timeout_s)
+        try:
+            runs = procs.wait(run.timeout_s)
+        except TimeoutError as exc:
+            procs.kill()
+            for r in procs.wait(10):
+                (out / f"agent{r.rank}.stderr").write_text(r.stderr)
+            (out / "lines.json").write_text(json.dumps(lines))
+            raise TimeoutError(f"{exc}; agents' stderr and progress lines in {out}") from None
+        for r in runs:  # every agent's stderr (with its worker's) beside the records
+            (out / f"agent{r.rank}.stderr").write_text(r.stderr)
         failed = [r for r in runs if r.returncode != 0]
         if failed:
-            raise RuntimeError("\n".join(f"torchrun agent in {lab.worker_ns(r.rank)} failed ({r.returncode}):\n"
-                                         f"{_worker_error(r.stderr)}" for r in failed))
+            raise RuntimeError("\n".join(f"torchrun agent in {lab.worker_ns(r.rank)} failed ({r.returncode}; "
+                                         f"{out}/agent{r.rank}.stderr):\n{_worker_error(r.stderr)}" for r in failed))
         records = []
         for rank in range(world):
             path = out / f"rank{rank}.json"
@@ -173,8 +187,8 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
 
 def _worker_error(stderr: str) -> str:
     """The worker's own traceback (torchrun's summary after it says little), or the tail."""
-    at = stderr.rfind("Traceback (most recent call last)")
-    return stderr[at:at + 4000] if at >= 0 else stderr[-2500:]
+    at = stderr.find("Traceback (most recent call last)")
+    return stderr[at:at + 3000] + "\n...\n" + stderr[-800:] if at >= 0 else stderr[-2500:]
 
 
 def with_(run_: TorchRun, **changes) -> TorchRun:
