@@ -51,6 +51,7 @@ class TorchRun:
     seed: int = 0
     eval_every: int = 10
     kernel_slots: int | None = None         #: the job's kernel slots (0: all in user space)
+    slots: int | None = None                #: the job's slot pool (None: the daemon's default)
     max_restarts: int = 0
     ckpt_every: int = 10
     die_at_step: int | None = None          #: that rank SIGKILLs itself there, first attempt only
@@ -138,7 +139,8 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
                 raise ValueError(f"--comm {run.comm} needs a LabDaemon")
             name = f"torch-{run.model}-{run.strategy.replace(':', '')}{tag}-{secrets.token_hex(2)}"
             job = daemon.call("jobs.create", name=name, world=world, strategy=run.strategy,
-                              **({} if run.kernel_slots is None else {"kernel_slots": run.kernel_slots}))
+                              **({} if run.kernel_slots is None else {"kernel_slots": run.kernel_slots}),
+                              **({} if run.slots is None else {"slots": run.slots}))
             if on_job:
                 on_job(job)
             aggd_vars = {"AGGD_SERVER": f"{lab.agg_ip}:{job['port']}", "AGGD_JOB": job["name"],
