@@ -12,8 +12,8 @@ gloo run and an aggd run, start from the same parameters. DDP buckets: torch 2.1
 gradient in one bucket for the first step and then rebuilds the buckets in the order gradients
 become ready, with a first bucket of at most 1 MiB and the others of at most ``bucket_cap_mb``
 (25 by default). Both models are larger than 1 MiB and far smaller than 26 MiB, so with the default
-cap every later step has exactly two buckets of unequal sizes; a small cap (0.02 MiB) gives many (a bucket holds whole tensors: 6 for the
-14 tensors of the cnn, 9 for the transformer)
+cap every later step has exactly two buckets of unequal sizes; a small cap (0.02 MiB) gives many
+(a bucket holds whole tensors: 6 for the 14 tensors of the cnn, 9 for the transformer;
 (tests/train/test_torch_models.py counts them).
 """
 from __future__ import annotations
