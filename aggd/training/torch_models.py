@@ -14,7 +14,7 @@ become ready, with a first bucket of at most 1 MiB and the others of at most ``b
 (25 by default). Both models are larger than 1 MiB and far smaller than 26 MiB, so with the default
 cap every later step has exactly two buckets of unequal sizes; a small cap (0.02 MiB) gives many
 (a bucket holds whole tensors: 6 for the 14 tensors of the cnn, 9 for the transformer;
-(tests/train/test_torch_models.py counts them).
+tests/train/test_torch_models.py counts them).
 """
 from __future__ import annotations
 

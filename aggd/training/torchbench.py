@@ -48,24 +48,26 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
     rows = []
     outdir = Path(tempfile.mkdtemp(prefix="aggd-bench-train-"))
     with Lab(lab_name, workers) as lab:
-        daemon = torchlab.lab_daemon(lab, slots=slots) if any(s != "gloo" for s in systems) else None
-        try:
-            if daemon is not None:
-                daemon.start()
-            for model in models:
-                for system in systems:
+        for model in models:
+            for system in systems:
+                # a daemon of its own for every aggd run (once, a second job created in the same
+                # daemon after the first was deleted got no JOIN_ACK: see the report of issue 19)
+                daemon = None if system == "gloo" else torchlab.lab_daemon(lab, slots=slots)
+                try:
+                    if daemon is not None:
+                        daemon.start()
                     tr = TorchRun(model=model, steps=steps, comm="gloo" if system == "gloo" else "aggd-hook",
                                   batch=batch, lr=lr, momentum=momentum, eval_every=eval_every, slots=slots,
                                   bucket_cap_mb=bucket_cap_mb, kernel_slots=0 if system == "aggd-user" else None,
                                   timeout_s=max(240.0, steps * 5.0))
                     res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{system}")
-                    r = row(system, res, target)
-                    rows.append(r)
-                    if on_row:
-                        on_row(r)
-        finally:
-            if daemon is not None:
-                daemon.close()
+                finally:
+                    if daemon is not None:
+                        daemon.close()
+                r = row(system, res, target)
+                rows.append(r)
+                if on_row:
+                    on_row(r)
     return rows
 
 
