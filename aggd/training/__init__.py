@@ -5,5 +5,7 @@
 * :mod:`.loop` -- the training loop, right under every strategy (and gloo for the baseline);
 * :mod:`.worker` -- one worker process (``python -m aggd.training.worker``);
 * :mod:`.labtrain` -- a daemon and N workers in a lab: runs, scenarios, time to accuracy
-  (``aggctl bench stragglers``, ``aggctl demo``).
+  (``aggctl bench stragglers``, ``aggctl demo``);
+* :mod:`.torch_models`, :mod:`.torch_train`, :mod:`.torchlab`, :mod:`.torchbench` -- PyTorch models
+  trained with DDP under torchrun in a lab, through aggd or gloo (``aggctl bench train``).
 """

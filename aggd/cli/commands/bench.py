@@ -118,6 +118,60 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
             click.echo(f"plot: {plot_path}")
 
 
+@bench.command("train")
+@click.option("--model", "models", default="cnn", show_default=True, help="cnn and/or transformer, comma-separated")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--steps", default=100, show_default=True)
+@click.option("--systems", default="aggd-xdp,aggd-user,gloo", show_default=True)
+@click.option("--batch", default=32, show_default=True, help="examples per worker and step")
+@click.option("--target", default=0.9, show_default=True, help="test accuracy for time-to-target")
+@click.option("--slots", default=512, show_default=True, help="the aggd jobs' slot pool")
+@click.option("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="write every row (one JSON object a line) to this file")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG: accuracy against time per model, samples/s per system")
+def bench_train(models, workers, steps, systems, batch, target, slots, bucket_cap_mb, json_path, png_path):
+    """Train a PyTorch model with DDP under torchrun on a lab's workers through aggd-xdp, aggd-user
+    and gloo in the same run: step time, samples/s, time to a target accuracy."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise click.ClickException("bench train needs torch (pip install torch==2.13.0)")
+    from aggd.training import torchbench as tb
+    from aggd.training.torch_models import MODELS
+
+    chosen_models = [m.strip() for m in models.split(",") if m.strip()]
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    if not chosen_models or any(m not in MODELS for m in chosen_models):
+        raise click.BadParameter(f"use {', '.join(MODELS)}", param_hint="--model")
+    if not chosen or any(s not in tb.SYSTEMS for s in chosen):
+        raise click.BadParameter(f"use {', '.join(tb.SYSTEMS)}", param_hint="--systems")
+    if workers < 1 or steps < 2:
+        raise click.BadParameter("--workers must be at least 1 and --steps at least 2")
+
+    def show(r):
+        ttt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
+        click.echo(f"{r['model']:<12} {r['system']:<9} step {r['step_time_s'] * 1e3:8.1f} ms  "
+                   f"{r['samples_per_s']:8.1f} samples/s  to {r['target_accuracy']:.0%}: {ttt:>8}  "
+                   f"final {r['final_accuracy']:.3f}")
+
+    rows = tb.run(chosen_models, workers, steps, systems=chosen, lab_name="b" + uuid.uuid4().hex[:6],
+                  batch=batch, target=target, slots=slots, bucket_cap_mb=bucket_cap_mb, on_row=show)
+    for r in tb.ratios(rows):
+        ttt = "" if r["time_to_target_vs_gloo"] is None else f", time to target {r['time_to_target_vs_gloo']:.2f}x"
+        click.echo(f"{r['model']:<12} {r['system']:<9} speed vs gloo {r['speed_vs_gloo']:.2f}x{ttt}")
+    if json_path:
+        with open(json_path, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            for r in tb.ratios(rows):
+                f.write(json.dumps({"bench": "train-ratio", **r}) + "\n")
+    if png_path:
+        tb.plot(rows, png_path)
+        click.echo(f"plot: {png_path}")
+
+
 @bench.command("xdp")
 @click.option("--elements", "elements_list", default=f"64,256,512,{proto.NATIVE_MAX_ELEMENTS}", show_default=True,
               help="packet sizes (int32 values a packet) to compile and time")
