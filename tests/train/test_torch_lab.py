@@ -63,11 +63,16 @@ def generic_daemon(make_lab):
             d.close()
 
 
-@pytest.mark.parametrize("model,path,cap", [("cnn", "native", None), ("transformer", "native", 0.02),
-                                            ("cnn", "user", None), ("transformer", "generic", None)])
-def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, generic_daemon, gloo_dir, tmp_path, model, path, cap):
+#: (model, data path, bucket cap, how DDP reaches aggd): both models through the torch.distributed
+#: backend (``init_process_group("aggd")``, DDP without a hook) and through the comm hook
+@pytest.mark.parametrize("model,path,cap,comm", [("cnn", "native", None, "aggd"),
+                                                 ("transformer", "native", 0.02, "aggd-hook"),
+                                                 ("cnn", "user", None, "aggd-hook"),
+                                                 ("transformer", "generic", None, "aggd")])
+def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, generic_daemon, gloo_dir, tmp_path, model, path, cap,
+                                               comm):
     lab, d = generic_daemon(4) if path == "generic" else lab_daemon(4)
-    run = TorchRun(model=model, steps=STEPS, comm="aggd-hook", bucket_cap_mb=cap, eval_every=4,
+    run = TorchRun(model=model, steps=STEPS, comm=comm, bucket_cap_mb=cap, eval_every=4,
                    kernel_slots=0 if path == "user" else None)
     res = torchlab.run(lab, d, run, outdir=tmp_path)
     ref = gloo_reference(lab, run, gloo_dir)
@@ -75,12 +80,14 @@ def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, generic_daemon, gloo_
     assert [r["rank"] for r in recs] == [0, 1, 2, 3]
     assert len({r["params_sha"] for r in recs}) == 1                     # replicas bit-identical
     assert len({r["params_sha"] for r in ref.records}) == 1
-    buckets = recs[0]["hook_buckets"]
-    assert len(buckets) == STEPS and buckets[0] == [recs[0]["n_params"]]
-    assert len(buckets[1]) == (2 if cap is None else 9), buckets[1]      # test_torch_models explains
-    assert recs[0]["hook_stats"]["buckets"] == sum(map(len, buckets))
+    per_step = 2 if cap is None else 9                                    # test_torch_models explains
+    if comm == "aggd-hook":
+        buckets = recs[0]["hook_buckets"]
+        assert len(buckets) == STEPS and buckets[0] == [recs[0]["n_params"]]
+        assert len(buckets[1]) == per_step, buckets[1]
+        assert recs[0]["hook_stats"]["buckets"] == sum(map(len, buckets))
     job = res.job_after
-    assert job["round"] == sum(map(len, buckets)) - 1, job               # every bucket one round
+    assert job["round"] == 1 + (STEPS - 1) * per_step - 1, job            # every bucket one round
     assert all(w["gone"] is None and w["last_round"] == job["round"] for w in job["workers"]), job
     cmp = torch_bound.compare(ref.records, recs)
     start = torch_models.flat_params(torch_models.build(model, 0)).astype(np.float64)

@@ -1,18 +1,9 @@
-"""torch_train's switches that need no lab: ``--comm aggd`` without the backend, record paths."""
+"""torch_train's switches that need no lab: the hook's settings, record paths."""
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
-from aggd.training.torch_train import init_comm, out_path
-
-
-@pytest.mark.skipif(importlib.util.find_spec("aggd_client.torch") is not None,
-                    reason="the aggd backend is installed: tests/train/test_torch_lab covers --comm aggd")
-def test_comm_aggd_without_the_backend_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"aggd_client\.torch.*use --comm aggd-hook"):
-        init_comm("aggd", 5)
+from aggd.training.torch_train import out_path
 
 
 def test_comm_aggd_hook_without_the_environment_names_what_is_missing(monkeypatch):
