@@ -120,6 +120,9 @@ class Service:
         self.config = config
         self.reset_kernel_state = reset_kernel_state
         self.lock = threading.RLock()
+        #: job id -> (the job's newest round, the ranks that rejoined since it was that): when every
+        #: member has rejoined and no round came in between, the whole group restarted
+        self._rejoins: dict[int, tuple[int | None, set[int]]] = {}
         self.started_at = time.time()
         self.dp = None          # aggd.dataplane.DataPlane: XdpDataPlane or P4DataPlane
         self.us = None          # UserspaceAggregator
@@ -377,7 +380,35 @@ class Service:
                 if rank in job.gone:       # back: awaited once it keeps pace (the policy runner)
                     job.gone[rank]["round"] = self._join_round(outcome, rank)
                 self._save()
+            if outcome is not None and outcome.code == proto.NackCode.NONE and outcome.rejoined:
+                # a restarted member, from a new port or (a fixed one) the same address
+                self._count_rejoin(outcome.job, Header.unpack(data).rank)
             return answer
+
+    def _count_rejoin(self, job: Job, rank: int) -> None:
+        """A restarted member rejoined. Once every member has, with no round sent in between (torchrun
+        restarts the whole group after a failure; the members agree on their first round before they
+        send), the rounds their old selves left open can never complete: they are dropped from every
+        data plane, and members declared gone meanwhile are awaited again, so the group starts
+        afresh at the round the JOIN_ACKs gave (docs/protocol.md, "Members declared gone")."""
+        top = max_round(self._holding(job), job)
+        seen = self._rejoins.get(job.id)
+        if seen is None or seen[0] != top:
+            seen = self._rejoins[job.id] = (top, set())
+        seen[1].add(rank)
+        if len(seen[1]) < job.world:
+            return
+        del self._rejoins[job.id]
+        for plane in self.planes:
+            plane.clear_rounds(job.id)
+        back = sorted(job.gone)
+        for r in back:
+            self.registry.readmit(job.id, r)
+        if back:
+            self._set_awaited(job)
+        log.info("job %s: every member restarted; the rounds left open are dropped and the job goes on from "
+                 "round %d%s", job.name, 0 if top is None else top + 1,
+                 f" (ranks {back} awaited again)" if back else "")
 
     # -- reload --------------------------------------------------------------------------------------
     def reload(self, new: Config) -> list[str]:

@@ -120,6 +120,12 @@ class DataPlane(abc.ABC):
     def set_strategy(self, job: int, entries) -> None:
         """Install a job's strategy table (``aggd.core.strategy.TableEntry`` rows, newest last)."""
 
+    @abc.abstractmethod
+    def clear_rounds(self, job: int) -> None:
+        """Empty every slot of ``job``: the rounds in them, open or released, are forgotten (every
+        member restarted, and the rounds their old selves left open will never complete). Members,
+        strategy table and awaited members stay."""
+
     def set_awaited(self, job: int, awaited: int) -> None:
         """The members a round of ``job`` waits for: a bitmap of ranks, the world less the members
         declared gone (``aggd.core.model.AggregatorModel.set_awaited``)."""

@@ -14,7 +14,7 @@ aggd DDP hook (``--comm aggd-hook``).
 * Hot swaps through four strategies mid-training run to completion.
 * A worker SIGKILLed mid-training under ``torchrun --max-restarts 1``: every agent restarts its
   worker, they resume from rank 0's checkpoint, rejoin the job at the round the daemon gives and
-  should finish it (xfail for now: the daemon leaves the new round hanging, see the marker).
+  should finish it: the daemon drops the rounds the old workers left open once all have rejoined.
 """
 from __future__ import annotations
 
@@ -142,11 +142,6 @@ def test_hot_swaps_mid_training_run_to_completion(lab_daemon, tmp_path):
     assert res.records[0]["final_accuracy"] > 0.5, res.records[0]["accuracy"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "daemon: after torchrun restarts the whole group, every member rejoins at the JOIN answer's round "
-    "(top + 1) but the round its old selves left open (3 of 4 contributions) is never released or "
-    "abandoned, and the new round hangs: '116 of 1377 chunks answered' after 60 s (slots 64). "
-    "The torchrun side (restart, rendezvous, gloo mesh, checkpoint resume, rejoin) works."))
 def test_a_worker_killed_mid_training_is_restarted_by_torchrun_and_the_job_finishes(lab_daemon, tmp_path):
     lab, d = lab_daemon(4)
     run = TorchRun(model="cnn", steps=30, comm="aggd-hook", eval_every=5, max_restarts=1, ckpt_every=5,

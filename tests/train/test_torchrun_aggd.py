@@ -93,11 +93,6 @@ def test_ddp_over_the_userspace_path_equals_gloo_within_the_bound(daemon, gloo, 
     assert paths["userspace"] > 0 and paths["kernel"] == 0, paths
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not solved yet: the round the first attempt left open (the survivor's contributions, the crashed "
-    "rank's missing) keeps its slots; the restarted group's next round (the JOIN answer's round) is "
-    "dropped `busy` there, and stays so even after the daemon declares the missing rank gone (~15-30 s), "
-    "until give_up_after (observed: 'round 8: 2 of 10 chunks answered'); docs/pytorch.md, Restarts"))
 def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_job_is(daemon, gloo, tmp_path):
     lab, d = daemon
     job = create_job(d, "tr-restart")

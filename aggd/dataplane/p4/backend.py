@@ -365,6 +365,9 @@ class P4DataPlane(DataPlane):
             raise P4Error(f"job {job} is not installed") from None
 
     # -- registers -----------------------------------------------------------------------------------
+    def clear_rounds(self, job: int) -> None:
+        self._clear_slots(*self.allocation(job))
+
     def _clear_slots(self, base: int, count: int) -> None:
         """Empty the banks of slots [base, base + count): state EMPTY, unlocked, no late memory (the
         other bank registers are written when a bank opens)."""

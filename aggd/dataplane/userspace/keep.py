@@ -40,6 +40,7 @@ class SlotFiles:
 
     def __init__(self, folder: Path, identity: str, shapes: dict) -> None:
         self.folder = Path(folder)
+        self.identity = identity
         meta = {"identity": identity, "boot": boot_id(), "shapes": {k: list(v) for k, v in shapes.items()}}
         try:
             kept = json.loads((self.folder / "meta.json").read_text())

@@ -204,6 +204,26 @@ class UserspaceAggregator(DataPlane):
                 files.remove()
         _trim_heap()
 
+    def clear_rounds(self, job: int) -> None:
+        """The job again with empty slots (and its kept files anew); members, tags, strategy table
+        and awaited members as they were. Its user-space counters start again from zero."""
+        with self._lock:
+            model = self._route[job]
+            state = model.jobs[job]
+            cfg, table, awaited = state.cfg, model.strategy_table(job), state.awaited
+            files = self._files.get(job)
+            identity = files.identity if files is not None else None
+            self._drop(job)
+            if files is not None:
+                files.remove()
+            self.add_job(JobConfig(job=job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
+                                   members=dict(cfg.members), tags=dict(cfg.tags), group=cfg.group,
+                                   elements=cfg.elements), identity)
+            self._route[job].set_strategy(job, table)
+            if awaited != (1 << cfg.world) - 1:
+                self._route[job].set_awaited(job, awaited)
+            self._fast.refresh(job)
+
     def has_job(self, job: int) -> bool:
         with self._lock:
             return job in self._route

@@ -416,6 +416,9 @@ class XdpDataPlane(DataPlane):
         if freed:
             self._clear_slots(*freed)
 
+    def clear_rounds(self, job: int) -> None:
+        self._clear_slots(*self.allocation(job))
+
     def _clear_slots(self, base: int, count: int) -> None:
         empty = self.slots.Leaf()
         for i in range(base, base + count):
