@@ -86,7 +86,7 @@ def init_comm(comm: str, timeout_s: float):
 
     server, job, token, bind = aggd_env()
     client = join(server, int(job) if job.isdigit() else job, dist.get_rank(), token, bind=bind,
-                  timeout=20.0, give_up_after=60.0)
+                  timeout=float(os.environ.get("AGGD_JOIN_TIMEOUT", "20")), give_up_after=60.0)
     dist.barrier()  # every member has joined before anybody sends a round
     return client
 

@@ -143,8 +143,10 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
                               **({} if run.slots is None else {"slots": run.slots}))
             if on_job:
                 on_job(job)
+            # a JOIN waits for the daemon's user-space thread: on a loaded two-core lab host that took
+            # over the backend's default 10 s once (a CI run)
             aggd_vars = {"AGGD_SERVER": f"{lab.agg_ip}:{job['port']}", "AGGD_JOB": job["name"],
-                         "AGGD_TOKEN": job["token"]}
+                         "AGGD_TOKEN": job["token"], "AGGD_JOIN_TIMEOUT": "60"}
         rdzv = (lab.worker_ip(0), RDZV_PORT + next(_ports) % 500)
         rdzv_id = f"aggd-{secrets.token_hex(4)}"
         for node in range(world):
