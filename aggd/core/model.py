@@ -341,10 +341,19 @@ class LateMemory:
         return self
 
 
+class LateMemories(dict):
+    """A slot's LateMemory per member (rank), made when a member first has one: most slots never
+    see a late contribution, and a job has many slots."""
+
+    def __missing__(self, rank: int) -> LateMemory:
+        mem = self[rank] = LateMemory()
+        return mem
+
+
 @dataclass
 class Slot:
     banks: list[Bank]
-    late: list[LateMemory] = field(default_factory=lambda: [LateMemory() for _ in range(MAX_MEMBERS)])
+    late: LateMemories = field(default_factory=LateMemories)
 
     def bank_of(self, key: Key) -> Bank | None:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
@@ -399,10 +408,48 @@ def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
     return not slot.open_banks()
 
 
+def new_slot(elements: int) -> Slot:
+    """An empty slot of ``elements`` values a bank."""
+    values = np.zeros((BANKS, elements), np.int64)
+    return Slot([Bank(values[b]) for b in range(BANKS)])
+
+
+class Slots:
+    """A job's slots, each made when first used (``slots[s]``): an idle job costs no slot objects,
+    however many slots it has. ``make(s)`` makes slot ``s`` (an empty one by default; the user-space
+    fast path makes it from its arrays). ``len`` is the job's slot count; iterating yields only the
+    slots made so far -- the others are empty, so whatever looks for non-empty banks sees the same."""
+
+    def __init__(self, n: int, make: Callable[[int], Slot]) -> None:
+        self.n, self.make = n, make
+        self._made: dict[int, Slot] = {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: int) -> Slot:
+        slot = self._made.get(s)
+        if slot is None:
+            if not 0 <= s < self.n:
+                raise IndexError(f"slot {s} outside 0..{self.n - 1}")
+            slot = self._made[s] = self.make(s)
+        return slot
+
+    def __iter__(self):
+        return iter(list(self._made.values()))
+
+    def made(self) -> dict[int, Slot]:
+        """The slots made so far, by index."""
+        return self._made
+
+    def is_made(self, s: int) -> bool:
+        return s in self._made
+
+
 @dataclass
 class JobState:
     cfg: JobConfig
-    slots: list[Slot]
+    slots: Slots
     table: list[TableEntry]
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
     #: The members a round waits for (set_awaited): every member unless some were declared gone.
@@ -495,8 +542,8 @@ class AggregatorModel:
                              f"the aggregator has {self.elements}")
         cfg = replace(cfg, members=dict(cfg.members), tags=dict(cfg.tags))  # ours to mutate (set_member)
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
-        values = np.zeros((cfg.slots, BANKS, self.elements), np.int64)
-        slots = [Slot([Bank(values[s, b]) for b in range(BANKS)]) for s in range(cfg.slots)]
+        elements = self.elements
+        slots = Slots(cfg.slots, lambda s: new_slot(elements))   # made as packets reach them
         self.jobs[cfg.job] = JobState(cfg, slots, table, awaited=(1 << cfg.world) - 1)
         self._drops[cfg.job] = _zero_drops()
 

@@ -10,9 +10,10 @@ Restart. The XDP maps are pinned, so a restarted daemon finds jobs, members and 
 where the old one left them; state.json (rewritten atomically on every change) has what the maps
 do not: names, tokens, strategies. A job whose kernel entry still matches the registry keeps its
 slots; one that does not (maps removed, e.g. after a reboot) is installed afresh. User-space slots
-live in the daemon's memory: after a restart they start empty, and the workers' retransmissions of
-unanswered chunks refill them (a round already released there is not served again). With a P4
-switch every job is installed afresh at start (its switch slots start empty).
+live in memory-mapped files under ``[state] dir``/userspace (``aggd.dataplane.userspace.keep``), so
+they come back too; those files are sparse and a slot takes memory only once packets reach it, so an
+idle job costs the daemon next to nothing and creating one is quick. With a P4 switch every job is
+installed afresh at start (its switch slots start empty).
 
 "Kernel" in the registry and in aggctl's JSON means the fast data plane's slots: the switch's with
 ``kind = "p4"``.

@@ -102,10 +102,14 @@ def replay(setup, steps, cuts: list[int]):
 
 
 def bank_state(m: AggregatorModel):
+    """Every slot's banks and late memories (slots are made when first used: each is looked at,
+    so a slot one model made and the other did not compares too)."""
+    slots = m.jobs[JOB].slots
     return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.exponent, b.flags, b.version, b.kind, b.param,
               b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist())
-             for b in slot.banks] + [[(mem.round, mem.refused, mem.carried) for mem in slot.late]]
-            for slot in m.jobs[JOB].slots]
+             for b in slot.banks] + [sorted((r, mem.round, mem.refused, mem.carried) for r, mem in slot.late.items()
+                                            if (mem.round, mem.refused, mem.carried) != (None, 0, 0))]
+            for slot in (slots[s] for s in range(len(slots)))]
 
 
 def describe(v: Verdict | None) -> str:
@@ -190,9 +194,31 @@ def test_state_changed_by_the_kernel_reaches_the_objects():
         batch.sizes[i] = len(sent.data)
         batch.names[i] = np.frombuffer(sockaddr_in(sent.src), np.uint8)
         batch.nows[i] = sent.now_ns
+    bank = m.jobs[JOB].slots[0].banks[0]          # the slot's objects, made before the kernel runs
     assert fp.process(batch, len(sents), lambda i: None) == {}
-    bank = m.jobs[JOB].slots[0].banks[0]
     assert bank.state == BankState.EMPTY          # not synced yet
     fp.sync()
     assert (bank.state, bank.key) == (BankState.OPEN, (0, 0))
     assert bank_state(m) == bank_state(ref)
+
+
+def test_packets_that_reach_no_slot_make_none():
+    """A slot's objects are made only when the model's rules reach it: foreign packets naming
+    chunks (not a member, a bad rank) leave every slot unmade."""
+    setup, steps, ref = record(0, [0], "sync", [])
+    world, slots, entries = setup
+    m = new_model(world, slots, entries)
+    fp = fastpath.FastPath()
+    fp.add_job(m, JOB)
+    batch = fastpath.Batch(4, REC)
+    sent = steps[0][0]
+    sends = [(0, ("10.9.9.9", 9)), (world, sent.src)]    # rank 0 from elsewhere; a rank past the world
+    for i, (rank, src) in enumerate(sends):
+        data = bytearray(sent.data)
+        data[fastpath.O_RANK:fastpath.O_RANK + 2] = rank.to_bytes(2, "big")
+        batch.stage[i, :len(data)] = np.frombuffer(bytes(data), np.uint8)
+        batch.sizes[i] = len(data)
+        batch.names[i] = np.frombuffer(sockaddr_in(src), np.uint8)
+    verdicts = fp.process(batch, 2, lambda i: m.process(bytes(batch.stage[i, :batch.sizes[i]]), sends[i][1], 0))
+    assert [v.reason for v in verdicts.values()] == [DropReason.NOT_MEMBER, DropReason.BAD_RANK]
+    assert m.jobs[JOB].slots.made() == {}

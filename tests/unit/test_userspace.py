@@ -308,3 +308,47 @@ def test_strategies_over_udp(server, workers):
     assert (hdr.round, hdr.n_contrib, hdr.strategy, hdr.param) == (3, 1, 1, 3)
     assert hdr.flags == Flag.USERSPACE        # the deadline release is announced to the group
     assert server.stats()["jobs"][5]["counters"]["timeouts"] == 1
+
+
+def test_slots_are_made_as_used_and_kept_slots_come_back(tmp_path, workers):
+    """A job's slots cost nothing until packets reach them (sparse files, no slot objects); the
+    slots in use survive a new server (a daemon restart) and only they are made again."""
+    members = {r: s.getsockname() for r, s in enumerate(workers[:2])}
+    cfg = JobConfig(job=1, world=2, slots=4096, max_chunks=1 << 20, members=members)
+
+    def serve(srv, n):
+        handled = 0
+        while handled < n:
+            handled += srv.serve_once(1.0)
+
+    srv = UserspaceAggregator(elements=E, keep_dir=tmp_path)
+    try:
+        assert srv.add_job(cfg, identity="a@1") is False
+        state = srv._route[1].jobs[1]
+        assert state.slots.made() == {}
+        folder = tmp_path / "job-1"
+        assert sum(p.stat().st_size for p in folder.iterdir()) > 4096 * 4 * E * 8       # room for every slot
+        assert sum(p.stat().st_blocks * 512 for p in folder.iterdir()) < 256 << 10      # none of it written
+        for chunk in (5, 3000):     # rank 0 only: two slots hold an open round
+            workers[0].sendto(contribution(1, 0, [chunk], chunk=chunk), srv.address)
+        serve(srv, 2)
+        assert srv.open_slots(1) == 2 and srv.job_rounds(1) == (0, {0: 0})
+        assert sorted(state.slots.made()) == [5, 3000 % 4096]
+    finally:
+        srv.close()
+
+    srv = UserspaceAggregator(elements=E, keep_dir=tmp_path)   # the next daemon
+    try:
+        assert srv.add_job(cfg, identity="a@1") is True
+        state = srv._route[1].jobs[1]
+        assert sorted(state.slots.made()) == [5, 3000]           # the slots in use, and only they
+        assert srv.open_slots(1) == 2
+        workers[1].sendto(contribution(1, 1, [1], chunk=3000), srv.address)
+        serve(srv, 1)
+        for s in workers[:2]:
+            hdr, payload = decode(s.recvfrom(65536)[0])
+            assert (hdr.chunk, hdr.contributors, payload[0]) == (3000, 0b11, 3001)
+        srv.remove_job(1)
+        assert not folder.exists() and state.slots.made() == {}
+    finally:
+        srv.close()

@@ -261,5 +261,50 @@ def bench_swap(workers, swaps, steps, delay, as_json):
                f"max {row['max_s'] * 1e3:.1f} ms over {row['observed']} swaps ({workers} workers)")
 
 
+@bench.command("memory")
+@click.option("--jobs", default=256, show_default=True, help="idle jobs to create (and delete)")
+@click.option("--slots", type=int, default=None, help="slots of each idle job (default: the daemon's "
+              "[jobs] default_slots, 1024)")
+@click.option("--active", default="1024,4096,16384", show_default=True,
+              help="active-slot counts to measure, in one user-space job of the largest")
+@click.option("--big-slots", default=16384, show_default=True,
+              help="slots of the job created while status is timed ([jobs] max_slots)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per measurement")
+def bench_memory(jobs, slots, active, big_slots, as_json):
+    """The real daemon's resident memory with no job, with idle jobs, after deleting them, and per
+    active user-space slot; and status latency while a job of --big-slots slots is created."""
+    from aggd.bench import memory
+
+    counts = tuple(_int_list(active))
+    if jobs < 0 or any(k < 1 for k in counts) or big_slots < 1 or (slots is not None and slots < 1):
+        raise click.BadParameter("counts must be positive")
+    mib = 1 / 2**20
+
+    def show(row):
+        if as_json:
+            click.echo(json.dumps(row))
+            return
+        case = row["case"]
+        text = f"{case:<20} rss {row.get('rss_bytes', 0) * mib:8.1f} MiB"
+        if case == "idle_jobs":
+            text += (f"  +{row['rss_over_no_jobs_bytes'] * mib:.1f} MiB for {row['jobs']} jobs of {row['slots']} "
+                     f"slots: {row['rss_per_idle_job_bytes'] / 1024:.1f} KiB/job; create median "
+                     f"{row['create_median_s'] * 1e3:.1f} ms, max {row['create_max_s'] * 1e3:.1f} ms")
+        elif case == "active_slots":
+            text += (f"  {row['active_slots']} active slots: {row['rss_per_active_slot_bytes']:.0f} B/slot "
+                     f"({row['anon_per_active_slot_bytes']:.0f} anon, {row['file_per_active_slot_bytes']:.0f} file)")
+        elif case == "empty_job":
+            text += f"  a job of {row['slots']} slots, none used: {row['rss_over_previous_bytes'] * mib:+.1f} MiB"
+        elif case == "create_big_job":
+            text = (f"{case:<20} {row['slots']} slots in {row['create_s'] * 1e3:.0f} ms; status answered "
+                    f"{row['status_answers']} times, slowest {row['status_max_s'] * 1e3:.0f} ms")
+        elif "rss_over_no_jobs_bytes" in row:
+            text += f"  ({row['rss_over_no_jobs_bytes'] * mib:+.1f} MiB over no jobs)"
+        click.echo(text)
+
+    memory.run(jobs=jobs, slots=slots, active=counts, big_slots=big_slots,
+               lab_name="m" + uuid.uuid4().hex[:6], on_row=show)
+
+
 from aggd.cli.commands.stragglers import stragglers  # noqa: E402  (aggctl bench stragglers: aggd/commands/stragglers.py)
 bench.add_command(stragglers)

@@ -32,7 +32,7 @@ from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VER
 
 from aggd.dataplane.userspace.kernels import accumulate, load, narrow
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
-                             RESULT_RANK, STEPS, AggregatorModel, BankState, JobState, Verdict)
+                             RESULT_RANK, STEPS, AggregatorModel, Bank, BankState, JobState, Slot, Verdict)
 
 # Header field offsets, from the protocol definition.
 _OFF = {name: off for name, (_, off) in HEADER_DTYPE.fields.items()}
@@ -350,7 +350,11 @@ class FastJob:
 
     def __init__(self, model: AggregatorModel, job: int, files=None) -> None:
         """``files``: an ``aggd.dataplane.userspace.keep.SlotFiles`` to keep the arrays in (and
-        take them from, when it ``restored`` them), or None for memory only."""
+        take them from, when it ``restored`` them), or None for memory only.
+
+        Nothing here touches the slot arrays' pages: zeros are empty banks (a new file is sparse,
+        a new array calloc'd), so a job costs memory only in the slots its packets reach; the
+        model's slot objects are made from the arrays when first used (``_make_slot``)."""
         self.model, self.job = model, job
         self.state: JobState = model.jobs[job]
         slots = self.state.cfg.slots
@@ -366,18 +370,36 @@ class FastJob:
         self.state.counters, self.state.members = arrays["counters"], arrays["members"]
         model._drops[job] = arrays["drops"]
         self.counters, self.drops, self.members = arrays["counters"], arrays["drops"], arrays["members"]
-        for s, slot in enumerate(self.state.slots):
+        self.dirty = np.zeros(slots, np.uint8)
+        made = dict(self.state.slots.made())
+        self.state.slots.make = self._make_slot
+        for s, slot in made.items():                 # (slots the model made before: none, normally)
             for b, bank in enumerate(slot.banks):
                 if not restored:
                     self.values[s, b] = bank.values
                 bank.values = self.values[s, b]
-        self.dirty = np.ones(slots, np.uint8) if restored else np.zeros(slots, np.uint8)
-        if restored:                                 # the kept arrays are the truth: objects follow
-            self.sync()
-        else:
-            for s in range(slots):
+            if restored:
+                self.dirty[s] = 1
+            else:
                 self.to_arrays(s)
+        if restored:                                 # the kept arrays are the truth: objects follow
+            # (read, not mapped: looking costs no resident pages)
+            self.dirty[(files.read("bi")[:, :, F_STATE] != EMPTY).any(axis=1)] = 1
+            self.sync()
         self.refresh()
+
+    def _make_slot(self, s: int) -> Slot:
+        """The model's slot ``s``, its banks' sums views of the arrays, its fields from them."""
+        slot = Slot([Bank(self.values[s, b]) for b in range(BANKS)])
+        self._fill(s, slot)
+        return slot
+
+    def close(self) -> None:
+        """Let go of the arrays (a removed job): the model's slots stop making themselves from them,
+        so once the job's objects are dropped its memory maps are unmapped."""
+        self.state.slots.make = None                 # (it refers back to this object)
+        self.state.slots.made().clear()              # the banks' views of the values
+        self.bi = self.bu = self.steps = self.values = None
 
     def refresh(self) -> None:
         """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
@@ -410,17 +432,27 @@ class FastJob:
         self.dirty[s] = 0
 
     def to_objects(self, s: int) -> None:
-        """Slot ``s`` from the arrays to the model's objects, if the kernel changed it."""
+        """Slot ``s`` from the arrays to the model's objects, if the kernel changed it (a slot not
+        made yet is made so)."""
         if not self.dirty[s]:
             return
-        for b, bank in enumerate(self.state.slots[s].banks):
+        slots = self.state.slots
+        if slots.is_made(s):
+            self._fill(s, slots[s])
+        else:
+            slots[s]                                 # made from the arrays
+        self.dirty[s] = 0
+
+    def _fill(self, s: int, slot: Slot) -> None:
+        for b, bank in enumerate(slot.banks):
+            if self.bi[s, b, F_STATE] == EMPTY:      # never used (a bank is never emptied again)
+                continue
             (state, round_, chunk, holding, bank.n_contrib, bank.exponent, bank.flags, bank.version, kind,
              bank.param, bank.timeout_us, unannounced) = self.bi[s, b].tolist()
             bank.state, bank.key, bank.holding = BankState(state), (round_, chunk), bool(holding)
             bank.kind, bank.unannounced = StrategyKind(kind), bool(unannounced)
             bank.bitmap, bank.late, bank.t_first = self.bu[s, b].tolist()
             bank.steps = self.steps[s, b].tolist()
-        self.dirty[s] = 0
 
     def sync(self) -> None:
         for s in np.flatnonzero(self.dirty):
@@ -470,7 +502,9 @@ class FastPath:
         self.jobs[job] = FastJob(model, job, files)
 
     def remove_job(self, job: int) -> None:
-        self.jobs.pop(job, None)
+        fj = self.jobs.pop(job, None)
+        if fj is not None:
+            fj.close()
 
     def refresh(self, job: int) -> None:
         fj = self.jobs.get(job)
@@ -504,12 +538,14 @@ class FastPath:
                     i = nxt
                     continue
             s = self._slot_of(fj, stage[i], sizes[i])
-            if s is not None:
+            # (a slot the model has not made is made from the arrays if it reaches it; one it does
+            # not reach -- a foreign packet's chunk, say -- costs nothing)
+            if s is not None and fj.state.slots.is_made(s):
                 fj.to_objects(s)
             try:
                 verdicts[i] = slow(i)
             finally:
-                if s is not None:
+                if s is not None and fj.state.slots.is_made(s):
                     fj.to_arrays(s)
             i += 1
         return verdicts

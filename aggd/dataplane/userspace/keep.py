@@ -31,8 +31,12 @@ def boot_id() -> str:
 
 
 class SlotFiles:
-    """One job's arrays, mapped from ``folder``: ``arrays(name, dtype, shape)`` gives each (as it
-    was kept when ``restored``, else zeros)."""
+    """One job's arrays, mapped from ``folder``: ``array(name, dtype, shape)`` gives each (as it
+    was kept when ``restored``, else zeros).
+
+    A new array is a sparse file: its pages take neither disk nor the daemon's memory until
+    written, so an idle job's slots cost nothing (aggctl bench memory). ``remove`` deletes the
+    files; the pages go when the last map of them does."""
 
     def __init__(self, folder: Path, identity: str, shapes: dict) -> None:
         self.folder = Path(folder)
@@ -61,6 +65,11 @@ class SlotFiles:
                 pass
             log.warning("%s is unreadable or of another shape: that array starts afresh", path)
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+
+    def read(self, name: str) -> np.ndarray:
+        """A copy of array ``name`` as the file holds it, read rather than mapped (so looking at
+        it leaves no pages of the file resident in the daemon)."""
+        return np.load(self.folder / f"{name}.npy")
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)

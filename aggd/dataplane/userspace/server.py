@@ -14,6 +14,7 @@ does not serve (JOIN), whose answer goes back to the sender.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import select
@@ -75,6 +76,22 @@ def _udp_socket(bind: Addr) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _libc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):   # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def _trim_heap() -> None:
+    """Give the heap's free memory back to the system (glibc's malloc_trim; a no-op elsewhere)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class UserspaceAggregator(DataPlane):
@@ -177,12 +194,15 @@ class UserspaceAggregator(DataPlane):
         self._files.pop(job, None)
 
     def remove_job(self, job: int) -> None:
-        """Remove a job and its kept slots; nothing happens for one that is not here."""
+        """Remove a job and its kept slots; nothing happens for one that is not here. Its memory
+        goes back to the system: the slot files' maps with the last reference to them, the heap
+        its slot objects took by ``malloc_trim`` (glibc keeps freed heap otherwise)."""
         with self._lock:
             files = self._files.get(job)
             self._drop(job)
             if files is not None:
                 files.remove()
+        _trim_heap()
 
     def clear_rounds(self, job: int) -> None:
         """The job again with empty slots (and its kept files anew); members, tags, strategy table
