@@ -68,7 +68,7 @@ def generic_daemon(make_lab):
 @pytest.mark.parametrize("model,path,cap,comm", [("cnn", "native", None, "aggd"),
                                                  ("transformer", "native", 0.02, "aggd-hook"),
                                                  ("cnn", "user", None, "aggd-hook"),
-                                                 ("transformer", "generic", None, "aggd")])
+                                                 ("transformer", "native", None, "aggd")])
 def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, generic_daemon, gloo_dir, tmp_path, model, path, cap,
                                                comm):
     lab, d = generic_daemon(4) if path == "generic" else lab_daemon(4)
