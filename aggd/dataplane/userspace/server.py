@@ -113,8 +113,10 @@ class UserspaceAggregator(DataPlane):
         #: where jobs installed with an ``identity`` keep their slots across restarts (``keep``)
         self.keep_dir = Path(keep_dir) if keep_dir is not None else None
         self._files: dict[int, SlotFiles] = {}
-        # Reentrant: a handler (JOIN) runs under it, within a batch, and may change the registry.
+        # Held while a batch is decided. Handlers (JOIN) run after it is released: they take the
+        # daemon's lock, which the daemon holds while it calls in here (one lock order, no deadlock).
         self._lock = threading.RLock()
+        self._deferred: list[tuple[Handler, bytes, Addr]] = []
         self._socks: list[socket.socket] = []
         try:
             for addr in (bind, *extra_binds):
@@ -359,7 +361,21 @@ class UserspaceAggregator(DataPlane):
         with self._lock:
             verdicts = self._fast.process(batch, n, self._slow)
             self._answer(sock, n, verdicts)
+        self._run_handlers(sock)
         return n
+
+    def _run_handlers(self, sock: socket.socket) -> None:
+        """The batch's handled messages (JOINs), outside the batch lock, each answered to its sender."""
+        deferred, self._deferred = self._deferred, []
+        for handler, data, src in deferred:
+            try:
+                answer = handler(memoryview(data), src)
+            except Exception:  # one bad packet (or a bug it triggers) must not stop the path
+                self.errors += 1
+                log.exception("user-space path: handling a %d-byte message from %s failed", len(data), src)
+                continue
+            if answer is not None:
+                self._sendto(sock, answer, src)
 
     def _answer(self, sock: socket.socket, n: int, verdicts: dict[int, Verdict | None]) -> None:
         """Send the batch's answers in packet order: the kernel's by sendmmsg, the model's by sendto."""
@@ -409,9 +425,9 @@ class UserspaceAggregator(DataPlane):
         src = sockaddr_addr(batch.names[i])
         try:
             handler = self.handlers.get(data[3]) if size >= HEADER_SIZE else None
-            if handler is not None:
-                answer = handler(data, src)
-                return None if answer is None else Verdict("tx", None, answer, "sender", (src,))
+            if handler is not None:   # run once the batch is done (_run_handlers)
+                self._deferred.append((handler, bytes(data), src))
+                return None
             job = self._job_of(i) if size >= 6 else NO_JOB
             return self._route.get(job, self.model).process(data, src, int(batch.nows[i]))
         except Exception:  # one bad packet (or a bug it triggers) must not stop the path
