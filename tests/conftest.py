@@ -32,16 +32,16 @@ def make_lab():
 
 @pytest.fixture
 def lab_daemon(make_lab):
-    """Factory ``lab_daemon(workers=4, loss=0.0, **policy)`` -> (lab with ``loss`` percent of packets
-    lost, a started labtrain.lab_daemon: an aggd
+    """Factory ``lab_daemon(workers=4, loss=0.0, mode="native", **policy)`` -> (lab with ``loss`` percent
+    of packets lost, a started labtrain.lab_daemon: an aggd with its XDP program in ``mode``
     for training runs); both torn down. Used by tests/train and tests/faults."""
     from aggd.training import labtrain
 
     daemons = []
 
-    def make(workers: int = 4, loss: float = 0.0, **policy):
+    def make(workers: int = 4, loss: float = 0.0, mode: str = "native", **policy):
         lab = make_lab(workers, loss_percent=loss)
-        d = labtrain.lab_daemon(lab, policy=policy)
+        d = labtrain.lab_daemon(lab, policy=policy, mode=mode)
         daemons.append(d)
         return lab, d.start()
 

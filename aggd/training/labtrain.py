@@ -103,11 +103,12 @@ class RunResult:
                 "workers": self.workers}
 
 
-def lab_daemon(lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info") -> LabDaemon:
-    """The lab's aggd for training runs: its policy manages the jobs named ``DYNAMIC_PREFIX*``.
-    ``with lab_daemon(lab, policy={...}) as d: d.call("status")``."""
+def lab_daemon(lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info",
+               mode: str = "native") -> LabDaemon:
+    """The lab's aggd for training runs, its XDP program in ``mode`` (native or generic): its policy
+    manages the jobs named ``DYNAMIC_PREFIX*``. ``with lab_daemon(lab, policy={...}) as d: d.call("status")``."""
     return LabDaemon(lab, prefix="aggdtr-", call_timeout=10, jobs={"default_slots": slots},
-                     log={"level": log_level},
+                     log={"level": log_level}, dataplane={"mode": mode},
                      policy={"auto_switch": True, "jobs": f"{DYNAMIC_PREFIX}*", **(policy or {})})
 
 

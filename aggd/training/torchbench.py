@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from aggd.lab.namespaces import Lab
-from aggd.training import torchlab
+from aggd.training import labtrain, torchlab
 from aggd.training.torchlab import TorchRun
 
 SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
@@ -52,7 +52,7 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
             for system in systems:
                 # a daemon of its own for every aggd run (once, a second job created in the same
                 # daemon after the first was deleted got no JOIN_ACK: see the report of issue 19)
-                daemon = None if system == "gloo" else torchlab.lab_daemon(lab, slots=slots)
+                daemon = None if system == "gloo" else labtrain.lab_daemon(lab, slots=slots)
                 try:
                     if daemon is not None:
                         daemon.start()

@@ -7,7 +7,7 @@ address, ``is_host`` said explicitly: every namespace shares the host name, so t
 it would be wrong) and each gives its namespace's address as ``--local-addr``; gloo binds the
 namespace's interface (``GLOO_SOCKET_IFNAME``). For ``--comm aggd-hook`` (and ``aggd``) ``run``
 creates the aggd job through the lab's daemon (``aggd.lab.daemon.LabDaemon``, XDP on the
-aggregator's interface in native or generic mode: ``lab_daemon(lab, mode=...)``), passes it in
+aggregator's interface in native or generic mode: ``labtrain.lab_daemon(lab, mode=...)``), passes it in
 ``AGGD_SERVER``, ``AGGD_JOB``, ``AGGD_TOKEN`` and ``AGGD_BIND``, collects every rank's record and
 deletes the job. ``kernel_slots=0`` puts every chunk of the job in the daemon's user-space path.
 """
@@ -69,14 +69,6 @@ class TorchResult:
 
     def params(self, rank: int = 0) -> np.ndarray:
         return np.load(self.records[rank]["params_path"])
-
-
-def lab_daemon(lab: Lab, *, mode: str = "native", slots: int = 64, log_level: str = "info") -> LabDaemon:
-    """The lab's aggd (not started) with its XDP program in ``mode`` (native or generic)."""
-    from aggd.training.labtrain import lab_daemon as base
-    d = base(lab, slots=slots, log_level=log_level)
-    d.configure(dataplane={"mode": mode})
-    return d
 
 
 def torchrun_argv(lab: Lab, node: int, run: TorchRun, rdzv: tuple[str, int], rdzv_id: str, out: str,

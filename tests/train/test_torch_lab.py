@@ -45,33 +45,14 @@ def gloo_reference(lab, run: TorchRun, gloo_dir) -> torchlab.TorchResult:
     return _gloo[key]
 
 
-@pytest.fixture
-def generic_daemon(make_lab):
-    """(lab, started aggd with its XDP program in generic mode); both torn down."""
-    made = []
-
-    def make(workers: int = 4):
-        lab = make_lab(workers)
-        d = torchlab.lab_daemon(lab, mode="generic")
-        made.append(d)
-        return lab, d.start()
-
-    try:
-        yield make
-    finally:
-        for d in made:
-            d.close()
-
-
 #: (model, data path, bucket cap, how DDP reaches aggd): both models through the torch.distributed
 #: backend (``init_process_group("aggd")``, DDP without a hook) and through the comm hook
 @pytest.mark.parametrize("model,path,cap,comm", [("cnn", "native", None, "aggd"),
                                                  ("transformer", "native", 0.02, "aggd-hook"),
                                                  ("cnn", "user", None, "aggd-hook"),
-                                                 ("transformer", "native", None, "aggd")])
-def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, generic_daemon, gloo_dir, tmp_path, model, path, cap,
-                                               comm):
-    lab, d = generic_daemon(4) if path == "generic" else lab_daemon(4)
+                                                 ("transformer", "generic", None, "aggd")])
+def test_torchrun_ddp_through_aggd_equals_gloo(lab_daemon, gloo_dir, tmp_path, model, path, cap, comm):
+    lab, d = lab_daemon(4, mode="generic" if path == "generic" else "native")
     run = TorchRun(model=model, steps=STEPS, comm=comm, bucket_cap_mb=cap, eval_every=4,
                    kernel_slots=0 if path == "user" else None)
     res = torchlab.run(lab, d, run, outdir=tmp_path)

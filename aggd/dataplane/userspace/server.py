@@ -94,6 +94,13 @@ def _trim_heap() -> None:
         _MALLOC_TRIM(0)
 
 
+def _own_config(cfg) -> JobConfig:
+    """A JobConfig of its own (members and tags copied) from any job description with its fields."""
+    return JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
+                     members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
+                     elements=getattr(cfg, "elements", None))
+
+
 class UserspaceAggregator(DataPlane):
     """``bind``: the main address (``address``); ``extra_binds``: more addresses served alike.
     ``handlers``: message type -> Handler, for types the model does not serve.
@@ -181,10 +188,7 @@ class UserspaceAggregator(DataPlane):
         keeps the job's slots across restarts (``add_job``)."""
         with self._lock:
             self._drop(cfg.job)
-            restored = self.add_job(JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots,
-                                              max_chunks=cfg.max_chunks, members=dict(cfg.members),
-                                              tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group, elements=getattr(cfg, "elements", None)),
-                                    getattr(cfg, "identity", None))
+            restored = self.add_job(_own_config(cfg), getattr(cfg, "identity", None))
             if restored:
                 log.info("job %d: user-space slots taken up where the previous daemon left them", cfg.job)
 
@@ -218,9 +222,7 @@ class UserspaceAggregator(DataPlane):
             self._drop(job)
             if files is not None:
                 files.remove()
-            self.add_job(JobConfig(job=job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
-                                   members=dict(cfg.members), tags=dict(cfg.tags), group=cfg.group,
-                                   elements=cfg.elements), identity)
+            self.add_job(_own_config(cfg), identity)
             self._route[job].set_strategy(job, table)
             if awaited != (1 << cfg.world) - 1:
                 self._route[job].set_awaited(job, awaited)
