@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import json
 import os
 import statistics
@@ -203,8 +204,13 @@ def _timeout(cfg: Config, slow: bool = False) -> float:
 
 
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
-        mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None) -> list[dict]:
-    """Every (workers, size) with every system, in that order; returns the rows."""
+        mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
+        losses: tuple[float, ...] = (0.0,)) -> list[dict]:
+    """Every (workers, size, loss) with every system, in that order; returns the rows. ``losses``:
+    percentages of packets the lab's links drop (each way), set in turn, lowest first; a row with
+    loss after a lossless one of the same system and shape says its ``slowdown_over_lossless``."""
+    losses = tuple(sorted(set(losses)))
+    lossless: dict[tuple, float] = {}
     from aggd.lab.runner import xdp_aggregator
 
     mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
@@ -217,7 +223,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         agg = stack.enter_context(userspace_aggregator(lab, elements)) if "aggd-user" in systems else None
         port = GLOO_PORT
         for n in worker_counts:
-            for nbytes in sizes:
+            for nbytes, loss in itertools.product(sizes, losses):
+                lab.set_loss(loss)
                 cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode)
                 for system in systems:
                     if system == "aggd-xdp":
@@ -227,6 +234,12 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                     else:
                         port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                         row = run_gloo(lab, cfg, port)
+                    row["loss_percent"] = loss
+                    key = (system, n, nbytes)
+                    if loss == 0:
+                        lossless[key] = row["seconds_per_allreduce"]
+                    elif key in lossless:
+                        row["slowdown_over_lossless"] = row["seconds_per_allreduce"] / lossless[key]
                     rows.append(row)
                     if on_row:
                         on_row(row)
@@ -234,14 +247,18 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (workers, bytes): algbw of aggd-xdp over gloo's and of aggd-user over aggd-xdp's."""
-    by = {(r["workers"], r["bytes"], r["system"]): r["algbw_gbps"] for r in rows}
+    """Per (workers, bytes, loss): algbw of aggd-xdp over gloo's and of aggd-user over aggd-xdp's,
+    and each system's ``slowdown_over_lossless`` (where the run had a lossless row)."""
+    by = {(r["workers"], r["bytes"], r.get("loss_percent", 0.0), r["system"]): r for r in rows}
     out = []
-    for w, b in sorted({(r["workers"], r["bytes"]) for r in rows}):
-        x, u, g = (by.get((w, b, s)) for s in SYSTEMS)
-        out.append({"workers": w, "bytes": b,
+    for w, b, loss in sorted({(r["workers"], r["bytes"], r.get("loss_percent", 0.0)) for r in rows}):
+        x, u, g = (by.get((w, b, loss, s), {}).get("algbw_gbps") for s in SYSTEMS)
+        slowdown = {s: r["slowdown_over_lossless"] for s in SYSTEMS
+                    if "slowdown_over_lossless" in (r := by.get((w, b, loss, s), {}))}
+        out.append({"workers": w, "bytes": b, "loss_percent": loss,
                     "xdp_over_gloo": x / g if x and g else None,
-                    "user_over_xdp": u / x if u and x else None})
+                    "user_over_xdp": u / x if u and x else None,
+                    "slowdown": slowdown})
     return out
 
 
@@ -251,6 +268,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lowest = min(r.get("loss_percent", 0.0) for r in rows)   # one curve per system: the least lossy runs
+    rows = [r for r in rows if r.get("loss_percent", 0.0) == lowest]
     colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
     styles = ["-", "--", ":", "-."]
     markers = ["s", "o", "^", "D"]

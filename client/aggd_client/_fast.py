@@ -186,24 +186,31 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, hav
     return OK, 0, 0, 0
 
 
-def _ack(state, chunks, n, sent_at, retries, now, out):  # pragma: no cover - jitted
+def _ack(state, chunks, n, sent_at, retries, now, overtaken, out):  # pragma: no cover - jitted
     """Chunks ``chunks[:n]`` answered: those in flight (1) become done (2); returns how many.
-    ``out``: the longest answer time (``now - sent_at``) of those sent once (``retries`` 0), and
-    how many of those there were."""
+    ``out``: the longest answer time (``now - sent_at``) of those sent once (``retries`` 0) and
+    not overtaken (sent at or after ``overtaken``: a chunk sent later was answered first, so its
+    wait was a loss's recovery, not the path), how many of those there were, and the newest send
+    time of every chunk answered on its first send (-inf: none)."""
     k = 0
     longest = 0.0
     once = 0
+    newest = -np.inf
     for i in range(n):
         c = chunks[i]
         if state[c] == 1:
             state[c] = 2
             k += 1
             if retries[c] == 0:
-                once += 1
-                if now - sent_at[c] > longest:
-                    longest = now - sent_at[c]
+                if sent_at[c] > newest:
+                    newest = sent_at[c]
+                if sent_at[c] >= overtaken:
+                    once += 1
+                    if now - sent_at[c] > longest:
+                        longest = now - sent_at[c]
     out[0] = longest
     out[1] = once
+    out[2] = newest
     return k
 
 
@@ -269,7 +276,7 @@ def _compile() -> None:
     acks = np.zeros(2, np.int64)
     meta = np.zeros(3, np.int64)
     sizes = np.zeros(2, np.int64)
-    ack(have, acks, 2, np.zeros(2), have, 0.0, np.zeros(2))
+    ack(have, acks, 2, np.zeros(2), have, 0.0, -np.inf, np.zeros(3))
     for dt in (np.float32, np.float64):
         x = np.ones(5, dt)
         absmask, pick_b, pick_f = fill_args(dt)

@@ -180,7 +180,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         # member) is slower; losses shrink the chunks in flight below the window
         self._rtt = RtoEstimator(self._rto, self._rto, self._rto_cap)
         self._cwnd = CongestionWindow(self._window)
-        self._ack_out = np.zeros(2, np.float64)
+        self._ack_out = np.zeros(3, np.float64)
         self._give_up = float(give_up_after)
         self._gso = bool(gso)
         self._closed = False

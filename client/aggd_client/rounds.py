@@ -114,6 +114,12 @@ class _Send:
         self.inflight = 0
         self.hi_answered = -1  # highest chunk answered: chunks below it still in flight were lost
         self.answered_at = -np.inf  # when an answer last stopped a chunk in flight
+        # RACK (RFC 8985): the newest send time among chunks answered on their first send, and
+        # that answer's time. A chunk sent before it and still unanswered a reordering window
+        # after that answer time was lost (its own packet, its result, or another member's
+        # contribution): it is resent then, not after a timeout
+        self.rack_sent = -np.inf
+        self.rack_rtt = 0.0
         self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
         self.dropped = False
         self.last_ack = time.monotonic()
@@ -205,17 +211,19 @@ class _Send:
         c = self.c
         if c._fast:
             out = c._ack_out
-            n = _fast.ack(self.state, chunks, chunks.size, self.sent_at, self.retries, now, out)
-            longest, once = out[0], out[1]
+            n = _fast.ack(self.state, chunks, chunks.size, self.sent_at, self.retries, now, self.rack_sent, out)
+            longest, once, newest = out[0], int(out[1]), out[2]
         else:
             hit = chunks[self.state[chunks] == _INFLIGHT]
             if hit.size > 1:
                 hit = np.unique(hit)
             self.state[hit] = _DONE
             n = int(hit.size)
-            first = hit[self.retries[hit] == 0]
-            once = first.size
-            longest = now - float(self.sent_at[first].min()) if once else 0.0
+            first = self.sent_at[hit[self.retries[hit] == 0]]
+            newest = float(first.max()) if first.size else -np.inf
+            timed = first[first >= self.rack_sent]
+            once = timed.size
+            longest = now - float(timed.min()) if once else 0.0
         if chunks.size:
             self.hi_answered = max(self.hi_answered, int(chunks.max()))
         if n:
@@ -223,6 +231,8 @@ class _Send:
             self.last_ack = self.answered_at = now
             if once:
                 c._rtt.sample(longest)
+            if newest > self.rack_sent:
+                self.rack_sent, self.rack_rtt = newest, now - newest
             c._cwnd.acked(n)
         return n
 
@@ -245,12 +255,16 @@ class _Send:
         retries = self.retries[cand]
         rto = np.minimum(c._rtt.rto * np.exp2(retries.astype(np.float64)), cap)
         late = now - self.sent_at[cand] >= rto
-        if c._strategy.kind != StrategyKind.QUORUM and late.any():
+        if c._strategy.kind != StrategyKind.QUORUM:
             # As TCP restarts its timer on every new acknowledgement (RFC 6298, 5.3): while
             # answers come, a chunk times out only once answers to later chunks have passed it
             # (lost); one they have not reached is waiting for a slow member. (Quorum rounds
             # keep per-chunk timers: their retransmissions are the clock of the deadline.)
             late &= (cand < self.hi_answered) | (now - self.answered_at >= rto)
+            # RACK: sent before a chunk that was answered, and a reordering window past that
+            # answer's time
+            sent = self.sent_at[cand]
+            late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
         due = cand[late]
         if due.size == 0:
             return

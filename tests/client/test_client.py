@@ -32,8 +32,9 @@ class FakeAggregator:
     def __init__(self, world: int, *, job: int = JOB, drop: float = 0.0, overflow: bool = False,
                  members: dict[int, tuple[str, int]] | None = None, seed: int = 1,
                  n_contrib: int | None = None, group: tuple[str, int] | None = None,
-                 remember: bool = True):
+                 remember: bool = True, lose_once: set[tuple[int, int, int]] = frozenset()):
         self.group = group
+        self.lose_once = set(lose_once)  # (round, chunk, rank): that contribution's first copy is lost
         self.remember = remember  # keep released results for re-sends (off: memory tests)
         self.world, self.job, self.drop, self.overflow = world, job, drop, overflow
         self.registered = members  # rank -> address; None: accept any source
@@ -95,6 +96,10 @@ class FakeAggregator:
             return
         h = Header.unpack(data)
         assert h.magic == MAGIC and h.version == VERSION and h.type == MsgType.CONTRIB
+        if (h.round, h.chunk, h.rank) in self.lose_once:
+            self.lose_once.discard((h.round, h.chunk, h.rank))
+            self.dropped += 1
+            return
         if h.job != self.job:
             return self._nack(h, NackCode.UNKNOWN_JOB, src)
         if h.rank >= self.world or (self.registered is not None and
@@ -309,6 +314,21 @@ def test_lossy_aggregator_still_correct(path):
     assert sum(c.stats["retransmits"] for c in clients) > 0
     # answers to later chunks came while lost ones timed out: the window was cut
     assert all(c._cwnd.ssthresh < c._cwnd.limit for c in clients)
+
+
+def test_a_lost_chunk_is_resent_once_later_chunks_are_answered(path):
+    """RACK: a contribution lost while later ones are answered is resent without waiting for the
+    retransmission timeout (here 5 s, beyond the 3 s give-up: the round would fail)."""
+    world = 2
+    arrays = make_arrays(world, 300 * ELEMENTS, np.float32, seed=4)
+    with FakeAggregator(world, lose_once={(0, 5, 0)}) as fake:
+        results, clients = run_workers(fake, arrays, retransmit_timeout=5.0, give_up_after=3.0, slots=1024)
+        assert fake.dropped == 1 and not fake.lose_once
+    exact, bound = expected_and_bound(arrays, world, ELEMENTS)
+    for res in results:
+        check_close(res[0], exact, bound)
+    assert clients[0].stats["retransmits"] >= 1
+    assert sum(c.stats["retransmits"] for c in clients) <= 4, [c.stats for c in clients]
 
 
 def test_a_slow_member_does_not_shrink_the_window():

@@ -52,10 +52,13 @@ def bench():
 @click.option("--slots", type=int, default=None,
               help="slots in the job's pool (default: 4096, fewer where 4096 would hold more than "
                    "128 MiB of BPF maps)")
+@click.option("--loss", "losses", default="0", show_default=True,
+              help="percent of packets the lab's links drop each way, e.g. 0,1,2,5 (each system at each; "
+                   "with 0 among them every row also gets its slowdown over the lossless run)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
-def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, as_json, plot_path):
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -83,6 +86,12 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     if any(w < 1 for w in worker_counts):
         raise click.BadParameter("worker counts must be positive", param_hint="--workers")
     size_list = [parse_size(s) for s in sizes.split(",")]
+    try:
+        loss_list = tuple(sorted({float(x) for x in losses.split(",") if x.strip()}))
+    except ValueError:
+        raise click.BadParameter(f"{losses!r} is not a comma-separated list of percentages", param_hint="--loss") from None
+    if not loss_list or any(not 0 <= x < 100 for x in loss_list):
+        raise click.BadParameter("percentages must be in 0..100 (100 excluded)", param_hint="--loss")
     if iters < 1 or warmup < 0:
         raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
 
@@ -94,14 +103,14 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
                if "aggregator_memory_bytes" in row else "")
         click.echo(f"{row['system']:<9} workers={row['workers']:<2} bytes={row['bytes']:<10} "
-                   f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                   f"loss={row['loss_percent']:g}%  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                    f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
                    f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
 
     try:
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
-                      on_row=show)
+                      on_row=show, losses=loss_list)
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):
@@ -110,8 +119,11 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
             parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
         if r["user_over_xdp"] is not None:
             parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
+        if r["loss_percent"]:
+            parts += [f"{s} {x:.2f}x its lossless time" for s, x in r["slowdown"].items()]
         if parts and not as_json:  # (JSON rows carry what they are computed from)
-            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} " + "  ".join(parts))
+            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}%  "
+                       + "  ".join(parts))
     if plot_path:
         ab.plot(rows, plot_path)
         if not as_json:
