@@ -20,6 +20,9 @@ from .errors import AggdError, NoAnswerError
 #: answers pile up meanwhile (the window holds far more) and the wait gives the CPU to the others.
 SMALL_BATCH = 16
 BATCH_WAIT = 0.001
+#: The shortest time between two scans for chunks to resend (each scan is a pass over the chunks
+#: in flight).
+SCAN_MIN = 0.001
 
 
 def _never() -> bool:
@@ -69,7 +72,11 @@ class ProgressLoop:
                         return True
                     now = time.monotonic()
                     self._retransmit(now)
-                    self._next_scan = now + self._scan_every
+                    # every quarter timeout, or sooner where answers come faster (RACK finds a
+                    # loss a round trip after it, not a timeout after)
+                    srtt = self._rtt.srtt
+                    self._next_scan = now + (self._scan_every if srtt is None else
+                                             max(min(self._scan_every, 2 * srtt), SCAN_MIN))
                 if until():
                     return True
                 self._check_give_up(now)
