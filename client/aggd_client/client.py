@@ -23,7 +23,7 @@ Transport, as docs/protocol.md asks:
 
 * Contributions leave from one UDP socket bound to ``bind``; that address is the worker's registered
   member address. NACKs and unicast results come back to it. With ``group``, a second socket bound
-  to the group's port and joined to the group (on the interface that routes to the server, with
+  to the group's address and port and joined to the group (on the interface that routes to the server, with
   ``IP_MULTICAST_ALL`` off) receives the multicast results. Both are polled.
 * A round keeps its result state (chunks answered, their ``n_contrib``, the output array); each of
   its steps is a *send* with its own ring of ``packet_dtype(elements)`` records indexed by

@@ -129,7 +129,10 @@ class UdpTransport:
         try:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            s.bind(("0.0.0.0", int(group[1])))
+            # bound to the group's address, not 0.0.0.0: two jobs' workers on one host share the
+            # result port, and with both sockets on the wildcard address one of them got none of
+            # its results in about half the runs (every chunk then came back by re-read)
+            s.bind((str(ip), int(group[1])))
             mreq = struct.pack("4s4s", socket.inet_aton(str(ip)), socket.inet_aton(local))
             s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
             s.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
