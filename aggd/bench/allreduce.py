@@ -203,16 +203,30 @@ def _timeout(cfg: Config, slow: bool = False) -> float:
     return 120 + (cfg.iters + cfg.warmup) * per_round + 2 * cfg.elements_total / 1e6 * cfg.workers
 
 
+@contextlib.contextmanager
+def cpu_hogs(count: int):
+    """``count`` processes that spin on a core each (the host's other work), stopped on exit."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
-        losses: tuple[float, ...] = (0.0,)) -> list[dict]:
-    """Every (workers, size, loss) with every system, in that order; returns the rows. ``losses``:
-    percentages of packets the lab's links drop (each way), set in turn, lowest first; a row with
-    loss after a lossless one of the same system and shape says its ``slowdown_over_lossless``."""
-    losses = tuple(sorted(set(losses)))
-    lossless: dict[tuple, float] = {}
+        losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,)) -> list[dict]:
+    """Every (workers, size, loss, hogs) with every system, in that order; returns the rows.
+    ``losses``: percentages of packets the lab's links drop (each way); ``hogs``: processes spinning
+    on the host's cores meanwhile (``cpu_hogs``); each set in turn, lowest first. A row says its
+    ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
+    ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row."""
     from aggd.lab.runner import xdp_aggregator
 
+    losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
+    seconds: dict[tuple, float] = {}     # (system, workers, bytes, loss, hogs) -> s / allreduce
     mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
     rows = []
     with contextlib.ExitStack() as stack:
@@ -223,23 +237,23 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         agg = stack.enter_context(userspace_aggregator(lab, elements)) if "aggd-user" in systems else None
         port = GLOO_PORT
         for n in worker_counts:
-            for nbytes, loss in itertools.product(sizes, losses):
+            for nbytes, loss, hog in itertools.product(sizes, losses, hogs):
                 lab.set_loss(loss)
                 cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode)
                 for system in systems:
-                    if system == "aggd-xdp":
-                        row = run_aggd_xdp(lab, dp, cfg)
-                    elif system == "aggd-user":
-                        row = run_aggd_user(lab, agg, cfg)
-                    else:
-                        port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
-                        row = run_gloo(lab, cfg, port)
-                    row["loss_percent"] = loss
-                    key = (system, n, nbytes)
-                    if loss == 0:
-                        lossless[key] = row["seconds_per_allreduce"]
-                    elif key in lossless:
-                        row["slowdown_over_lossless"] = row["seconds_per_allreduce"] / lossless[key]
+                    with cpu_hogs(hog):
+                        if system == "aggd-xdp":
+                            row = run_aggd_xdp(lab, dp, cfg)
+                        elif system == "aggd-user":
+                            row = run_aggd_user(lab, agg, cfg)
+                        else:
+                            port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
+                            row = run_gloo(lab, cfg, port)
+                    row["loss_percent"], row["cpu_hogs"] = loss, hog
+                    here = seconds[(system, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
+                    for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
+                        if base != (loss, hog) and (system, n, nbytes, *base) in seconds:
+                            row[field] = here / seconds[(system, n, nbytes, *base)]
                     rows.append(row)
                     if on_row:
                         on_row(row)
@@ -247,15 +261,18 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (workers, bytes, loss): algbw of aggd-xdp over gloo's and of aggd-user over aggd-xdp's,
-    and each system's ``slowdown_over_lossless`` (where the run had a lossless row)."""
-    by = {(r["workers"], r["bytes"], r.get("loss_percent", 0.0), r["system"]): r for r in rows}
+    """Per (workers, bytes, loss, hogs): algbw of aggd-xdp over gloo's and of aggd-user over
+    aggd-xdp's, and each system's slowdowns (``run``) where the run had their baselines."""
+    def cond(r):
+        return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)
+
+    by = {(*cond(r), r["system"]): r for r in rows}
     out = []
-    for w, b, loss in sorted({(r["workers"], r["bytes"], r.get("loss_percent", 0.0)) for r in rows}):
-        x, u, g = (by.get((w, b, loss, s), {}).get("algbw_gbps") for s in SYSTEMS)
-        slowdown = {s: r["slowdown_over_lossless"] for s in SYSTEMS
-                    if "slowdown_over_lossless" in (r := by.get((w, b, loss, s), {}))}
-        out.append({"workers": w, "bytes": b, "loss_percent": loss,
+    for c in sorted({cond(r) for r in rows}):
+        x, u, g = (by.get((*c, s), {}).get("algbw_gbps") for s in SYSTEMS)
+        slowdown = {f"{s} over {base}": r[f"slowdown_over_{base}"] for s in SYSTEMS for base in ("lossless", "quiet")
+                    if f"slowdown_over_{base}" in (r := by.get((*c, s), {}))}
+        out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3],
                     "xdp_over_gloo": x / g if x and g else None,
                     "user_over_xdp": u / x if u and x else None,
                     "slowdown": slowdown})
@@ -268,8 +285,9 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lowest = min(r.get("loss_percent", 0.0) for r in rows)   # one curve per system: the least lossy runs
-    rows = [r for r in rows if r.get("loss_percent", 0.0) == lowest]
+    # one curve per system and worker count: the runs with the least loss and fewest hogs
+    lowest = min((r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)) for r in rows)
+    rows = [r for r in rows if (r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)) == lowest]
     colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
     styles = ["-", "--", ":", "-."]
     markers = ["s", "o", "^", "D"]

@@ -32,7 +32,7 @@ def test_bench_allreduce_emits_a_row_per_system(tmp_path):
     assert png.stat().st_size > 10_000  # a real PNG
 
 
-def test_bench_allreduce_with_loss_rows_say_their_slowdown():
+def test_bench_allreduce_with_loss_and_a_cpu_hog_rows_say_their_slowdown():
     out = subprocess.run(
         [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp,gloo",
          "--size", "256K", "--workers", "2", "--iters", "2", "--loss", "2,0"],
@@ -42,10 +42,17 @@ def test_bench_allreduce_with_loss_rows_say_their_slowdown():
     assert [line.split()[0] for line in lines[:4]] == ["aggd-xdp", "gloo", "aggd-xdp", "gloo"], lines
     assert all("loss=0%" in line for line in lines[:2]) and all("loss=2%" in line for line in lines[2:4]), lines
     (summary,) = [line for line in lines if line.startswith("workers=2") and "loss=2%" in line]
-    assert "aggd-xdp / gloo" in summary and "aggd-xdp" in summary and "its lossless time" in summary, summary
+    assert "aggd-xdp / gloo" in summary and "its lossless time" in summary, summary
     bad = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--loss", "5,x"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--loss" in bad.stderr
+    busy = subprocess.run(
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp", "--size", "256K",
+         "--workers", "2", "--iters", "2", "--cpu-hogs", "0,1", "--json"], capture_output=True, text=True, timeout=600)
+    assert busy.returncode == 0, busy.stderr[-3000:]
+    rows = [json.loads(line) for line in busy.stdout.splitlines() if line.startswith("{")]
+    assert [r["cpu_hogs"] for r in rows] == [0, 1] and all(r["within_bound"] for r in rows), rows
+    assert "slowdown_over_quiet" not in rows[0] and rows[1]["slowdown_over_quiet"] > 0, rows
 
 
 def test_bench_allreduce_refuses_an_unknown_system():

@@ -55,10 +55,14 @@ def bench():
 @click.option("--loss", "losses", default="0", show_default=True,
               help="percent of packets the lab's links drop each way, e.g. 0,1,2,5 (each system at each; "
                    "with 0 among them every row also gets its slowdown over the lossless run)")
+@click.option("--cpu-hogs", "hogs", default="0", show_default=True,
+              help="processes spinning on the host's cores while each system runs, e.g. 0,1 (a busy host; "
+                   "with 0 among them every row also gets its slowdown over the quiet run)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
-def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, as_json, plot_path):
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, as_json,
+                    plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -92,6 +96,9 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         raise click.BadParameter(f"{losses!r} is not a comma-separated list of percentages", param_hint="--loss") from None
     if not loss_list or any(not 0 <= x < 100 for x in loss_list):
         raise click.BadParameter("percentages must be in 0..100 (100 excluded)", param_hint="--loss")
+    hog_list = tuple(sorted(set(_int_list(hogs))))
+    if not hog_list or any(h < 0 or h > 64 for h in hog_list):
+        raise click.BadParameter("hog counts must be in 0..64", param_hint="--cpu-hogs")
     if iters < 1 or warmup < 0:
         raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
 
@@ -103,14 +110,14 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
                if "aggregator_memory_bytes" in row else "")
         click.echo(f"{row['system']:<9} workers={row['workers']:<2} bytes={row['bytes']:<10} "
-                   f"loss={row['loss_percent']:g}%  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                   f"loss={row['loss_percent']:g}% hogs={row['cpu_hogs']}  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                    f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
                    f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
 
     try:
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
-                      on_row=show, losses=loss_list)
+                      on_row=show, losses=loss_list, hogs=hog_list)
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):
@@ -119,11 +126,11 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
             parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
         if r["user_over_xdp"] is not None:
             parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
-        if r["loss_percent"]:
-            parts += [f"{s} {x:.2f}x its lossless time" for s, x in r["slowdown"].items()]
+        parts += [f"{what.split(' over ')[0]} {x:.2f}x its {what.split(' over ')[1]} time"
+                  for what, x in r["slowdown"].items()]
         if parts and not as_json:  # (JSON rows carry what they are computed from)
-            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}%  "
-                       + "  ".join(parts))
+            click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}% "
+                       f"hogs={r['cpu_hogs']}  " + "  ".join(parts))
     if plot_path:
         ab.plot(rows, plot_path)
         if not as_json:
