@@ -3,7 +3,9 @@ follow the client's rules (aggd_client: admission per strategy, wbsp steps, ackn
 retransmission, hurrying later steps when a round completes, quorum catch-up, ``skip``) over a
 network with random delays and losses, while the strategy is hot-swapped at random rounds.
 
-Pure Python and deterministic for a seed: no sockets, no clock. Every contribution of member
+Pure Python and deterministic for a seed: no sockets, no clock. It runs on the reference model
+alone (``ModelPlane``) or on a side-by-side harness that compares a data plane with it
+(tests/bpf/test_model_equivalence.py). Every contribution of member
 ``r`` carries the value 1 in payload element ``r`` and ``Q = q_max(world, terms)`` (the largest
 value the client's quantisation lets a term have, at exponent 0) in the last element, so a released
 sum says exactly how many terms of each member it holds, and it overflows int32 exactly when it
@@ -18,15 +20,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aggd.core.model import AggregatorModel, JobConfig, check_table
+from aggd.core.model import AggregatorModel, JobConfig, TableEntry, Verdict, check_table
 from aggd.core.strategy import StrategyTable, parse
+from aggd.testing.frames import worker_addr
 from aggd_client import quant
 from aggd_client.client import AggClient
 from aggd_client.protocol import Flag, Header, MsgType, StrategyKind
 from aggd_client.rounds import RoundScheduler, _Round
 from aggd_client.strategy import StrategyInfo
 
-JOB = 3
+from tests.fixtures.scenarios import GROUP, JOB, tag
+
 ELEMENTS = 8
 MS = 1_000_000
 PENDING, INFLIGHT, DONE = 0, 1, 2
@@ -34,7 +38,30 @@ STRATEGIES = ("sync", "quorum:3:20ms", "ssp:2", "wbsp", "async")
 
 
 def addr(rank: int) -> tuple[str, int]:
-    return (f"10.9.0.{rank + 1}", 41000 + rank)
+    """A member's address: the fixture workers' (tests/harness/equivalence.py's ``member``)."""
+    return worker_addr(rank)[1:]
+
+
+class ModelPlane:
+    """The reference model alone, with the interface of the side-by-side harnesses
+    (tests/harness/xdp_model.py ``Harness``: ``start``, ``set_strategy``, ``send``, ``model``), which
+    a simulation can be given instead to compare a data plane with the model on its traffic."""
+
+    def __init__(self, elements: int = ELEMENTS) -> None:
+        self.elements = elements
+
+    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
+        members = {r: addr(r) for r in range(world)}
+        self.model = AggregatorModel(self.elements)
+        self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks, members=members,
+                                     tags={r: tag(r) for r in members}, group=GROUP))
+        self.set_strategy(entries)
+
+    def set_strategy(self, entries: list[TableEntry]) -> None:
+        self.model.set_strategy(JOB, entries)
+
+    def send(self, data: bytes, src: tuple[str, int], now_ns: int, where: str = "") -> Verdict:
+        return self.model.process(data, src, now_ns)
 
 
 @dataclass
@@ -105,7 +132,8 @@ class Member:
             skips = [max(0, n - self.chunk_last[c] - 1) for c in range(self.sim.chunks)]
             for c in range(self.sim.chunks):
                 self.chunk_last[c] = n
-            rnd = _Round(n, (self.sim.chunks * ELEMENTS,), np.float32, self.sim.chunks * ELEMENTS, ELEMENTS, False)
+            E = self.sim.elements
+            rnd = _Round(n, (self.sim.chunks * E,), np.float32, self.sim.chunks * E, E, False)
             rnd.skips = skips
             self.next_round += 1
             self.start_round(rnd)
@@ -244,8 +272,8 @@ class Sim:
     def __init__(self, seed: int, *, world: int = 4, chunks: int = 3, rounds: int = 120,
                  headroom: int = 4, slow: float = 2.0, loss: float = 0.02, loss_down: float | None = None, swap_every: int = 12,
                  strategies=STRATEGIES, start: str = "sync", admission=client_admission,
-                 compute_ms: float = 8.0, jitter: float = 0.5, delay_ms: float = 0.3):
-        self.rng = random.Random(seed)
+                 compute_ms: float = 8.0, jitter: float = 0.5, delay_ms: float = 0.3, plane=None):
+        self.seed, self.rng = seed, random.Random(seed)
         self.world, self.chunks, self.rounds, self.headroom = world, chunks, rounds, headroom
         self.terms = world * headroom
         self.q = quant.q_max(world, self.terms)
@@ -254,11 +282,11 @@ class Sim:
         self.admission = admission
         self.jitter, self.delay_ns = jitter, int(delay_ms * MS)
         self.rto_ns, self.rto_cap_ns, self.give_up_ns = 5 * MS, 40 * MS, 300 * MS
-        self.model = AggregatorModel(ELEMENTS)
-        self.model.add_job(JobConfig(job=JOB, world=world, slots=chunks, max_chunks=1 << 16,
-                                     members={r: addr(r) for r in range(world)}))
+        self.plane = ModelPlane() if plane is None else plane
+        self.elements = self.plane.elements
         self.table = StrategyTable(parse(start))
-        self.model.set_strategy(JOB, check_table(self.table.table_entries()))
+        self.plane.start(world, chunks, 1 << 16, check_table(self.table.table_entries()))
+        self.model = self.plane.model
         self.model.on_release = self._released
         self.releases: list[Release] = []
         self.overflows: list[tuple] = []
@@ -288,11 +316,11 @@ class Sim:
 
     def to_aggregator(self, m: Member, rnd: SimRound, send: SimSend, chunk: int, now: int,
                       retransmit: bool) -> None:
-        payload = np.zeros(ELEMENTS, "<i4")
+        payload = np.zeros(self.elements, "<i4")
         payload[m.rank] = 1
-        payload[ELEMENTS - 1] = self.q
+        payload[-1] = self.q
         hdr = Header(type=MsgType.CONTRIB, job=JOB, rank=m.rank, round=rnd.number, chunk=chunk,
-                     count=ELEMENTS, step=send.step, exponent=0, skip=min(rnd.skips[chunk], 0xFFFF),
+                     contributors=tag(m.rank), count=self.elements, step=send.step, exponent=0, skip=min(rnd.skips[chunk], 0xFFFF),
                      flags=Flag.RETRANSMIT if retransmit else 0)
         t = self._link(("up", m.rank), now)
         if t is not None:
@@ -302,7 +330,7 @@ class Sim:
         v = bank.values
         self.releases.append(Release(bank.key[0], bank.key[1], StrategyKind(bank.kind), bank.n_contrib,
                                      tuple(int(x) for x in v[:self.world]),
-                                     bool(v[ELEMENTS - 1] > (1 << 31) - 1)))
+                                     bool(v[-1] > (1 << 31) - 1)))
 
     def _maybe_swap(self) -> None:
         if self.top_round < self.next_swap:
@@ -312,7 +340,7 @@ class Sim:
         version = self.table.entries[-1][0] + 1
         first = max(self.table.entries[-1][1] + 1, self.top_round + 8)
         self.table.install(version, first, parse(text))
-        self.model.set_strategy(JOB, check_table(self.table.table_entries()))
+        self.plane.set_strategy(check_table(self.table.table_entries()))
         self.swaps.append((text, first))
 
     # -- the run -----------------------------------------------------------------------------
@@ -336,7 +364,7 @@ class Sim:
                     self.schedule(t + MS, "scan", m.rank)
             elif what == "agg":
                 data, rank = args
-                v = self.model.process(data, addr(rank), now)
+                v = self.plane.send(data, addr(rank), now, f"seed {self.seed} at {t} ns, swaps {self.swaps}")
                 self._maybe_swap()
                 if v.action == "tx" and v.out is not None and v.header.type == MsgType.RESULT:
                     dests = range(self.world) if v.dest == "group" else [rank]
