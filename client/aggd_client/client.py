@@ -382,9 +382,12 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             return True
         if info.kind == StrategyKind.WBSP and len(waiting) == 1:
             r = waiting[0]
-            # our later steps of the previous round may be carried into this one: together with
-            # our steps here they must fit the headroom every round is quantised for
-            if r.steps + r.carried_in() < WBSP_MAX_STEPS and (spec is None or spec == (r.shape, r.dtype, r.mean)):
+            # Only into our newest round (an older one still waiting lost an answer: its later
+            # steps could be carried anywhere); and our later steps of the previous round may be
+            # carried into this one: with our steps here they must fit the headroom every round is
+            # quantised for.
+            if (r is self._last_round and r.steps + r.carried_in() < WBSP_MAX_STEPS
+                    and (spec is None or spec == (r.shape, r.dtype, r.mean))):
                 return r
         return None
 

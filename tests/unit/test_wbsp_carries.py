@@ -151,3 +151,15 @@ def test_a_first_round_and_a_round_after_one_step_have_every_step():
         assert c._admission(None) is nxt
         nxt.steps = WBSP_MAX_STEPS
         assert c._admission(None) is None
+
+
+def test_steps_go_only_into_our_newest_round():
+    """A round older than our newest that still waits (under ssp its answer was lost, then a swap
+    made wbsp the strategy in force) takes no steps: they could be carried into any later round."""
+    with _client() as c:
+        old, new = _round(7), _round(8)
+        c._start_round(old)
+        c._start_round(new)
+        _finish(new)
+        assert [r for r in c._rounds if not r.complete] == [old]
+        assert c._admission(None) is None
