@@ -14,7 +14,9 @@ round is sent only when it admits one: ``sync``, ``quorum`` and ``wbsp`` one rou
 progress on the earlier rounds until it may (``block=False``: raises ``WouldBlock``;
 ``must_wait()`` says beforehand). Under ``wbsp`` a call made while a round is outstanding (same
 shape, dtype and op) is sent as that round's next ``step`` instead, at most ``WBSP_MAX_STEPS`` per
-round, and its handle resolves with that round's result. A result for a later round than the one a
+round less what of ours the aggregator may carry into it (``_Round.carried_in``: our later steps
+of the previous round that may arrive after its release), and its handle resolves with that round's
+result. A result for a later round than the one a
 chunk asked for completes the chunk when it was governed by ``quorum`` or ``async`` (a straggler
 gets the newest result) and the next round starts after it. Quantisation leaves headroom for the
 contributions a result may hold beyond one per member (``quant.terms_for``).
@@ -353,7 +355,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             rnd.skips = self._skips_for(rnd)
             self._next_round += 1
             self._own_next = self._next_round
-            self._rounds.append(rnd)
+            self._start_round(rnd)
         else:
             rnd = into
             self.stats["steps"] += 1
@@ -380,7 +382,12 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             return True
         if info.kind == StrategyKind.WBSP and len(waiting) == 1:
             r = waiting[0]
-            if r.steps < WBSP_MAX_STEPS and (spec is None or spec == (r.shape, r.dtype, r.mean)):
+            # Only into our newest round (an older one still waiting lost an answer: its later
+            # steps could be carried anywhere); and our later steps of the previous round may be
+            # carried into this one: with our steps here they must fit the headroom every round is
+            # quantised for.
+            if (r is self._last_round and r.steps + r.carried_in() < WBSP_MAX_STEPS
+                    and (spec is None or spec == (r.shape, r.dtype, r.mean))):
                 return r
         return None
 

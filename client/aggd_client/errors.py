@@ -83,10 +83,15 @@ class AggregationOverflowError(AggdError):
     """A result was flagged OVERFLOW: the int32 sum overflowed and its values cannot be trusted
     (a sender quantised with the wrong world size, or a forged packet)."""
 
-    def __init__(self, server, job: int, round_: int, chunk: int):
+    def __init__(self, server, job: int, round_: int, chunk: int, n_contrib: int | None = None,
+                 terms: int | None = None):
         self.server = server
         self.job = job
         self.round = round_
         self.chunk = chunk
+        self.n_contrib = n_contrib   #: contributions the flagged sum holds (the result's n_contrib)
+        self.terms = terms           #: contributions every round was quantised for (None: unknown)
+        held = "" if n_contrib is None else f" (the sum holds {n_contrib} contributions" + (
+            ")" if terms is None else f"; rounds are quantised for {terms})")
         super().__init__(f"aggregator {_addr(server)} flagged an int32 overflow in job {job}, "
-                         f"round {round_}, chunk {chunk}")
+                         f"round {round_}, chunk {chunk}{held}")

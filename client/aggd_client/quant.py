@@ -37,7 +37,8 @@ INT32_MAX = 2**31 - 1
 _TINY = float(np.ldexp(1.0, -1074))
 #: Contributions per member one result may hold, by strategy (1 for the others): ``quorum`` carries
 #: late contributions into the next round (at most one per member besides its own), ``wbsp`` takes
-#: several local steps per member (the client sends at most 4 per round).
+#: several local steps per member (the client sends at most 4 per round, its late steps of the
+#: previous round carried in included).
 HEADROOM = {StrategyKind.QUORUM: 2, StrategyKind.WBSP: 4}
 #: The headroom that fits every strategy: a daemon job's rounds are quantised for this many
 #: contributions per member unless the job was created with less (the JOIN_ACK's ``headroom``).

@@ -218,8 +218,10 @@ class ResultHandler:
         flags = h["flags"]
         if (flags & _OVERFLOW).any():
             j = int(np.argmax((flags & _OVERFLOW) != 0))
+            terms = None if self._headroom is None else self._world * self._headroom
             self._fail_round(rnd, AggregationOverflowError(self._server, self._job,
-                                                           int(rounds[j]), int(chunks[j])))
+                                                           int(rounds[j]), int(chunks[j]),
+                                                           int(h["n_contrib"][j]), terms))
             return 0, acked
         cnt = h["count"].astype(np.int64)
         expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)

@@ -67,12 +67,35 @@ class _Round:
         self.info: StrategyInfo | None = None
         self.sends: list[_Send] = []
         self.steps = 0
+        # What of ours may be carried into this round (docs/protocol.md, rule 4): our previous
+        # round (its later wbsp steps, and its step 0 unless a result proved it in) and our
+        # contributions of older rounds that were not answered when that one started
+        # (``chain_round``; ``carried_in``).
+        self.prev: _Round | None = None
+        self.unresolved = 0
         self.error: BaseException | None = None
         self.fast = self.dtype != np.float16  # numba has no float16
 
     @property
     def complete(self) -> bool:
         return self.n_have == self.n_chunks
+
+    def carried_in(self) -> int:
+        """How many contributions of ours to earlier rounds the aggregator may have carried, or
+        may still carry, into this round (per chunk): rule 4 carries a late one into the next open
+        round of its chunk, on top of our own steps there. Counted: every later wbsp step of our
+        previous round (none of them is ever proven in it: a release lists step 0 only), its step
+        0 unless a result proved it in (a release that waits for every member; a quorum may have
+        been released without it, and a round answered by a later one was), and the contributions
+        of older rounds still unanswered when our previous round started (answered ones landed
+        before it: no round after it opens without our step 0 of it, quorum aside). A wbsp round
+        takes at most ``headroom`` minus this many steps, so that no round holds more than
+        ``headroom`` terms of one member (what every round is quantised for)."""
+        p = self.prev
+        if p is None:
+            return 0
+        proven = p.info is not None and p.info.kind != StrategyKind.QUORUM and p.answered == p.number
+        return max(p.steps - 1, 0) + (not proven) + p.unresolved
 
 
 class _Ring:
@@ -284,6 +307,16 @@ class _Send:
         self.retries[due] = np.minimum(self.retries[due], 29) + 1
 
 
+def chain_round(rnd: _Round, prev: _Round | None, sends) -> None:
+    """A new round ``rnd`` of ours starts after our round ``prev`` (None: our first) while
+    ``sends`` (every send of ours in progress) are on their way: record what may be carried into
+    it (``_Round.carried_in``). Only one round back is kept."""
+    rnd.prev = prev
+    rnd.unresolved = sum(1 for s in sends if not s.finished)
+    if prev is not None:
+        prev.prev = None
+
+
 class RoundScheduler:
     """The rounds and sends of ``AggClient`` (see the module's docstring)."""
 
@@ -291,6 +324,13 @@ class RoundScheduler:
         self._rounds: list[_Round] = []
         self._sends: list[_Send] = []
         self._ring_pool: list[_Ring] = []
+        self._last_round: _Round | None = None   # our newest round with something sent
+
+    def _start_round(self, rnd: _Round) -> None:
+        """``rnd`` becomes our newest round: in flight from now on."""
+        chain_round(rnd, self._last_round, self._sends)
+        self._last_round = rnd
+        self._rounds.append(rnd)
 
     # -- failing ------------------------------------------------------------------------------
     def _fail_all(self, exc: BaseException) -> None:

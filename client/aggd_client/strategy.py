@@ -12,7 +12,8 @@ from .protocol.definition import StrategyKind
 
 #: Rounds a worker may have outstanding under ``async``.
 ASYNC_OUTSTANDING = 3
-#: Steps a worker sends into one ``wbsp`` round (the quantisation headroom, ``quant.HEADROOM``).
+#: Terms of one worker a ``wbsp`` round may hold (the quantisation headroom, ``quant.HEADROOM``): its
+#: own steps and its late steps of the previous round carried in (``_Round.carried_in``) together.
 WBSP_MAX_STEPS = quant.HEADROOM[StrategyKind.WBSP]
 
 

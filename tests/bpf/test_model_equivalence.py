@@ -126,3 +126,24 @@ def test_random_sequences_with_departures(harness):
 
     departed_sequences_agree()
     assert RUN["departures"] - before >= DEPARTURE_SEQUENCES
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulated training (tests/harness/member_sim.py): members following the client's rules (rounds,
+# admission, wbsp steps, acknowledgements, retransmissions, quorum catch-up) over a network with
+# delays and losses, with a hot swap every 8 rounds, as the data plane sees real training.
+
+#: (seed, the client's admission or the one that did not count carried steps): the latter's rounds
+#: hold more terms than they were quantised for, so overflow-flagged results are compared too.
+SIMULATIONS = ((5, "unbounded"), (39, "unbounded"), (0, "unbounded"), (5, "client"), (7, "client"), (11, "client"))
+
+
+@pytest.mark.parametrize("seed,admission", SIMULATIONS)
+def test_simulated_training_with_hot_swaps(harness, seed, admission):
+    from tests.harness.member_sim import Sim, client_admission, unbounded_admission
+    rule = unbounded_admission if admission == "unbounded" else client_admission
+    sim = Sim(seed, plane=harness, admission=rule, loss_down=0, rounds=60, slow=4.0, delay_ms=2.0,
+              swap_every=8).run(until_ms=5000)
+    harness.check_counters(f"simulation seed {seed} ({admission}), swaps {sim.swaps}")
+    assert sim.releases and all(m.next_round == sim.rounds for m in sim.members)
+    assert bool(sim.over_terms()) == (admission == "unbounded"), sim.over_terms()[:2]

@@ -404,6 +404,8 @@ def test_overflow_flag_raises():
         with pytest.raises(AggregationOverflowError) as ei:
             run_workers(fake, [np.ones(10, np.float32)] * 2)
     assert ei.value.chunk == 0 and ei.value.job == JOB
+    # what the sum held, to tell a forged or buggy sender from a round over its terms
+    assert ei.value.n_contrib == 2 and "holds 2 contributions" in str(ei.value)
 
 
 def test_no_server_gives_up_in_time():
