@@ -20,6 +20,14 @@ ROUNDS = 20 * EVERY + 60
 SCENARIO = "slow2x"
 
 
+#: evaluations (every 5 rounds, at the end of training with the learning rate decayed) averaged
+SETTLED = 4
+
+
+def settled(res) -> float:
+    return sum(acc for _, acc in res.curve[-SETTLED:]) / len(res.curve[-SETTLED:])
+
+
 def circuit(nodes=STRATEGIES) -> list[str]:
     """Every ordered pair of ``nodes`` once, as one walk from nodes[0] back to it (Hierholzer)."""
     out = {a: [b for b in nodes if b != a] for a in nodes}
@@ -58,4 +66,7 @@ def test_every_ordered_pair_of_strategies_swapped_under_training(lab_daemon):
     assert len(seen) >= 15, seen                       # rank 0 saw most strategies in force
     assert len(res.workers) == 4 and all(w["drained"] is True and w["rounds"] >= ROUNDS for w in res.workers), \
         res.workers
-    assert res.final_accuracy >= undisturbed.final_accuracy - 0.01, (res.final_accuracy, undisturbed.final_accuracy)
+    # the trained accuracy: rank 0's last SETTLED evaluations averaged (one evaluation varies by about
+    # half a point between runs of the same training, undisturbed ones included)
+    got, base = settled(res), settled(undisturbed)
+    assert got >= base - 0.01, (got, base, res.final_accuracy, undisturbed.final_accuracy)
