@@ -156,6 +156,17 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
     G = model.params.astype(np.float64)        # the job's model as the results say
     mine = np.zeros(n, np.float64)             # my steps sent but not answered yet
     pending: deque = deque()                   # (handle, my step in it)
+
+    def unanswered() -> np.ndarray:
+        """My steps not answered yet, summed afresh from ``pending`` (oldest first): exactly 0
+        once every step is answered. Kept as a running sum instead (``+= u`` at a send, ``-= u``
+        at its answer), it would hold float64 rounding residue whenever two steps were pending
+        at once, and G + residue cast to float32 differs from G's cast wherever G lies on a
+        float32 rounding tie: replicas that applied the same results would differ."""
+        total = np.zeros(n, np.float64)
+        for _, u in pending:
+            total += u
+        return total
     st = {"round": 0, "results": 0, "steps": 0, "resyncs": 0}
     evals: list[dict] = []
     loss = float("nan")
@@ -169,11 +180,10 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
         while pending and (block or pending[0][0].done()):
             h, u = pending.popleft()
             res = h.wait()
-            mine -= u
             # the steps of one wbsp round (and rounds a newer result answered) share one result
             while pending and pending[0][0].done() and pending[0][0].wait() is res:
                 h, u = pending.popleft()
-                mine -= u
+            mine = unanswered()
             block = False
             if h.round <= st["round"]:
                 continue  # already applied (a newer result answered an older round)
@@ -208,6 +218,10 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
         apply_ready(block=False)
         while pending and exchange.must_wait():
             apply_ready(block=True)
+        # must_wait() polls, and a result that came in then answers a round it had just found
+        # unanswered: apply it now, so a step starts from the model of every result so far
+        # (under sync, from the job's model: plain synchronous SGD), not from its own last step
+        apply_ready(block=False)
         r = exchange.round
         if st["round"] >= next_eval:
             evaluate(st["round"])
@@ -223,7 +237,7 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
         out[off_u:] = u
         h = exchange.allreduce_async(out, "mean")
         pending.append((h, u))
-        mine += u
+        mine = unanswered()
         model.params[:] = (G + mine).astype(np.float32)
         st["steps"] += 1
     drained = True
