@@ -123,6 +123,11 @@ class Service:
         #: job id -> (the job's newest round, the ranks that rejoined since it was that): when every
         #: member has rejoined and no round came in between, the whole group restarted
         self._rejoins: dict[int, tuple[int | None, set[int]]] = {}
+        #: (job id, rank) -> (the round its last JOIN was answered with, the member's newest round
+        #: then): a JOIN from the same address before the member sent anything newer repeats one
+        #: whose answer was lost, and gets the same answer (it is no restart)
+        self._answered_joins: dict[tuple[int, int], tuple[int, int | None]] = {}
+        self._join_repeated = False   # the JOIN being answered is such a repeat (set by _join_round)
         self.started_at = time.time()
         self.dp = None          # aggd.dataplane.DataPlane: XdpDataPlane or P4DataPlane
         self.us = None          # UserspaceAggregator
@@ -359,10 +364,18 @@ class Service:
         the round after the newest any member sent: it has nothing for the rounds in progress,
         which stop waiting for it once it is declared gone (``aggd.core.departures``)."""
         job = outcome.job
+        newest = self._rounds(job)[1].get(rank)
+        before = self._answered_joins.get((job.id, rank))
+        self._join_repeated = before is not None and not outcome.changed and before[1] == newest
+        if self._join_repeated:
+            return before[0]
         if rank not in job.gone and not outcome.rejoined:
-            return 0
-        top = max_round(self._holding(job), job)
-        return 0 if top is None else top + 1
+            first = 0
+        else:
+            top = max_round(self._holding(job), job)
+            first = 0 if top is None else top + 1
+        self._answered_joins[(job.id, rank)] = (first, newest)
+        return first
 
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
         with self.lock:
@@ -380,7 +393,8 @@ class Service:
                 if rank in job.gone:       # back: awaited once it keeps pace (the policy runner)
                     job.gone[rank]["round"] = self._join_round(outcome, rank)
                 self._save()
-            if outcome is not None and outcome.code == proto.NackCode.NONE and outcome.rejoined:
+            if outcome is not None and outcome.code == proto.NackCode.NONE and outcome.rejoined \
+                    and not self._join_repeated:
                 # a restarted member, from a new port or (a fixed one) the same address
                 self._count_rejoin(outcome.job, Header.unpack(data).rank)
             return answer
