@@ -262,7 +262,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
 
 def ratios(rows: list[dict]) -> list[dict]:
     """Per (workers, bytes, loss, hogs): algbw of aggd-xdp over gloo's and of aggd-user over
-    aggd-xdp's, and each system's slowdowns (``run``) where the run had their baselines."""
+    aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its ``slowdown_over_...``) where the
+    run had that baseline (``run``)."""
     def cond(r):
         return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)
 
@@ -270,8 +271,8 @@ def ratios(rows: list[dict]) -> list[dict]:
     out = []
     for c in sorted({cond(r) for r in rows}):
         x, u, g = (by.get((*c, s), {}).get("algbw_gbps") for s in SYSTEMS)
-        slowdown = {f"{s} over {base}": r[f"slowdown_over_{base}"] for s in SYSTEMS for base in ("lossless", "quiet")
-                    if f"slowdown_over_{base}" in (r := by.get((*c, s), {}))}
+        slowdown = [(s, base, r[f"slowdown_over_{base}"]) for s in SYSTEMS for base in ("lossless", "quiet")
+                    if f"slowdown_over_{base}" in (r := by.get((*c, s), {}))]
         out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3],
                     "xdp_over_gloo": x / g if x and g else None,
                     "user_over_xdp": u / x if u and x else None,

@@ -70,7 +70,7 @@ class _Round:
         # What of ours may be carried into this round (docs/protocol.md, rule 4): our previous
         # round (its later wbsp steps, and its step 0 unless a result proved it in) and our
         # contributions of older rounds that were not answered when that one started
-        # (``chain_round``; ``carried_in``).
+        # (``RoundScheduler._start_round``; ``carried_in``).
         self.prev: _Round | None = None
         self.unresolved = 0
         self.error: BaseException | None = None
@@ -307,16 +307,6 @@ class _Send:
         self.retries[due] = np.minimum(self.retries[due], 29) + 1
 
 
-def chain_round(rnd: _Round, prev: _Round | None, sends) -> None:
-    """A new round ``rnd`` of ours starts after our round ``prev`` (None: our first) while
-    ``sends`` (every send of ours in progress) are on their way: record what may be carried into
-    it (``_Round.carried_in``). Only one round back is kept."""
-    rnd.prev = prev
-    rnd.unresolved = sum(1 for s in sends if not s.finished)
-    if prev is not None:
-        prev.prev = None
-
-
 class RoundScheduler:
     """The rounds and sends of ``AggClient`` (see the module's docstring)."""
 
@@ -327,8 +317,14 @@ class RoundScheduler:
         self._last_round: _Round | None = None   # our newest round with something sent
 
     def _start_round(self, rnd: _Round) -> None:
-        """``rnd`` becomes our newest round: in flight from now on."""
-        chain_round(rnd, self._last_round, self._sends)
+        """``rnd`` becomes our newest round: in flight from now on. It records what of ours may be
+        carried into it (``_Round.carried_in``): our previous round and the sends still on their
+        way; only one round back is kept."""
+        prev = self._last_round
+        rnd.prev = prev
+        rnd.unresolved = sum(1 for s in self._sends if not s.finished)
+        if prev is not None:
+            prev.prev = None
         self._last_round = rnd
         self._rounds.append(rnd)
 

@@ -126,8 +126,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
             parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
         if r["user_over_xdp"] is not None:
             parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
-        parts += [f"{what.split(' over ')[0]} {x:.2f}x its {what.split(' over ')[1]} time"
-                  for what, x in r["slowdown"].items()]
+        parts += [f"{system} {x:.2f}x its {base} time" for system, base, x in r["slowdown"]]
         if parts and not as_json:  # (JSON rows carry what they are computed from)
             click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}% "
                        f"hogs={r['cpu_hogs']}  " + "  ".join(parts))
