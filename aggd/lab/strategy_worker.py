@@ -94,6 +94,7 @@ def worker(argv=None) -> int:
         while pending:
             report(*pending.popleft())
         stats = dict(client.stats)
+        sent -= client.carried_sum()   # ours of rounds released without us, not sent yet
     print(json.dumps({"rank": args.rank, "final": True, "sent_sum": sent,
                       "max_outstanding": max_outstanding, "client": stats}), flush=True)
     return 0

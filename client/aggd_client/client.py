@@ -189,7 +189,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._last_send_error: OSError | None = None
         self.stats = {"packets_sent": 0, "retransmits": 0, "results": 0, "ignored": 0,
                       "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0,
-                      "batch_waits": 0}
+                      "batch_waits": 0, "carried": 0}
 
         # Admission: the next round's number, what a whole round is, the quorum rounds seen on the
         # group (a straggler catches up), the strategy in force and the round whose result said so.
@@ -207,6 +207,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
         self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
+        # Our gradient of chunks whose round was released without us before we sent them (a quorum
+        # straggler): added into our next contribution to the same chunk (``_Send``), per value.
+        self._carry = np.zeros(0, np.float64)
+        # quorum results of rounds we have not started, by round and chunk (``_keep_early``)
+        self._early: dict[int, dict[int, bytes]] = {}
         self._strategy = info
         self._strategy_round = -1
         self._init_rounds()
@@ -356,15 +361,33 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._next_round += 1
             self._own_next = self._next_round
             self._start_round(rnd)
+            if self._early:
+                self._replay_early(rnd)
         else:
             rnd = into
             self.stats["steps"] += 1
+        if rnd.steps == 0 and self._carry.size and self._carry[:x.size].any():
+            x = self._take_carry(x)
         send = _Send(self, rnd, x, rnd.steps, self._strategy.kind)
         rnd.steps += 1
         rnd.sends.append(send)
         self._sends.append(send)
         self._poll()  # the first window leaves now
         return AllreduceHandle(self, rnd, send)
+
+    def _take_carry(self, x: np.ndarray) -> np.ndarray:
+        """``x`` plus what we carry for its chunks (a new array: the caller's stays as it was)."""
+        n = min(x.size, self._carry.size)
+        y = x.astype(np.float64)
+        y[:n] += self._carry[:n]
+        self._carry[:n] = 0
+        return y.astype(x.dtype)
+
+    def carried_sum(self) -> float:
+        """The sum of what we still carry: gradient of chunks whose round was released without us
+        before we sent them, waiting for our next round of those chunks (docs/protocol.md, "What
+        clients do"). Conservation checks count it as sent but not yet aggregated."""
+        return float(self._carry.sum())
 
     def must_wait(self) -> bool:
         """Whether an ``allreduce_async`` now would have to wait for an earlier round first (a

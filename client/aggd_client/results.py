@@ -111,10 +111,16 @@ class ResultHandler:
         # contributed, so a member that skipped one would hold that round open for good.
         later_ok = kind == _QUORUM
         new = acked = 0
-        # A later round answers one of our chunks only when it was sent to us alone (flag REREAD):
-        # the aggregator's reply to our late contribution, which it has carried. A later round
-        # merely seen on the group proves nothing about our packet, which may still be on its way.
-        later_ok = later_ok & ((h["flags"] & _REREAD) != 0)
+        # A later round sent to us alone (flag REREAD) is the aggregator's reply to our late
+        # contribution, which it has carried. One merely seen on the group proves nothing about our
+        # packet, which may still be on its way (``_apply`` acknowledges nothing with it), but it
+        # answers the chunk all the same while every call has had one size (so it holds our
+        # tensor): with more chunks than slots the quorum reuses the slot's banks within a round,
+        # and our own round's result may be gone before our late packet arrives.
+        if not self._uniform:
+            later_ok = later_ok & ((h["flags"] & _REREAD) != 0)
+        if self._uniform:
+            self._keep_early(idx, rounds, later_ok)
         for rnd in list(self._rounds):
             sel = (rounds == rnd.r32) | (later_ok & (rounds > rnd.r32))
             sel &= chunks < rnd.n_chunks
@@ -142,6 +148,36 @@ class ResultHandler:
             if seen.any():
                 self._catch_up(rounds[seen], chunks[seen])
         return new, acked
+
+    def _keep_early(self, idx: np.ndarray, rounds: np.ndarray, quorum: np.ndarray) -> None:
+        """Keep quorum results of rounds we have not started (``_early``, the two newest such
+        rounds): a straggler that catches up to one finds the chunks released before its call
+        there. With more chunks than slots the slot's banks hold them only briefly."""
+        ahead = quorum & (rounds >= (self._next_round & 0xFFFFFFFF))
+        if not ahead.any():
+            return
+        early = self._early
+        for i, r in zip(idx[ahead].tolist(), rounds[ahead].tolist()):
+            if r not in early and len(early) >= 2:
+                if r < min(early):
+                    continue
+                del early[min(early)]
+            early.setdefault(r, {})[int(self._stage["hdr"]["chunk"][i])] = \
+                bytes(self._stage_u8[i, :self._sizes[i]])
+
+    def _replay_early(self, rnd: "_Round") -> None:
+        """Hand ``rnd`` the results of it kept before it started (``_keep_early``)."""
+        for r in [r for r in self._early if r <= rnd.r32]:
+            rows = list(self._early.pop(r).values())
+            if r != rnd.r32:
+                continue   # a round we skipped
+            for at in range(0, len(rows), len(self._stage)):
+                batch = rows[at:at + len(self._stage)]
+                for j, row in enumerate(batch):
+                    self._stage_u8[j, :len(row)] = np.frombuffer(row, np.uint8)
+                    self._sizes[j] = len(row)
+                new, _ = self._process_numpy(len(batch))
+                self.stats["results"] += new
 
     def _skips_for(self, rnd: "_Round") -> np.ndarray | None:
         """The ``skip`` of each chunk of a new round (None: all 0), and the chunks' newest round."""

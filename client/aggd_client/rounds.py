@@ -165,9 +165,15 @@ class _Send:
         """Quantise and send chunks from ``next`` up to ``limit`` (exclusive) that the window and
         the slot rule allow; (chunks sent, whether more could be sent right away)."""
         S, c0 = self.S, self.next
+        if self.step == 0 and c0 < limit and self.rnd.have[c0]:
+            c0 = self._carry_answered(c0, limit)
         k = min(budget, limit - c0, ADMIT_MAX)
         if k <= 0:
-            return 0, False
+            return 0, c0 < limit
+        if self.step == 0:
+            answered = self.rnd.have[c0:c0 + k]
+            if answered.any():  # send up to the next chunk answered already; it is carried then
+                k = int(np.argmax(answered))
         if c0 + k > S:  # chunk c >= slots waits for the answer to chunk c - slots
             start = max(c0, S)
             blocked = self.state[start - S:c0 + k - S] != _DONE
@@ -197,6 +203,26 @@ class _Send:
         if first < k:
             self.c._send(buf[0:(k - first) * rec], k - first)
         return k, k == ADMIT_MAX and self.next < limit
+
+    def _carry_answered(self, c0: int, limit: int) -> int:
+        """Chunks from ``c0`` whose round was released without us before we sent them (a quorum's,
+        seen on the group, or a later round's): not sent, as the aggregator could only carry them
+        (rule 4) and, with many chunks a slot, may have no bank left for that; our values go into
+        our next contribution to the same chunk instead (``AggClient._carry``). Returns the first
+        chunk not answered."""
+        have = self.rnd.have[c0:limit]
+        k = int(np.argmin(have)) if not have.all() else have.size
+        c = self.c
+        lo, hi = c0 * self.E, min((c0 + k) * self.E, self.x.size)
+        if c._carry.size < hi:
+            c._carry = np.concatenate([c._carry, np.zeros(max(hi, 2 * c._carry.size) - c._carry.size)])
+        c._carry[lo:hi] += self.x[lo:hi]
+        c.stats["carried"] += k
+        self.state[c0:c0 + k] = _DONE
+        self.next = c0 + k
+        if self.next >= self.n:
+            self.x = None
+        return self.next
 
     def _fill(self, c0: int, k: int, r0: int) -> None:
         """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
