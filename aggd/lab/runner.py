@@ -105,7 +105,7 @@ class StrategyRun:
                     "--bind", f"{lab.worker_ip(w)}:{job.port}", "--job", str(job.job), "--rank", str(rank),
                     "--world", str(job.world), "--steps", str(a["steps"]), "--delay", str(a["delay"]),
                     "--slow", str(a["slow"].get(rank, 1.0)), "--jitter", str(a["jitter"]), "--seed", "7",
-                    "--give-up-after", str(a["give_up_after"])]
+                    "--give-up-after", str(a["give_up_after"]), "--slots", str(job.slots)]
             if a["slow_steps"] and rank in a["slow"]:
                 argv += ["--slow-steps", a["slow_steps"]]
             if a["sizes"]:

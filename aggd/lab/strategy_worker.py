@@ -52,6 +52,7 @@ def worker(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--slow-steps", default="", help="A:B: slow only for steps A..B-1 (a middle phase)")
     ap.add_argument("--give-up-after", type=float, default=20.0)
+    ap.add_argument("--slots", type=int, required=True, help="the job's slot pool")
     ap.add_argument("--sizes", default=str(SIZE),
                     help="tensor sizes taken in turn, one a step (unequal buckets, as DDP's)")
     args = ap.parse_args(argv)
@@ -71,7 +72,7 @@ def worker(argv=None) -> int:
                           "seconds": time.monotonic() - t_start}), flush=True)
 
     with AggClient(args.server, args.job, args.rank, args.world, group=args.group, bind=args.bind,
-                   give_up_after=args.give_up_after, catch_up=len(sizes) == 1) as client:
+                   give_up_after=args.give_up_after, catch_up=len(sizes) == 1, slots=args.slots) as client:
         step = 0
         # Loop until the job's round count is reached, not for a fixed number of calls: under wbsp
         # several calls share a round and under quorum a straggler skips rounds, so a fixed count

@@ -62,9 +62,10 @@ def test_many_chunks_a_slot_every_member_finishes_and_nothing_is_lost(harness, s
     # conservation: everything sent is in a released result, in an open bank, or still carried
     held = sum(releases) + pending_sum(harness.model, JOB)
     if strategy.startswith("quorum") and held < sum(sent) - sum(carried):
-        # Known gap (open, issue 19): a straggler's packet in flight when its round was released is
-        # late; the aggregator carries it only when a bank is free (else busy, retried). Once the
-        # straggler has the round's result from the group it stops waiting for that answer after
-        # give_up_after, or at close, and such a refused contribution is lost.
+        # Known gap (open, issue 19): with this slow plane (deadline releases, results late) some
+        # packets are refused (busy as a new round, not remembered; or late with no bank free) and
+        # their retransmissions, once the slot's banks were reused, dropped stale; the member has
+        # its result from the group and stops retrying (client stat "abandoned"). The real lab
+        # (tests/netns/test_strategies.py) loses nothing.
         pytest.xfail(f"quorum straggler lost {sum(sent) - sum(carried) - held:.0f} of {sum(sent):.0f}")
     assert held == pytest.approx(sum(sent) - sum(carried), abs=1e-6)
