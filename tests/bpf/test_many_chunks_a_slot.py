@@ -28,9 +28,10 @@ def test_many_chunks_a_slot_every_member_finishes_and_nothing_is_lost(harness, s
     harness.start(WORLD, SLOTS, 1 << 16, check_table(StrategyTable(parse(strategy)).table_entries()))
     releases = released_sum(harness.model, JOB)
     addrs = free_addresses(WORLD)
-    errors, sent, carried, results = {}, [0.0] * WORLD, [0.0] * WORLD, {}
+    errors, sent, carried, given_up, results = {}, [0.0] * WORLD, [0.0] * WORLD, [0.0] * WORLD, {}
 
     def worker(rank: int, server) -> None:
+        c = None
         try:
             with AggClient(server, JOB, rank, WORLD, bind=addrs[rank], elements=harness.elements, slots=SLOTS,
                            give_up_after=15, tag=tag(rank)) as c:
@@ -48,6 +49,8 @@ def test_many_chunks_a_slot_every_member_finishes_and_nothing_is_lost(harness, s
                 carried[rank] = c.carried_sum()
         except Exception as e:     # noqa: BLE001 -- reported below, per rank
             errors[rank] = repr(e)
+        if c is not None:          # after close: what it stopped asking about
+            given_up[rank] = c.stats["abandoned_sum"]
 
     with served(harness, addrs) as (server, failures):
         threads = [threading.Thread(target=worker, args=(r, server)) for r in range(WORLD)]
@@ -59,13 +62,14 @@ def test_many_chunks_a_slot_every_member_finishes_and_nothing_is_lost(harness, s
     assert not errors, errors
     if strategy == "sync":
         assert all(len(r) == ROUNDS and all((x == 10).all() for x in r) for r in results.values())
-    # conservation: everything sent is in a released result, in an open bank, or still carried
+    # conservation: everything sent is in a released result, in an open bank, or still carried;
+    # under quorum, what is missing is among what members stopped asking about (late packets of
+    # the last rounds that found every bank of their slot taken: a known gap, docs/protocol.md
+    # "What clients do"; the slow plane here makes members late near the end too)
     held = sum(releases) + pending_sum(harness.model, JOB)
-    if strategy.startswith("quorum") and held < sum(sent) - sum(carried):
-        # Known gap (open, issue 19): with this slow plane (deadline releases, results late) some
-        # packets are refused (busy as a new round, not remembered; or late with no bank free) and
-        # their retransmissions, once the slot's banks were reused, dropped stale; the member has
-        # its result from the group and stops retrying (client stat "abandoned"). The real lab
-        # (tests/netns/test_strategies.py) loses nothing.
-        pytest.xfail(f"quorum straggler lost {sum(sent) - sum(carried) - held:.0f} of {sum(sent):.0f}")
-    assert held == pytest.approx(sum(sent) - sum(carried), abs=1e-6)
+    expected = sum(sent) - sum(carried)
+    if strategy.startswith("quorum"):
+        assert -1e-6 <= expected - held <= sum(given_up) + 1e-6, (held, expected, given_up)
+        assert sum(given_up) <= 0.02 * sum(sent), (given_up, sent)
+    else:
+        assert held == pytest.approx(expected, abs=1e-6)
