@@ -189,7 +189,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._last_send_error: OSError | None = None
         self.stats = {"packets_sent": 0, "retransmits": 0, "results": 0, "ignored": 0,
                       "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0,
-                      "abandoned_sum": 0.0, "batch_waits": 0, "carried": 0}
+                      "batch_waits": 0}
 
         # Admission: the next round's number, what a whole round is, the quorum rounds seen on the
         # group (a straggler catches up), the strategy in force and the round whose result said so.
@@ -207,13 +207,6 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
         self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
-        # Our values of chunks whose round was released before we sent them (a quorum straggler,
-        # a late wbsp step), per tensor size: added into our next round of a tensor of that size
-        # (DDP's buckets repeat every step, so that is the same bucket), per value.
-        self._carry: dict[int, np.ndarray] = {}
-        # quorum results of rounds we have not started, by round and chunk (``_keep_early``)
-        self._early: dict[int, dict[int, bytes]] = {}
-        self._early_bytes = 0
         self._strategy = info
         self._strategy_round = -1
         self._init_rounds()
@@ -276,8 +269,6 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._progress(lambda: all(s.finished for s in self._sends), self._give_up)
         except Exception:  # noqa: BLE001 - closing must not raise for a round that already failed
             pass
-        for s in self._sends:
-            s.abandon()
         self._closed = True
         self._fail_all(AggdError("the client was closed"))
         self._close_sockets()
@@ -365,29 +356,15 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._next_round += 1
             self._own_next = self._next_round
             self._start_round(rnd)
-            if self._early:
-                self._replay_early(rnd)
         else:
             rnd = into
             self.stats["steps"] += 1
-        if rnd.steps == 0 and x.size in self._carry:
-            x = self._take_carry(x)
         send = _Send(self, rnd, x, rnd.steps, self._strategy.kind)
         rnd.steps += 1
         rnd.sends.append(send)
         self._sends.append(send)
         self._poll()  # the first window leaves now
         return AllreduceHandle(self, rnd, send)
-
-    def _take_carry(self, x: np.ndarray) -> np.ndarray:
-        """``x`` plus what we carry for tensors of its size (a new array: the caller's stays)."""
-        return (x.astype(np.float64) + self._carry.pop(x.size)).astype(x.dtype)
-
-    def carried_sum(self) -> float:
-        """The sum of what we still carry: values of chunks whose round was released before we sent
-        them, waiting for our next round of a tensor of that size (docs/protocol.md, "What clients
-        do"). Conservation checks count it as sent but not yet aggregated."""
-        return float(sum(c.sum() for c in self._carry.values()))
 
     def must_wait(self) -> bool:
         """Whether an ``allreduce_async`` now would have to wait for an earlier round first (a

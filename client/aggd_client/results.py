@@ -33,9 +33,6 @@ _OVERFLOW, _REREAD = int(Flag.OVERFLOW), int(Flag.REREAD)
 _QUORUM = int(StrategyKind.QUORUM)
 
 
-#: Bytes of quorum results of rounds not started yet a client keeps (``_keep_early``).
-EARLY_BYTES = 256 << 20
-
 #: Chunk indices whose newest round a client tracks from results it did not ask for (8 MiB).
 MAX_TRACKED_CHUNKS = 1 << 20
 
@@ -114,33 +111,15 @@ class ResultHandler:
         # contributed, so a member that skipped one would hold that round open for good.
         later_ok = kind == _QUORUM
         new = acked = 0
-        # A later round sent to us alone (flag REREAD) is the aggregator's reply to our late
-        # contribution, which it has carried. One merely seen on the group proves nothing about our
-        # packet, which may still be on its way (``_apply`` acknowledges nothing with it), but it
-        # answers the chunk all the same while every call has had one size (so it holds our
-        # tensor): with more chunks than slots the quorum reuses the slot's banks within a round,
-        # and our own round's result may be gone before our late packet arrives.
-        if not self._uniform:
-            later_ok = later_ok & ((h["flags"] & _REREAD) != 0)
-        self._keep_early(idx, rounds, kind == _QUORUM)
-        # A result sent to us (REREAD) answers one of our packets of its chunk, of its round or an
-        # earlier one (a late one the aggregator carried): the oldest still unanswered, not every
-        # round's (a newer round's packet may have been refused; taking it as answered would lose
-        # it). ``_limit`` keeps a chunk from being sent while an answered round's packet of it is
-        # still unanswered, so that is rarely more than one.
-        reread = (h["flags"] & _REREAD) != 0
-        taken = np.zeros(idx.size, bool)
-        for rnd in list(self._rounds):   # oldest first
+        # A later round answers one of our chunks only when it was sent to us alone (flag REREAD):
+        # the aggregator's reply to our late contribution, which it has carried. A later round
+        # merely seen on the group proves nothing about our packet, which may still be on its way.
+        later_ok = later_ok & ((h["flags"] & _REREAD) != 0)
+        for rnd in list(self._rounds):
             sel = (rounds == rnd.r32) | (later_ok & (rounds > rnd.r32))
             sel &= chunks < rnd.n_chunks
             if sel.any():
-                later = sel & reread
-                waiting = np.zeros(idx.size, bool)
-                if later.any():
-                    for send in rnd.sends:
-                        waiting[later] |= send.waiting_for(chunks[later])
-                n, a = self._apply(rnd, idx[sel], h[sel], rounds[sel], chunks[sel], no_ack=taken[sel])
-                taken |= waiting
+                n, a = self._apply(rnd, idx[sel], h[sel], rounds[sel], chunks[sel])
                 new += n
                 acked += a
         caught_up = kind == _QUORUM
@@ -163,45 +142,6 @@ class ResultHandler:
             if seen.any():
                 self._catch_up(rounds[seen], chunks[seen])
         return new, acked
-
-    def _keep_early(self, idx: np.ndarray, rounds: np.ndarray, quorum: np.ndarray) -> None:
-        """Keep quorum results of rounds we have not started (``_early``): a straggler finds there
-        the chunks released before its call of that round (with more chunks than slots the slot's
-        banks hold them only briefly). While calls have one size we catch up to the newest round
-        seen, so the two newest rounds are kept; otherwise we go through every round in our own
-        order, and rounds are kept oldest first up to ``EARLY_BYTES``."""
-        ahead = quorum & (rounds >= (self._next_round & 0xFFFFFFFF))
-        if not ahead.any():
-            return
-        early = self._early
-        for i, r in zip(idx[ahead].tolist(), rounds[ahead].tolist()):
-            size = int(self._sizes[i])
-            if r not in early:
-                if self._uniform and len(early) >= 2:
-                    if r < min(early):
-                        continue
-                    self._early_bytes -= sum(map(len, early.pop(min(early)).values()))
-                elif not self._uniform and early and r > max(early) and self._early_bytes + size > EARLY_BYTES:
-                    continue
-            chunk = int(self._stage["hdr"]["chunk"][i])
-            old = early.setdefault(r, {}).get(chunk)
-            self._early_bytes += size - (0 if old is None else len(old))
-            early[r][chunk] = bytes(self._stage_u8[i, :size])
-
-    def _replay_early(self, rnd: "_Round") -> None:
-        """Hand ``rnd`` the results of it kept before it started (``_keep_early``)."""
-        for r in [r for r in self._early if r <= rnd.r32]:
-            rows = list(self._early.pop(r).values())
-            self._early_bytes -= sum(map(len, rows))
-            if r != rnd.r32:
-                continue   # a round we skipped
-            for at in range(0, len(rows), len(self._stage)):
-                batch = rows[at:at + len(self._stage)]
-                for j, row in enumerate(batch):
-                    self._stage_u8[j, :len(row)] = np.frombuffer(row, np.uint8)
-                    self._sizes[j] = len(row)
-                new, _ = self._process_numpy(len(batch))
-                self.stats["results"] += new
 
     def _skips_for(self, rnd: "_Round") -> np.ndarray | None:
         """The ``skip`` of each chunk of a new round (None: all 0), and the chunks' newest round."""
@@ -248,18 +188,15 @@ class ResultHandler:
         for r in [r for r in seen if r < self._next_round - 1]:
             del seen[r]
 
-    def _apply(self, rnd: "_Round", idx, h, rounds, chunks, no_ack=None) -> tuple[int, int]:
+    def _apply(self, rnd: "_Round", idx, h, rounds, chunks) -> tuple[int, int]:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
-        or a later round's (``no_ack``: those that answered an older round's packet). Returns (new
-        results, sends' chunks answered)."""
+        or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
         # What stops a packet's retransmission is proof that the aggregator holds it: an answer
         # sent to us alone (flag REREAD: a re-send, or the reply to a late contribution it
         # carried), or our own round's result listing our rank, which proves our first step
         # only (a later wbsp step may have arrived after the release; its re-send will say).
         to_us = (h["flags"] & _REREAD) != 0
-        if no_ack is not None:
-            to_us &= ~no_ack
         # (under the other strategies a round is released only once every member is in it)
         partial_release = (h["strategy"] == _QUORUM) | (h["strategy"] == int(StrategyKind.WBSP))
         lists_us = own & (~partial_release | ((h["contributors"] >> np.uint64(self._rank)) & np.uint64(1) != 0))

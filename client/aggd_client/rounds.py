@@ -136,8 +136,6 @@ class _Send:
         self.lo = 0          # lowest chunk without an answer
         self.inflight = 0
         self.hi_answered = -1  # highest chunk answered: chunks below it still in flight were lost
-        self.carried = False   # some chunk was carried, not sent (``_carry_answered``)
-        self.occupant: np.ndarray | None = None  # then: per ring entry, the chunk whose packet it holds
         self.answered_at = -np.inf  # when an answer last stopped a chunk in flight
         # RACK (RFC 8985): the newest send time among chunks answered on their first send, and
         # that answer's time. A chunk sent before it and still unanswered a reordering window
@@ -167,14 +165,9 @@ class _Send:
         """Quantise and send chunks from ``next`` up to ``limit`` (exclusive) that the window and
         the slot rule allow; (chunks sent, whether more could be sent right away)."""
         S, c0 = self.S, self.next
-        if c0 < limit and self.rnd.have[c0]:
-            c0 = self._carry_answered(c0, limit)
         k = min(budget, limit - c0, ADMIT_MAX)
         if k <= 0:
-            return 0, c0 < limit
-        answered = self.rnd.have[c0:c0 + k]
-        if answered.any():  # send up to the next chunk answered already; it is carried then
-            k = int(np.argmax(answered))
+            return 0, False
         if c0 + k > S:  # chunk c >= slots waits for the answer to chunk c - slots
             start = max(c0, S)
             blocked = self.state[start - S:c0 + k - S] != _DONE
@@ -182,15 +175,6 @@ class _Send:
                 k = start - c0 + int(np.argmax(blocked))
                 if k == 0:
                     return 0, False
-            if self.carried:
-                # and for the packet its ring entry holds: chunk c - slots may have been carried,
-                # not sent, and an older chunk of that entry be still on its way
-                occupant = self.occupant[(c0 + np.arange(min(k, self.R))) % S]
-                held = (occupant >= 0) & (self.state[np.maximum(occupant, 0)] == _INFLIGHT)
-                if held.any():
-                    k = int(np.argmax(held))
-                    if k == 0:
-                        return 0, False
         r0 = c0 % S
         first = min(k, self.R - r0)  # the ring may wrap once
         self._fill(c0, first, r0)
@@ -203,8 +187,6 @@ class _Send:
             if first < k:
                 h["skip"][0:k - first] = skips[c0 + first:c0 + k]
         self.state[c0:c0 + k] = _INFLIGHT
-        if self.carried:
-            self.occupant[(c0 + np.arange(k)) % S] = np.arange(c0, c0 + k)
         self.inflight += k
         self.sent_at[c0:c0 + k] = time.monotonic()
         self.next = c0 + k
@@ -215,32 +197,6 @@ class _Send:
         if first < k:
             self.c._send(buf[0:(k - first) * rec], k - first)
         return k, k == ADMIT_MAX and self.next < limit
-
-    def _carry_answered(self, c0: int, limit: int) -> int:
-        """Chunks from ``c0`` whose round was released before we sent them (a quorum's without us,
-        seen on the group, or a later round's; or, for a later wbsp step, with our step 0): not
-        sent, as the aggregator could only carry them (rule 4) and, with many chunks a slot, may
-        have no bank left for that; our values go into our next round of a tensor of this size
-        instead (``AggClient._carry``). Returns the first chunk not answered."""
-        have = self.rnd.have[c0:limit]
-        k = int(np.argmin(have)) if not have.all() else have.size
-        c = self.c
-        lo, hi = c0 * self.E, min((c0 + k) * self.E, self.x.size)
-        carry = c._carry.get(self.x.size)
-        if carry is None:
-            carry = c._carry[self.x.size] = np.zeros(self.x.size, np.float64)
-        carry[lo:hi] += self.x[lo:hi]
-        c.stats["carried"] += k
-        if not self.carried:   # from now on admission checks the ring's occupants (``admit``)
-            self.carried = True
-            self.occupant = np.full(self.R, -1, np.int64)
-            waiting = np.flatnonzero(self.state[:c0] == _INFLIGHT)   # one at most an entry
-            self.occupant[waiting % self.S] = waiting
-        self.state[c0:c0 + k] = _DONE
-        self.next = c0 + k
-        if self.next >= self.n:
-            self.x = None
-        return self.next
 
     def _fill(self, c0: int, k: int, r0: int) -> None:
         """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
@@ -302,27 +258,6 @@ class _Send:
                 self.rack_sent, self.rack_rtt = newest, now - newest
             c._cwnd.acked(n)
         return n
-
-    def abandon(self) -> None:
-        """We stop asking: count the chunks still unanswered or unsent, and their values (client
-        stats ``abandoned``, ``abandoned_sum``: contributions the aggregator may not hold)."""
-        if self.dropped:
-            return
-        stats = self.c.stats
-        stats["abandoned"] += self.inflight + self.n - self.next
-        waiting = np.flatnonzero(self.state[:self.next] == _INFLIGHT)
-        if waiting.size:
-            pk = self.ring.pk[waiting % self.S]
-            h = pk["hdr"]
-            lanes = np.arange(self.E) < h["count"][:, None].astype(np.int64)
-            values = np.where(lanes, pk["payload"].astype(np.float64), 0.0)
-            stats["abandoned_sum"] += float(np.ldexp(values, -h["exponent"].astype(np.int32)[:, None]).sum())
-        if self.next < self.n and self.x is not None:
-            stats["abandoned_sum"] += float(self.x[self.next * self.E:].sum(dtype=np.float64))
-
-    def waiting_for(self, chunks: np.ndarray) -> np.ndarray:
-        """Which of ``chunks`` this send has sent and has no answer for."""
-        return self.state[chunks] == _INFLIGHT
 
     def hurry(self) -> None:
         """Make every packet still in flight due for retransmission now."""
@@ -437,19 +372,10 @@ class RoundScheduler:
 
     def _limit(self, i: int, s: "_Send") -> int:
         """First chunk of send ``i`` that must wait for an earlier send: one whose slot still has an
-        unsent chunk of an earlier round (keys grow per slot) or a late one of an answered round,
-        or, for an earlier step of the same round, a chunk that step has not sent yet."""
+        unsent chunk of an earlier round (keys grow per slot), or, for an earlier step of the same
+        round, a chunk that step has not sent yet."""
         limit, S = s.n, self._slots
         for p in self._sends[:i]:
-            if p.rnd is not s.rnd and p.rnd.complete and p.inflight:
-                # An answered round's packet still unanswered is late: the aggregator carries it
-                # and answers with its chunk's newest result, or refuses it busy and remembers that
-                # for its retransmission, one round of ours a slot. So nothing of ours goes to its
-                # slot meanwhile: a late packet of a newer round would replace that memory, and an
-                # answer to the chunk could not be told from one to ours
-                # (``ResultHandler._process_numpy``).
-                waiting = np.flatnonzero(p.state[:p.next] == _INFLIGHT) % S
-                limit = min(limit, s.next + int(((waiting - s.next) % S).min()))
             left = p.n - p.next
             if left <= 0:
                 continue
@@ -479,7 +405,7 @@ class RoundScheduler:
             if s.rnd.complete and now - s.last_ack >= self._give_up:
                 # answers to contributions sent after the round's result came (a wbsp step, a
                 # straggler's carried chunk) that never arrived: stop asking
-                s.abandon()
+                self.stats["abandoned"] += s.inflight + s.n - s.next
                 s.drop()
                 self._sends.remove(s)
                 s.rnd.sends.remove(s)
