@@ -574,6 +574,10 @@ class Service:
     def cmd_jobs_delete(self, job):
         j = self.registry.delete(job)
         self.departures.pop(j.id, None)
+        # its members' JOIN history: a job created later may get the same id
+        self._rejoins.pop(j.id, None)
+        for key in [k for k in self._answered_joins if k[0] == j.id]:
+            del self._answered_joins[key]
         for plane in self.planes:
             plane.remove_job(j.id)
         self._save()
