@@ -14,6 +14,23 @@
 #include "aggd_helpers.h"
 #include "aggd_lanes.h"
 
+/* With -DAGGD_FRAGS the program is loaded with BPF_F_XDP_HAS_FRAGS (XDP multi-buffer), so native
+ * XDP takes frames larger than a page (MTU 9000). Then data..data_end covers only the first buffer:
+ * the headers stay there, and the payload is copied into this per-CPU buffer before the loops and
+ * back into the frame after them (bpf_xdp_load_bytes / bpf_xdp_store_bytes). Without it the loops
+ * work on the packet in place. */
+#ifdef AGGD_FRAGS
+struct payload_copy {
+	__u32 v[ELEMS];
+};
+BPF_PERCPU_ARRAY(payload_copy, struct payload_copy, 1);
+#define FRAME_LEN(ctx, data, data_end) ((__u32)bpf_xdp_get_buff_len(ctx))
+#else
+#define FRAME_LEN(ctx, data, data_end) ((__u32)((data_end) - (data)))
+#endif
+#define L4_OFF (sizeof(struct ethhdr) + sizeof(struct iphdr))
+#define PAYLOAD_OFF (L4_OFF + sizeof(struct udphdr) + sizeof(struct aggd_hdr))
+
 /* Counters live here, not in a header: bcc rewrites map calls only in the main file. */
 static __always_inline struct job_stats *stats_of(__u32 bucket)
 {
@@ -43,7 +60,7 @@ static __always_inline int drop_in(struct job_stats *st, __u32 reason)
 static __always_inline int nack(struct xdp_md *ctx, __u8 code)
 {
 	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
-	int delta = (int)NACK_LEN - (int)(data_end - data);
+	int delta = (int)NACK_LEN - (int)FRAME_LEN(ctx, data, data_end);
 
 	if (delta < 0 && bpf_xdp_adjust_tail(ctx, delta))
 		return XDP_DROP;
@@ -154,7 +171,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	struct aggd_hdr *h = (void *)(udp + 1);
 	__u32 udp_len = ntohs(udp->len);
 	if ((void *)(h + 1) > data_end || udp_len < sizeof(*udp) + sizeof(*h) ||
-	    (void *)udp + udp_len > data_end)
+	    L4_OFF + udp_len > FRAME_LEN(ctx, data, data_end))
 		return count_drop(NO_JOB, AGGD_DROP_REASON_TOO_SHORT);
 	if (HDR(h, __be16, magic) != htons(AGGD_MAGIC))
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_MAGIC);
@@ -211,9 +228,19 @@ int aggd_xdp(struct xdp_md *ctx)
 	struct slot *s = slots.lookup(&gidx);
 	if (!s)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
+#ifdef AGGD_FRAGS
+	__u32 zero = 0;
+	__s32 *payload = (void *)payload_copy.lookup(&zero);
+	if (!payload)
+		return XDP_ABORTED;
+	/* a re-read's payload is only room for the result */
+	if (type != AGGD_MSG_TYPE_REREAD && bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
+		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+#else
 	__s32 *payload = (void *)(h + 1);
 	if ((void *)(payload + ELEMS) > data_end)
 		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+#endif
 
 	__u32 round = ntohl(HDR(h, __be32, round));
 	if ((__u64)round + 1 > jst->max_round)
@@ -599,6 +626,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		jst->counter[AGGD_COUNTER_REREADS] += 1;
 		out_flags |= AGGD_FLAG_REREAD;
 	}
+#ifdef AGGD_FRAGS
+	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
+		return XDP_ABORTED;
+#endif
 	h->type = AGGD_MSG_TYPE_RESULT;
 	HDR(h, __be16, rank) = htons(0xffff);
 	HDR(h, __be32, round) = htonl((__u32)(out_key >> 32));

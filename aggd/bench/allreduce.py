@@ -249,7 +249,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                         else:
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
-                    row["loss_percent"], row["cpu_hogs"] = loss, hog
+                    row["loss_percent"], row["cpu_hogs"], row["mtu"] = loss, hog, mtu
                     here = seconds[(system, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
                         if base != (loss, hog) and (system, n, nbytes, *base) in seconds:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from aggd.core.registry import slots_bytes
 from aggd_client.protocol import (DEFAULT_ELEMENTS, DEFAULT_PORT, DEFAULT_RESULT_PORT, MAX_ELEMENTS, MAX_JOBS,
-                                  MAX_MEMBERS, NATIVE_MAX_ELEMENTS)
+                                  MAX_MEMBERS, NATIVE_MAX_ELEMENTS, NATIVE_MAX_MTU)
 
 DEFAULT_PATH = Path("/etc/aggd/aggd.toml")
 IFNAMSIZ = 16
@@ -398,8 +398,8 @@ def parse(data: dict, source: str | None = None) -> Config:
             problems.append(f"jobs.result_port: must differ from dataplane.port ({dp.port})")
         if dp.kind == "xdp" and dp.mode == "native" and dp.elements_per_packet > NATIVE_MAX_ELEMENTS:
             problems.append(f"dataplane.elements_per_packet: native XDP takes at most "
-                            f"{NATIVE_MAX_ELEMENTS} values a packet, not {dp.elements_per_packet} "
-                            f'(jumbo packets need dataplane.mode "generic")')
+                            f"{NATIVE_MAX_ELEMENTS} values a packet (an MTU of {NATIVE_MAX_MTU}), not "
+                            f'{dp.elements_per_packet} (larger packets need dataplane.mode "generic")')
         if dp.kind == "p4" and not sections["p4"].hosts:
             problems.append('p4.hosts: the switch needs its hosts ({ "IP" = ["MAC", PORT] }, the daemon host '
                             'among them) when dataplane.kind is "p4"')

@@ -2,7 +2,7 @@
 
     {name}-sw    br0 (multicast snooping off, so results flood to every port)
                  ports sw-agg, sw-w0 .. sw-w{N-1}; nftables loss rules; XDP_PASS on sw-agg
-                 (at MTUs native XDP takes; above MAX_MTU the lab is for generic mode only)
+                 (at MTUs native XDP takes; above NATIVE_MAX_MTU the lab is for generic mode only)
     {name}-agg   agg0  10.77.0.1/24
     {name}-w{i}  eth0  10.77.0.{10+i}/24
 
@@ -30,6 +30,8 @@ from pathlib import Path
 from pyroute2 import IPRoute
 from pyroute2 import netns as pr_netns
 
+from aggd_client import protocol as proto
+
 from aggd.dataplane.netns import NETNS_DIR, in_netns, netns_exists  # noqa: F401 (the lab's API too)
 
 STATE_DIR = Path("/run/aggd")
@@ -43,10 +45,12 @@ LOSS_TABLE = "aggd_loss"
 MAX_WORKERS = 64
 # Only namespace names carry it (interface names are fixed); short, as they show up in ps and logs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,12}$")
-# Native XDP on a veth (non-frags program) needs the frame in one page: 4096 - 256 headroom
-# - 320 skb_shared_info - 14 Ethernet = 3506, which is what the kernel accepts here.
-MAX_MTU = 3506
-# Above it a lab serves generic (skb) mode XDP only, which takes any frame a veth carries: jumbo
+# Native XDP on a veth without multi-buffer support needs the frame in one page: 4096 - 256
+# headroom - 320 skb_shared_info - 14 Ethernet = 3506, which is what the kernel accepts here. Above
+# it, up to NATIVE_MAX_MTU, native programs are loaded with multi-buffer (frags) support.
+PAGE_MTU = 3506
+NATIVE_MAX_MTU = proto.NATIVE_MAX_MTU
+# Above that a lab serves generic (skb) mode XDP only, which takes any frame a veth carries: jumbo
 # packets (protocol.MAX_ELEMENTS) need a 32,836-byte MTU.
 JUMBO_MAX_MTU = 65535
 
@@ -132,13 +136,15 @@ def _write_sysctl(key: str, value: str) -> None:
 
 # --- XDP helper ----------------------------------------------------------------------------------
 
-_XDP_PASS_SRC = b"int xdp_pass(struct xdp_md *ctx) { return XDP_PASS; }"
+_XDP_PASS_SRC = b"int xdp_pass(struct xdp_md *ctx) { return XDP_PASS; }\n" \
+                b"int xdp_pass_frags(struct xdp_md *ctx) { return XDP_PASS; }"
 _xdp_pass_lock = threading.Lock()
 _xdp_pass_bpf = None  # compiled once per process: a bcc compile costs ~0.3 s
 
 
-def attach_xdp_pass(ns_name: str, ifname: str) -> None:
-    """Attach a do-nothing XDP program to ``ifname`` in ``ns_name`` in native (driver) mode.
+def attach_xdp_pass(ns_name: str, ifname: str, frags: bool = False) -> None:
+    """Attach a do-nothing XDP program to ``ifname`` in ``ns_name`` in native (driver) mode, with
+    multi-buffer support (``frags``) where the MTU is larger than a page takes.
 
     Native XDP_TX on a veth is delivered only if the PEER veth runs an XDP program. The netlink
     attachment holds its own reference, so it outlives this process.
@@ -146,16 +152,20 @@ def attach_xdp_pass(ns_name: str, ifname: str) -> None:
     global _xdp_pass_bpf
     from bcc import BPF  # heavy import, only when a lab is built
 
+    from aggd.dataplane.xdp.loader import load_xdp_function
+
     with _xdp_pass_lock:
         if _xdp_pass_bpf is None:
             _xdp_pass_bpf = BPF(text=_XDP_PASS_SRC)
-        fn = _xdp_pass_bpf.load_func(b"xdp_pass", BPF.XDP)
+        fn = load_xdp_function(_xdp_pass_bpf, "xdp_pass_frags" if frags else "xdp_pass", frags=frags)
     try:
         with in_netns(ns_name):
             BPF.attach_xdp(ifname.encode(), fn, BPF.XDP_FLAGS_DRV_MODE)
     except Exception as exc:  # bcc raises a bare Exception
+        limit = NATIVE_MAX_MTU if frags else PAGE_MTU
         raise LabError(f"native XDP on {ifname} in {ns_name} failed: {exc} "
-                       f"(a veth's MTU must stay <= {MAX_MTU} for native XDP)") from exc
+                       f"(a veth's MTU must stay <= {limit} for native XDP"
+                       f"{'' if frags else ' without multi-buffer support'})") from exc
 
 
 def xdp_prog_id(ns_name: str, ifname: str) -> int | None:
@@ -223,7 +233,7 @@ class Lab:
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {workers}")
         if not 68 <= mtu <= JUMBO_MAX_MTU:
-            raise ValueError(f"mtu must be 68..{JUMBO_MAX_MTU} (above {MAX_MTU}: generic-mode XDP "
+            raise ValueError(f"mtu must be 68..{JUMBO_MAX_MTU} (above {NATIVE_MAX_MTU}: generic-mode XDP "
                              f"only), got {mtu}")
         self.name = name
         self.workers = workers
@@ -335,8 +345,8 @@ class Lab:
                 ipr.link("set", index=idx, state="up")
                 ipr.route("add", dst=MULTICAST_NET, oif=idx)
             disable_tx_checksum(ns, ifname)
-        if self.mtu <= MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
-            attach_xdp_pass(self.switch_ns, "sw-agg")
+        if self.mtu <= NATIVE_MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
+            attach_xdp_pass(self.switch_ns, "sw-agg", frags=self.mtu > PAGE_MTU)
         if self.loss_percent:
             self._apply_loss(self.loss_percent)
         self._save()

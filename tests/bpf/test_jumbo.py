@@ -18,7 +18,7 @@ pytestmark = pytest.mark.root
 
 
 def test_program_at_max_elements_loads_and_refuses_a_frame_cut_to_one_page():
-    dp = XdpDataPlane(None, elements=MAX_ELEMENTS, total_slots=4)  # the verifier takes it
+    dp = XdpDataPlane(None, mode="generic", elements=MAX_ELEMENTS, total_slots=4)  # the verifier takes it
     try:
         dp.install_job(job_config(world=2, slots=4))
         pkt = frame(Header(type=MsgType.CONTRIB, job=1, rank=0, count=MAX_ELEMENTS),

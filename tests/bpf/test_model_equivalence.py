@@ -38,6 +38,7 @@ SWAP_SEQUENCES = 1000    #: sequences with random strategy swaps
 DEPARTURE_SEQUENCES = 500  #: sequences in which members are declared gone (and come back)
 ODD_ELEMENTS = 7         #: a packet size the pairwise payload loops do not divide
 ODD_SEQUENCES = 200      #: per strategy, at ODD_ELEMENTS
+FRAGS_SEQUENCES = 100    #: per strategy, at native XDP's largest packet (a multi-buffer frame)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,6 +98,35 @@ def test_random_sequences_odd_elements(odd_harness, kind):
     assert RUN[f"odd {kind}"] - before >= ODD_SEQUENCES
 
 
+@pytest.fixture(scope="module")
+def frags_harness():
+    """The program built for multi-buffer frames (XDP frags), at the largest packet native XDP takes
+    (an MTU of 9000): BPF_PROG_TEST_RUN hands it the frame in several buffers, as a NIC or a veth
+    would, so the payload goes through bpf_xdp_load_bytes / bpf_xdp_store_bytes."""
+    from aggd.dataplane.xdp.loader import XdpDataPlane
+    from aggd_client.protocol import NATIVE_MAX_ELEMENTS, PAGE_MAX_ELEMENTS
+    assert NATIVE_MAX_ELEMENTS * 4 > 4096 > PAGE_MAX_ELEMENTS * 4
+    dp = XdpDataPlane(None, elements=NATIVE_MAX_ELEMENTS, total_slots=64)
+    assert dp.frags
+    yield Harness(dp, NATIVE_MAX_ELEMENTS)
+    dp.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_multi_buffer_frames(frags_harness, kind):
+    before = RUN[f"frags {kind}"]
+
+    @settings(SETTINGS, max_examples=FRAGS_SEQUENCES // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.lists(swaps, max_size=1)), min_size=BATCH, max_size=BATCH))
+    def sequences_agree(batch):
+        for (shape, ops), changes in batch:
+            run_sequence(frags_harness, RUN, f"frags {kind}", table_for(kind, shape), shape, ops,
+                         changes[0] if changes else (), elements=frags_harness.elements)
+
+    sequences_agree()
+    assert RUN[f"frags {kind}"] - before >= FRAGS_SEQUENCES
+
+
 def test_random_sequences_with_hot_swaps(harness):
     before = RUN["swap"]
 
@@ -147,3 +177,4 @@ def test_simulated_training_with_hot_swaps(harness, seed, admission):
     harness.check_counters(f"simulation seed {seed} ({admission}), swaps {sim.swaps}")
     assert sim.releases and all(m.next_round == sim.rounds for m in sim.members)
     assert bool(sim.over_terms()) == (admission == "unbounded"), sim.over_terms()[:2]
+

@@ -80,3 +80,22 @@ def test_bench_allreduce_refuses_jumbo_packets_in_native_mode():
                           "--elements", "8192"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert "--mode generic" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp",
+                          "--mtu", "9001"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--mtu" in out.stderr and "--mode generic" in out.stderr
+
+
+@pytest.mark.parametrize("mtu", [None, 1500])
+def test_bench_allreduce_native_takes_the_largest_packet_the_mtu_holds(mtu):
+    """Native XDP by default at MTU 9000 (multi-buffer frames), or the MTU given."""
+    from aggd_client.protocol import HEADER_SIZE, NATIVE_MAX_ELEMENTS, NATIVE_MAX_MTU
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp", "--size", "1M",
+         "--workers", "2", "--iters", "2", "--json"] + (["--mtu", str(mtu)] if mtu else []),
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    want = NATIVE_MAX_ELEMENTS if mtu is None else (mtu - 28 - HEADER_SIZE) // 4
+    assert (row["mode"], row["mtu"], row["elements_per_packet"]) == ("native", mtu or NATIVE_MAX_MTU, want), row
+    assert want == (358 if mtu == 1500 else 2233)
+    assert row["within_bound"] and row["errors"] == 0, row

@@ -180,10 +180,10 @@ def test_failed_up_cleans_up_and_existing_lab_is_refused(make_lab, monkeypatch):
     assert lab.ping(lab.worker_ns(0), lab.agg_ip), "refusing must not harm the running lab"
 
     broken = Lab(unique_lab_name(), workers=1, mtu=1500)
-    broken.mtu = 9000  # past the veth's native-XDP limit: attaching XDP_PASS fails mid-way
+    broken.mtu = 9000  # past the one-page limit: attaching XDP_PASS fails mid-way
     with pytest.raises(LabError, match="native XDP"):
-        with monkeypatch.context() as m:  # (a lab that large skips it: force the attach)
-            m.setattr(lab_module, "MAX_MTU", 65535)
+        with monkeypatch.context() as m:  # (a lab that large takes multi-buffer: force one without)
+            m.setattr(lab_module, "PAGE_MTU", 65535)
             broken.up()
     assert lab_leftovers(broken.name) == []
 

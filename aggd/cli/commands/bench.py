@@ -46,9 +46,11 @@ def bench():
 @click.option("--warmup", default=1, show_default=True)
 @click.option("--mode", type=click.Choice(["native", "generic"]), default="native", show_default=True)
 @click.option("--elements", type=int, default=None,
-              help=f"int32 values a packet (default: the largest the mode takes: native "
-                   f"{proto.NATIVE_MAX_ELEMENTS}, generic {proto.MAX_ELEMENTS})")
-@click.option("--mtu", type=int, default=None, help="the lab's MTU (default: what a packet needs, at least 1500)")
+              help=f"int32 values a packet (default: the largest that fits the MTU; without --mtu the "
+                   f"largest the mode takes: native {proto.NATIVE_MAX_ELEMENTS} at MTU {proto.NATIVE_MAX_MTU}, "
+                   f"generic {proto.MAX_ELEMENTS})")
+@click.option("--mtu", type=int, default=None,
+              help="the lab's MTU (default: what the packet needs, at least 1500)")
 @click.option("--slots", type=int, default=None,
               help="slots in the job's pool (default: 4096, fewer where 4096 would hold more than "
                    "128 MiB of BPF maps)")
@@ -77,11 +79,18 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         if importlib.util.find_spec("torch") is None:
             raise click.ClickException("gloo needs torch (pip install torch==2.13.0); or leave it out of --systems")
     largest = proto.NATIVE_MAX_ELEMENTS if mode == "native" else proto.MAX_ELEMENTS
+    if mtu is not None:
+        if not 68 + 4 <= mtu <= (proto.NATIVE_MAX_MTU if mode == "native" else 65535):
+            hint = " (larger MTUs need --mode generic)" if mode == "native" else ""
+            raise click.BadParameter(f"must leave room for one value and be within the {mode} mode's "
+                                     f"limit{hint}", param_hint="--mtu")
+        largest = min(largest, (mtu - 28 - proto.HEADER_SIZE) // 4)  # what one frame of that MTU holds
     if elements is None:
         elements = largest
     if not 1 <= elements <= largest:
         hint = " (larger packets need --mode generic)" if mode == "native" else ""
-        raise click.BadParameter(f"must be 1..{largest} in {mode} mode{hint}", param_hint="--elements")
+        at = f" at MTU {mtu}" if mtu is not None else ""
+        raise click.BadParameter(f"must be 1..{largest} in {mode} mode{at}{hint}", param_hint="--elements")
     if slots is None:
         slots = ab.default_slots(elements)
     if slots < 1:

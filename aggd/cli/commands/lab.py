@@ -5,7 +5,7 @@ import json
 
 import click
 
-from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_MTU, MAX_WORKERS, Lab, LabError
+from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_WORKERS, NATIVE_MAX_MTU, Lab, LabError
 
 DEFAULT_NAME = "aggdlab"
 
@@ -43,8 +43,8 @@ def lab():
               help="Number of worker namespaces.")
 @click.option("--loss", type=LossPercent(), default="0", show_default=True,
               help="Packets dropped in transit on the bridge, e.g. 2% or 0.5%.")
-@click.option("--mtu", type=click.IntRange(68, JUMBO_MAX_MTU), default=1500, show_default=True,
-              help=f"above {MAX_MTU} (native XDP's limit on veth) the aggregator must run generic mode")
+@click.option("--mtu", type=click.IntRange(68, JUMBO_MAX_MTU), default=NATIVE_MAX_MTU, show_default=True,
+              help=f"above {NATIVE_MAX_MTU} (native XDP's limit) the aggregator must run generic mode")
 @name_option
 def up(workers, loss, mtu, name):
     """Build a lab and leave it running."""

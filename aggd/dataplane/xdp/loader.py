@@ -21,6 +21,7 @@ from aggd_client import protocol as proto
 from aggd.core.model import check_awaited, check_tag
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
+from aggd.dataplane.xdp import bpf_syscall
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,24 @@ def bank_sums(bank) -> np.ndarray:
     return (lanes + np.uint64(bank.bias)).view(np.int64)
 
 
+def load_xdp_function(bpf, name: str, *, frags: bool = False):
+    """bcc's ``load_func(name, BPF.XDP)``, or with ``frags`` the same instructions loaded with
+    BPF_F_XDP_HAS_FRAGS (bcc 0.26 passes no program flags), wrapped as bcc's function object so
+    ``BPF.attach_xdp`` and ``bpf.cleanup`` treat it as their own."""
+    from bcc import BPF, lib
+    if not frags:
+        return bpf.load_func(name.encode(), BPF.XDP)
+    start = lib.bpf_function_start(bpf.module, name.encode())
+    if not start:
+        raise XdpError(f"no function {name} in the program")
+    insns = ctypes.string_at(start, lib.bpf_function_size(bpf.module, name.encode()))
+    fd = bpf_syscall.prog_load(insns, flags=bpf_syscall.BPF_F_XDP_HAS_FRAGS, name=name,
+                               license=lib.bpf_module_license(bpf.module))
+    fn = BPF.Function(bpf, name.encode(), fd)
+    bpf.funcs[name.encode()] = fn
+    return fn
+
+
 class SlotAllocator:
     """First-fit allocation of contiguous slot ranges in the kernel's slot array."""
 
@@ -115,34 +134,39 @@ class XdpDataPlane(DataPlane):
 
     def __init__(self, ifname: str | None = None, *, mode: str = "native", port: int = proto.DEFAULT_PORT,
                  elements: int = proto.DEFAULT_ELEMENTS, total_slots: int = 4096, netns: str | None = None,
-                 pin_dir: str | None = None):
+                 pin_dir: str | None = None, frags: bool | None = None):
         if mode not in MODES:
             raise XdpError(f"mode must be one of {sorted(MODES)}, not {mode!r}")
         if not 1 <= elements <= proto.MAX_ELEMENTS:
             raise XdpError(f"elements per packet must be 1..{proto.MAX_ELEMENTS}, not {elements}")
         if ifname is not None and mode == "native" and elements > proto.NATIVE_MAX_ELEMENTS:
-            # a larger frame does not fit the page native XDP gives it (docs/protocol.md, Payload)
-            raise XdpError(f"native XDP takes at most {proto.NATIVE_MAX_ELEMENTS} elements a packet, "
-                           f"not {elements}: use mode generic for larger packets")
+            # a larger frame does not fit native XDP's largest MTU (docs/protocol.md, Payload)
+            raise XdpError(f"native XDP takes at most {proto.NATIVE_MAX_ELEMENTS} elements a packet "
+                           f"(MTU {proto.NATIVE_MAX_MTU}), not {elements}: use mode generic for larger packets")
         if total_slots < 1:
             raise XdpError("total_slots must be at least 1")
         from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
 
         self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
+        # A native frame larger than a page arrives in several buffers (XDP multi-buffer).
+        self.frags = (mode == "native" and elements > proto.PAGE_MAX_ELEMENTS) if frags is None else frags
         self.netns = netns  # attach inside this network namespace (the lab's aggregator)
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
         self._attached = False
         cflags = [f"-I{XDP_DIR}", f"-DELEMS={elements}", f"-DTOTAL_SLOTS={total_slots}",
                   f"-DAGGD_PORT={port}", "-Wno-unused-function", "-Wno-compare-distinct-pointer-types"]
+        if self.frags:
+            cflags.append("-DAGGD_FRAGS")
         self.pin_dir = Path(pin_dir) if pin_dir else None
         if self.pin_dir is not None:
             self._check_pinned_layout()
             cflags.append(f'-DAGGD_PIN_DIR="{self.pin_dir}"')
-        log.info("compiling %s (elements=%d, slots=%d, port=%d)", PROGRAM.name, elements, total_slots, port)
+        log.info("compiling %s (elements=%d, slots=%d, port=%d%s)", PROGRAM.name, elements, total_slots, port,
+                 ", multi-buffer" if self.frags else "")
         try:
             self.bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
-            self.fn = self.bpf.load_func(FUNCTION.encode(), BPF.XDP)
+            self.fn = load_xdp_function(self.bpf, FUNCTION, frags=self.frags)
         except Exception as exc:
             raise XdpError(f"cannot load {PROGRAM}: {exc}") from exc
         self._check_maps()
@@ -160,7 +184,7 @@ class XdpDataPlane(DataPlane):
     def _layout(self) -> dict:
         # the map layouts themselves: any change to the headers that define them changes this
         digest = hashlib.sha256(b"".join((XDP_DIR / f).read_bytes() for f in ("aggd_maps.h", "aggd_proto.h")))
-        return {"elements": self.elements, "total_slots": self.total_slots, "port": self.port,
+        return {"elements": self.elements, "frags": self.frags, "total_slots": self.total_slots, "port": self.port,
                 "protocol_version": proto.VERSION, "map_layout": digest.hexdigest()[:16]}
 
     def _check_pinned_layout(self) -> None:

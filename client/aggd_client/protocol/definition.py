@@ -23,11 +23,17 @@ DEFAULT_PORT = 47000
 DEFAULT_RESULT_PORT = 47001
 #: int32 values in one packet unless configured otherwise.
 DEFAULT_ELEMENTS = 256
-#: Largest payload native XDP on veth takes: its MTU is at most 3506 (a page less XDP headroom and
-#: skb_shared_info), room for 859 int32 after the headers; 832 = 13 * 64 keeps P4's 64-lane passes
-#: whole (see docs/protocol.md). Larger packets amortise the per-packet cost (docs/benchmarks.md,
-#: "The XDP loop").
-NATIVE_MAX_ELEMENTS = 832
+#: Largest payload a frame in one page holds: native XDP on veth takes a program without
+#: multi-buffer support up to an MTU of 3506 (a page less XDP headroom and skb_shared_info), room
+#: for 859 int32 after the headers; 832 = 13 * 64 keeps P4's 64-lane passes whole (see
+#: docs/protocol.md). Above it the XDP program is built for multi-buffer frames (XDP "frags").
+PAGE_MAX_ELEMENTS = 832
+#: Largest MTU native XDP serves (a multi-buffer program): the Ethernet jumbo frame real NICs offer.
+NATIVE_MAX_MTU = 9000
+#: Largest payload native XDP takes: what a NATIVE_MAX_MTU frame holds after the IP and UDP headers
+#: (28 bytes) and aggd's (40, checked against HEADER below). Larger packets amortise the per-packet
+#: cost (docs/benchmarks.md, "The XDP loop").
+NATIVE_MAX_ELEMENTS = (NATIVE_MAX_MTU - 28 - 40) // 4
 #: Largest payload of all ("jumbo" packets, 32 KiB: a 32,808-byte UDP payload in one IP datagram):
 #: XDP in generic (skb) mode sees such a packet as one linear buffer, and the XDP program's payload
 #: loops (ELEMS iterations each) pass the verifier up to here (16,000 does not: its 1M-instruction
@@ -146,3 +152,4 @@ HEADER: tuple[Field, ...] = (
 )
 
 SIZES = {"u8": 1, "u16": 2, "u32": 4, "u64": 8, "i16": 2}
+assert sum(SIZES[f.ctype] for f in HEADER) == 40, "NATIVE_MAX_ELEMENTS assumes a 40-byte header"
