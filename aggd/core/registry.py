@@ -26,6 +26,9 @@ from aggd_client.quant import HEADROOM, MAX_HEADROOM
 from aggd.core import strategy as strat
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")   # the whole name (fullmatch: no trailing newline)
+# A token given by the operator (the same job on several aggregator hosts): at least 128 bits' worth
+# of the characters a generated one uses, no more than a JOIN carries (membership.MAX_TOKEN).
+_TOKEN = re.compile(r"[A-Za-z0-9_-]{32,128}")
 STATE_VERSION = 1
 
 Addr = tuple[str, int]
@@ -281,10 +284,11 @@ class Registry:
     # -- jobs ------------------------------------------------------------------------------------
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
-               now: float = 0.0) -> Job:
+               token: str | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
-        strategy; less gives finer sums but refuses the strategies that need more)."""
+        strategy; less gives finer sums but refuses the strategies that need more); ``token``: the
+        job's token (None: a new one), so a job sharded over several aggregator hosts has one."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -312,6 +316,9 @@ class Registry:
         if not _is_int(headroom) or not 1 <= headroom <= MAX_HEADROOM:
             raise RegistryError(f"headroom must be 1..{MAX_HEADROOM}, not {headroom!r}", "bad_request")
         parsed = _valid_strategy(strategy, world, headroom)
+        if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
+            raise RegistryError("token must be 32 to 128 letters, digits, '_' or '-' (the token of the "
+                                "same job on another aggregator host)", "bad_request")
         free_ids = [i for i in range(1, MAX_JOBS) if i not in self.jobs] + ([0] if 0 not in self.jobs else [])
         if not free_ids:
             raise RegistryError(f"all {MAX_JOBS} job ids are in use", "full")
@@ -322,7 +329,7 @@ class Registry:
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
-        job = Job(name=name, id=job_id, token=self._token(), world=world, slots=slots,
+        job = Job(name=name, id=job_id, token=self._token() if token is None else token, world=world, slots=slots,
                   max_chunks=lim.max_chunks, elements=elements, group=group,
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,

@@ -444,7 +444,7 @@ class Service:
         "status": {},
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
-                        "elements": "int?", "kernel_slots": "int?", "headroom": "int?"},
+                        "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?"},
         "jobs.delete": {"job": "job"},
         "jobs.show": {"job": "job"},
         "workers": {"job": "job"},
@@ -556,9 +556,9 @@ class Service:
         return [self._summary(j) for j in self.registry.list()]
 
     def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
-                        headroom=None):
+                        headroom=None, token=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
-                                   kernel_slots=kernel_slots, headroom=headroom, now=time.time())
+                                   kernel_slots=kernel_slots, headroom=headroom, token=token, now=time.time())
         try:
             self._apply(job)
         except BaseException:

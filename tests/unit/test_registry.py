@@ -87,6 +87,9 @@ def test_delete_frees_kernel_slots_and_first_fit_reuses_the_gap():
     (dict(name="a", world=2, kernel_slots=True), "bad_request", "kernel_slots"),
     (dict(name="a", world=2, strategy=3), "bad_strategy", "strategy must be text"),
     (dict(name="a", world=2, strategy=["sync"]), "bad_strategy", "strategy must be text"),
+    (dict(name="a", world=2, token="short"), "bad_request", "token must be 32 to 128"),
+    (dict(name="a", world=2, token="x" * 31 + "!"), "bad_request", "token must be 32 to 128"),
+    (dict(name="a", world=2, token=12345), "bad_request", "token must be 32 to 128"),
     # sizes: bounded, and the message names the config key
     (dict(name="a", world=2, slots=10 ** 12), "too_large", r"the 16384 a job may have \(\[jobs\] max_slots\)"),
     (dict(name="a", world=2, slots=16384, elements=MAX_ELEMENTS), "too_large", r"\[jobs\] max_job_memory"),
@@ -96,6 +99,18 @@ def test_create_refusals(kwargs, kind, text):
     with pytest.raises(RegistryError, match=text) as info:
         r.create(**kwargs)
     assert info.value.kind == kind and not r.jobs
+
+
+def test_a_job_on_several_aggregators_takes_the_token_given():
+    """A sharded job is created on each aggregator host with one token: members join every host
+    with it."""
+    import secrets
+    token = secrets.token_hex(16)   # what a daemon makes
+    first, second = registry(), registry()
+    assert first.create("big", 2, token=token).token == token
+    job = second.create("big", 2, token=token)
+    assert job.token == token
+    assert second.join("big", 1, token, ("10.0.0.9", 4000)).code == 0
 
 
 def test_size_limits_come_from_the_limits():

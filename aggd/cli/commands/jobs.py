@@ -42,12 +42,14 @@ def list_(as_json):
 @click.option("--headroom", type=click.IntRange(1, MAX_HEADROOM),
               help=f"Contributions per member a round is quantised for (default {MAX_HEADROOM}: room for every "
                    f"strategy; 1: two bits finer sums, sync/ssp/async only; 2: also quorum).")
+@click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
+                                "hosts is created on each with the token the first one printed.")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, headroom, as_json):
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, token, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
-                       ("headroom", headroom)):
+                       ("headroom", headroom), ("token", token)):
         if value is not None:
             args[key] = value
     j = call("jobs.create", **args)

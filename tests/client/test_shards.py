@@ -1,0 +1,168 @@
+"""One job on several aggregators (aggd_client.shards): the shard map's cut, and ShardedClient
+against real user-space aggregators (aggd.dataplane.userspace.server) on 127.0.0.1. The XDP path
+and real daemons: tests/netns/test_sharded.py."""
+from __future__ import annotations
+
+import threading
+from fractions import Fraction
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggd_client import AggClient
+from aggd_client.shards import ShardedClient, ShardMap
+
+E = 256
+
+
+# -- the shard map -------------------------------------------------------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(weights=st.lists(st.integers(0, 50) | st.floats(0, 10, allow_nan=False), min_size=1, max_size=8)
+       .filter(lambda w: sum(w) > 0),
+       n=st.integers(0, 200_000), elements=st.integers(1, 3000))
+def test_cuts_cover_the_tensor_on_packet_boundaries_in_proportion(weights, n, elements):
+    m = ShardMap(tuple(weights))
+    cuts = m.cuts(n, elements)
+    assert cuts[0] == 0 and cuts[-1] == n and len(cuts) == len(weights) + 1
+    assert all(a <= b for a, b in zip(cuts, cuts[1:]))
+    assert all(c % elements == 0 for c in cuts[:-1] if c < n)   # whole chunks, the tail last
+    chunks = -(-n // elements)
+    counts = m.chunk_counts(chunks)
+    assert sum(counts) == chunks
+    total = sum(Fraction(w) for w in weights)
+    for w, k in zip(weights, counts):
+        assert abs(k - chunks * Fraction(w) / total) < 1   # largest remainder: within one chunk
+        if w == 0:
+            assert k == 0
+    assert m.cuts(n, elements) == cuts  # the same on every member
+
+
+def test_cut_examples():
+    assert ShardMap((1, 1)).cuts(10 * E, E) == (0, 5 * E, 10 * E)
+    assert ShardMap((1, 3)).cuts(8 * E + 1, E) == (0, 2 * E, 8 * E + 1)   # 9 chunks: 2.25 / 6.75
+    assert ShardMap((1, 1)).cuts(1, E) == (0, 1, 1)    # one chunk: the first aggregator's
+    assert ShardMap((0, 1)).cuts(E + 1, E) == (0, 0, E + 1)
+
+
+@pytest.mark.parametrize("weights, text", [((), "at least one"), ((0, 0), "above 0"), ((1, -1), "weight 1"),
+                                           ((1, float("nan")), "weight 1"), ((True,), "weight 0"),
+                                           (("1",), "weight 0")])
+def test_bad_shard_maps_are_refused(weights, text):
+    with pytest.raises(ValueError, match=text):
+        ShardMap(weights)
+
+
+# -- through real user-space aggregators -----------------------------------------------------------
+
+userspace = pytest.importorskip("aggd.dataplane.userspace.server")
+model = pytest.importorskip("aggd.core.model")
+JOB = 5
+
+
+@pytest.fixture
+def aggs():
+    started = []
+    try:
+        for _ in range(3):
+            a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
+            a.start()
+            started.append(a)
+        yield started
+    finally:
+        for a in started:
+            a.close()
+
+
+def sharded_clients(aggs, world, weights, **kw):
+    per_rank = [[AggClient(a.address, JOB, r, world, bind=("127.0.0.1", 0), slots=16, give_up_after=10.0, **kw)
+                 for a in aggs] for r in range(world)]
+    for i, a in enumerate(aggs):
+        a.add_job(model.JobConfig(job=JOB, world=world, slots=16, max_chunks=1 << 20,
+                                  members={r: per_rank[r][i].address for r in range(world)}, elements=E))
+    return [ShardedClient(cs, ShardMap(weights)) for cs in per_rank]
+
+
+def run_ranks(clients, work):
+    out, errs = [None] * len(clients), [None] * len(clients)
+
+    def one(r):
+        try:
+            out[r] = work(r, clients[r])
+        except BaseException as e:  # noqa: BLE001 (raised below)
+            errs[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for e in errs:
+        if e is not None:
+            raise e
+    return out
+
+
+@pytest.mark.parametrize("weights", [(1, 1, 1), (1, 3, 0), (2, 1, 5)])
+def test_sums_of_every_size_over_three_aggregators(aggs, weights):
+    """Tensors that shrink and grow (one value, a packet, a packet and one, many packets) in one job:
+    every member gets the sum; each aggregator saw the values its weight gives it."""
+    world, sizes = 3, [1, E - 1, E, E + 1, 37 * E + 5, 3, 100_003]
+    rng = np.random.default_rng(7)
+    tensors = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(world)]
+    clients = sharded_clients(aggs, world, weights)
+    try:
+        results = run_ranks(clients, lambda r, c: [c.allreduce(t) for t in tensors[r]])
+    finally:
+        for c in clients:
+            c.close()
+    for i, n in enumerate(sizes):
+        exact = np.sum([tensors[r][i].astype(np.float64) for r in range(world)], axis=0)
+        for r in range(world):
+            assert results[r][i].shape == (n,)
+            np.testing.assert_allclose(results[r][i], exact, atol=1e-4 * world)
+    m = ShardMap(weights)
+    for i, a in enumerate(aggs):
+        want = sum(m.cuts(n, E)[i + 1] - m.cuts(n, E)[i] for n in sizes)
+        got = a.job_stats(JOB).counters["elements"] // world
+        # elements counts whole packets: a partition's tail chunk counts E
+        chunks = sum(-(-(m.cuts(n, E)[i + 1] - m.cuts(n, E)[i]) // E) for n in sizes)
+        assert want <= got <= chunks * E, (i, want, got)
+        assert (got == 0) == (weights[i] == 0)
+
+
+def test_async_calls_overlap_and_out_is_filled(aggs):
+    world = 2
+    x = [np.full(5 * E + 3, r + 1, np.float32) for r in range(world)]
+    clients = sharded_clients(aggs[:2], world, (1, 1))
+    try:
+        def work(r, c):
+            out = np.empty_like(x[r])
+            h = c.allreduce_async(x[r], out=out)
+            assert h.wait(30) is out
+            assert list(h.n_contrib) == [world] * 6 and all(k is not None for k in h.rounds)
+            return out
+        results = run_ranks(clients, work)
+    finally:
+        for c in clients:
+            c.close()
+    for r in range(world):
+        np.testing.assert_array_equal(results[r], np.full(5 * E + 3, 3, np.float32))
+
+
+def test_sharded_client_refuses_mismatched_aggregators(aggs):
+    a = AggClient(aggs[0].address, JOB, 0, 2, bind=("127.0.0.1", 0))
+    b = AggClient(aggs[1].address, JOB, 1, 2, bind=("127.0.0.1", 0))
+    c = AggClient(aggs[0].address, JOB, 0, 2, bind=("127.0.0.1", 0))
+    try:
+        with pytest.raises(ValueError, match="same member"):
+            ShardedClient([a, b])
+        with pytest.raises(ValueError, match="appears twice"):
+            ShardedClient([a, c])
+        with pytest.raises(ValueError, match="2 weights for 1 aggregators"):
+            ShardedClient([a], ShardMap((1, 1)))
+    finally:
+        for x in (a, b, c):
+            x.close()
