@@ -43,6 +43,9 @@ BRIDGE = "br0"
 MULTICAST_NET = "224.0.0.0/4"
 LOSS_TABLE = "aggd_loss"
 MAX_WORKERS = 64
+# Aggregator hosts of a lab (a job sharded over several: aggd_client.shards): 10.77.0.1 onwards,
+# below the workers' 10.77.0.10.
+MAX_AGGREGATORS = 8
 # Only namespace names carry it (interface names are fixed); short, as they show up in ps and logs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,12}$")
 # Native XDP on a veth without multi-buffer support needs the frame in one page: 4096 - 256
@@ -227,11 +230,15 @@ class Lab:
     ``with Lab("demo", workers=2) as lab:`` builds it and always tears it down.
     """
 
-    def __init__(self, name: str, workers: int, loss_percent: float = 0.0, mtu: int = 1500):
+    def __init__(self, name: str, workers: int, loss_percent: float = 0.0, mtu: int = 1500,
+                 aggregators: int = 1):
         if not _NAME_RE.match(name):
             raise ValueError(f"lab name {name!r}: use 1-12 letters, digits or underscores")
         if not 1 <= workers <= MAX_WORKERS:
             raise ValueError(f"workers must be 1..{MAX_WORKERS}, got {workers}")
+        if not 1 <= aggregators <= MAX_AGGREGATORS:
+            raise ValueError(f"aggregators must be 1..{MAX_AGGREGATORS}, got {aggregators}")
+        self.aggregators = aggregators
         if not 68 <= mtu <= JUMBO_MAX_MTU:
             raise ValueError(f"mtu must be 68..{JUMBO_MAX_MTU} (above {NATIVE_MAX_MTU}: generic-mode XDP "
                              f"only), got {mtu}")
@@ -253,6 +260,28 @@ class Lab:
     agg_ip = AGG_IP
     agg_ifname = AGG_IFNAME
     agg_mac = "02:77:00:00:00:01"
+
+    # aggregator i (0 is agg_ns, agg_ip, agg_mac); each has its interface agg0 in its namespace
+    def agg_ns_of(self, i: int) -> str:
+        self._check_aggregator(i)
+        return self.agg_ns if i == 0 else f"{self.name}-agg{i}"
+
+    def agg_ip_of(self, i: int) -> str:
+        self._check_aggregator(i)
+        return f"10.77.0.{1 + i}"
+
+    def agg_mac_of(self, i: int) -> str:
+        self._check_aggregator(i)
+        return f"02:77:00:00:00:{1 + i:02x}"
+
+    @staticmethod
+    def agg_port_of(i: int) -> str:
+        """The bridge's port to aggregator i."""
+        return "sw-agg" if i == 0 else f"sw-agg{i}"
+
+    def _check_aggregator(self, i: int) -> None:
+        if not 0 <= i < self.aggregators:
+            raise IndexError(f"lab {self.name} has aggregators 0..{self.aggregators - 1}, not {i}")
     worker_ifname = WORKER_IFNAME
     bridge = BRIDGE
 
@@ -274,7 +303,7 @@ class Lab:
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.switch_ns, self.agg_ns, *self.worker_namespaces]
+        return [self.switch_ns, *(self.agg_ns_of(i) for i in range(self.aggregators)), *self.worker_namespaces]
 
     @property
     def state_file(self) -> Path:
@@ -319,7 +348,8 @@ class Lab:
                     # frame through the IP hooks too; the loss rules live in the bridge family
                     for family in ("iptables", "ip6tables", "arptables"):
                         _write_sysctl(f"net.bridge.bridge-nf-call-{family}", "0")
-        endpoints = [("sw-agg", self.agg_ns, AGG_IFNAME, self.agg_ip, self.agg_mac)] + [
+        endpoints = [(self.agg_port_of(i), self.agg_ns_of(i), AGG_IFNAME, self.agg_ip_of(i), self.agg_mac_of(i))
+                     for i in range(self.aggregators)] + [
             (f"sw-w{i}", self.worker_ns(i), WORKER_IFNAME, self.worker_ip(i), self.worker_mac(i))
             for i in range(self.workers)
         ]
@@ -346,7 +376,8 @@ class Lab:
                 ipr.route("add", dst=MULTICAST_NET, oif=idx)
             disable_tx_checksum(ns, ifname)
         if self.mtu <= NATIVE_MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
-            attach_xdp_pass(self.switch_ns, "sw-agg", frags=self.mtu > PAGE_MTU)
+            for i in range(self.aggregators):
+                attach_xdp_pass(self.switch_ns, self.agg_port_of(i), frags=self.mtu > PAGE_MTU)
         if self.loss_percent:
             self._apply_loss(self.loss_percent)
         self._save()
@@ -378,14 +409,16 @@ class Lab:
         state = STATE_DIR / f"lab-{name}.json"
         try:
             data = json.loads(state.read_text())
-            return cls(data["name"], data["workers"], data["loss_percent"], data["mtu"])
+            return cls(data["name"], data["workers"], data["loss_percent"], data["mtu"],
+                       data.get("aggregators", 1))
         except (OSError, ValueError, KeyError, TypeError):
             pass
         # No usable state file (removed, or a crash mid-write): infer it from the namespaces.
         workers = [n for n in _lab_namespaces(name) if re.fullmatch(rf"{name}-w\d+", n)]
         if not workers:
             raise LabError(f"no lab named {name} (no {state} and no {name}-w* namespaces)")
-        return cls(name, len(workers))
+        aggs = [n for n in _lab_namespaces(name) if re.fullmatch(rf"{name}-agg\d*", n)]
+        return cls(name, len(workers), aggregators=max(1, len(aggs)))
 
     @staticmethod
     def exists(name: str) -> bool:
@@ -394,7 +427,7 @@ class Lab:
     def _save(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         data = {"name": self.name, "workers": self.workers,
-                "loss_percent": self.loss_percent, "mtu": self.mtu}
+                "loss_percent": self.loss_percent, "mtu": self.mtu, "aggregators": self.aggregators}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.state_file)
@@ -428,7 +461,9 @@ class Lab:
     def status(self) -> dict:
         """What exists right now: one Node per namespace, the loss setting and the XDP_PASS id."""
         nodes = [self._node("switch", self.switch_ns, BRIDGE, None)]
-        nodes.append(self._node("aggregator", self.agg_ns, AGG_IFNAME, self.agg_ip))
+        for i in range(self.aggregators):
+            nodes.append(self._node("aggregator" if i == 0 else f"aggregator {i}", self.agg_ns_of(i),
+                                    AGG_IFNAME, self.agg_ip_of(i)))
         for i in range(self.workers):
             nodes.append(self._node(f"worker {i}", self.worker_ns(i), WORKER_IFNAME,
                                     self.worker_ip(i)))
@@ -438,6 +473,7 @@ class Lab:
             "workers": self.workers,
             "loss_percent": self.loss_percent,
             "mtu": self.mtu,
+            "aggregators": self.aggregators,
             "sw_agg_xdp_prog_id": xdp,
             "nodes": [asdict(n) for n in nodes],
         }
@@ -457,12 +493,12 @@ class Lab:
 
     def __repr__(self) -> str:
         return (f"Lab({self.name!r}, workers={self.workers}, loss_percent={self.loss_percent}, "
-                f"mtu={self.mtu})")
+                f"mtu={self.mtu}, aggregators={self.aggregators})")
 
 
 def _lab_namespaces(name: str) -> list[str]:
     """Namespaces that belong to lab ``name`` (exact role suffixes, so lab `a` never matches `a_b`)."""
-    pattern = re.compile(rf"^{re.escape(name)}-(sw|agg|w\d+)$")
+    pattern = re.compile(rf"^{re.escape(name)}-(sw|agg\d*|w\d+)$")
     try:
         entries = os.listdir(NETNS_DIR)
     except FileNotFoundError:

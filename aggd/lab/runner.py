@@ -3,6 +3,7 @@ the worker namespaces. Shared by the netns tests, ``aggctl bench`` and ``aggctl 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import signal
 import sys
 import time
@@ -33,24 +34,38 @@ class LabJob:
     #: job's parameters; the daemon registers the members as they join.
     name: str | None = None
     token: str | None = None
+    #: Sharded over the lab's first len(weights) aggregators with these weights (aggd_client.shards);
+    #: None: the one aggregator. Aggregator i's members use port ``port + i`` and its results the
+    #: group ``group_of(i)``.
+    weights: tuple[float, ...] | None = None
 
     @property
     def world(self) -> int:
         return len(self.workers)
 
-    def config(self, lab: Lab):
-        members = {rank: (lab.worker_ip(w), self.port) for rank, w in enumerate(self.workers)}
+    @property
+    def aggregators(self) -> int:
+        return 1 if self.weights is None else len(self.weights)
+
+    def group_of(self, i: int) -> tuple[str, int]:
+        ip = ipaddress.IPv4Address(self.group[0]) + (i << 8)   # 239.77.i.x
+        return str(ip), self.group[1]
+
+    def config(self, lab: Lab, aggregator: int = 0):
+        """What aggregator ``aggregator`` installs for this job."""
+        members = {rank: (lab.worker_ip(w), self.port + aggregator) for rank, w in enumerate(self.workers)}
         return types.SimpleNamespace(job=self.job, world=self.world, slots=self.slots,
-                                     max_chunks=self.max_chunks, group=self.group, members=members,
+                                     max_chunks=self.max_chunks, group=self.group_of(aggregator), members=members,
                                      kernel_slots=self.kernel_slots)
 
 
 @contextlib.contextmanager
 def xdp_aggregator(lab: Lab, *, elements: int = proto.DEFAULT_ELEMENTS, mode: str = "native",
-                   total_slots: int = 4096):
-    """The XDP program attached to the lab's aggregator interface, detached on exit."""
+                   total_slots: int = 4096, aggregator: int = 0):
+    """The XDP program attached to the interface of the lab's aggregator ``aggregator``, detached on
+    exit."""
     dp = XdpDataPlane(lab.agg_ifname, mode=mode, elements=elements, total_slots=total_slots,
-                      netns=lab.agg_ns)
+                      netns=lab.agg_ns_of(aggregator))
     try:
         yield dp
     finally:
@@ -65,15 +80,19 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
 
     ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
     with LabProcesses(lab, f"lab workers of job {job.job}", on_record=on_record, env=env) as workers:
+        k = job.aggregators
+        servers = ",".join(f"{lab.agg_ip_of(i)}:{server_port}" for i in range(k))
+        shards = [] if job.weights is None else ["--weights", ",".join(str(w) for w in job.weights)]
         for rank, w in enumerate(job.workers):
             if job.token is not None:
                 who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]
             else:
-                who = ["--job", str(job.job), "--world", str(job.world), "--group", f"{job.group[0]}:{job.group[1]}",
+                groups = ",".join(f"{g[0]}:{g[1]}" for g in map(job.group_of, range(k)))
+                who = ["--job", str(job.job), "--world", str(job.world), "--group", groups,
                        "--elements", str(elements), "--slots", str(job.slots)]
             workers.start(lab.worker_ns(w), [
-                sys.executable, "-m", "aggd.lab.worker", "--server", f"{lab.agg_ip}:{server_port}",
-                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who,
+                sys.executable, "-m", "aggd.lab.worker", "--server", servers,
+                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who, *shards,
                 *([] if gso else ["--no-gso"]), *extra])
         return workers.wait(timeout)
 

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from aggd_client import AggClient, join
+from aggd_client import AggClient, ShardedClient, ShardMap, join
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
 from aggd.lab import hostcpu
@@ -136,11 +136,26 @@ def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="
     return {"max_abs_error": max_err, "error_bound": max_bound, "within_bound": within, "max_abs_value": max_val}
 
 
+def host_ports(text: str) -> list[tuple[str, int]]:
+    return [host_port(t) for t in text.split(",")]
+
+
+def weights(text: str) -> tuple[float, ...]:
+    try:
+        return ShardMap(tuple(float(t) for t in text.split(","))).weights
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--server", type=host_port, required=True)
-    ap.add_argument("--group", type=host_port, help="results' group (not with --token: the join answer says)")
-    ap.add_argument("--bind", type=host_port, required=True)
+    ap.add_argument("--server", type=host_ports, required=True,
+                    help="HOST:PORT; several, comma-separated, shard the job over those aggregators")
+    ap.add_argument("--group", type=host_ports,
+                    help="results' group, one an aggregator (not with --token: the join answer says)")
+    ap.add_argument("--weights", type=weights, help="the shard map's weights, one an aggregator (default even)")
+    ap.add_argument("--bind", type=host_port, required=True,
+                    help="member address; with several aggregators the port of the first, then the next ports")
     ap.add_argument("--job", required=True, help="job id; or its name with --token")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, help="members (not with --token: the join answer says)")
@@ -175,20 +190,32 @@ def main(argv=None) -> int:
         if args.world is None:
             ap.error("--gloo needs --world")
         client = _GlooClient(args.gloo, args.rank, args.world)
-    elif args.token is not None:
-        job = int(args.job) if args.job.isdigit() else args.job
-        client = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
-                      window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after)
-        info = client.job_info
-        args.world, args.elements = info.world, info.elements
-        terms = info.world * info.headroom
-        print(f"rank {args.rank} joined: {info}", file=sys.stderr, flush=True)
     else:
-        if args.world is None:
-            ap.error("--world is needed without --token")
-        client = AggClient(args.server, int(args.job), args.rank, args.world, group=args.group, bind=args.bind,
-                           elements=args.elements, slots=args.slots, window=args.window,
-                           gso=not args.no_gso, give_up_after=args.give_up_after)
+        k = len(args.server)
+        if args.weights is not None and len(args.weights) != k:
+            ap.error(f"--weights: {len(args.weights)} weights for {k} aggregators")
+        binds = [(args.bind[0], args.bind[1] + i if args.bind[1] else 0) for i in range(k)]
+        clients = []
+        if args.token is not None:
+            job = int(args.job) if args.job.isdigit() else args.job
+            for server, bind in zip(args.server, binds):
+                clients.append(join(server, job, args.rank, args.token, bind=bind, timeout=args.give_up_after,
+                                    window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after))
+            info = clients[0].job_info
+            args.world, args.elements = info.world, info.elements
+            terms = info.world * info.headroom
+            print(f"rank {args.rank} joined: {[c.job_info for c in clients]}", file=sys.stderr, flush=True)
+        else:
+            if args.world is None:
+                ap.error("--world is needed without --token")
+            groups = args.group or [None] * k
+            if len(groups) != k:
+                ap.error(f"--group: {len(groups)} groups for {k} aggregators")
+            for server, group, bind in zip(args.server, groups, binds):
+                clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
+                                         elements=args.elements, slots=args.slots, window=args.window,
+                                         gso=not args.no_gso, give_up_after=args.give_up_after))
+        client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k))
     status = 0
     with client:
         if args.prime:
@@ -228,10 +255,11 @@ def main(argv=None) -> int:
                 rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
                        "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
                        "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
-                if isinstance(client, AggClient):
+                if isinstance(client, (AggClient, ShardedClient)):
+                    first = client if isinstance(client, AggClient) else client.clients[0]
                     rec.update(retransmits=client.stats["retransmits"],
                                packets_sent=client.stats["packets_sent"],
-                               retransmit_timeout=client.retransmit_timeout, window=client.window)
+                               retransmit_timeout=first.retransmit_timeout, window=first.window)
                 if host is not None:
                     rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
                 if args.digest:

@@ -237,6 +237,30 @@ def test_aggctl_lab_up_status_down():
         Lab(name, 1).down()
 
 
+def test_a_lab_with_several_aggregators():
+    """`aggctl lab up --aggregators 3`: three aggregator namespaces (10.77.0.1-3), each reachable
+    from every worker, listed by status, found again by load, removed by down."""
+    name = unique_lab_name()
+    runner = CliRunner()
+    try:
+        res = runner.invoke(aggctl, ["lab", "up", "--workers", "2", "--aggregators", "3", "--name", name])
+        assert res.exit_code == 0, res.output
+        lab = Lab.load(name)
+        assert lab.aggregators == 3 and lab.agg_ns_of(2) == f"{name}-agg2"
+        for i in range(3):
+            assert lab.ping(lab.worker_ns(1), lab.agg_ip_of(i)), i
+            assert xdp_prog_id(lab.switch_ns, lab.agg_port_of(i))  # native XDP_TX comes back
+        info = json.loads(runner.invoke(aggctl, ["lab", "status", "--name", name, "--json"]).output)
+        assert [n["address"] for n in info["nodes"] if n["role"].startswith("aggregator")] == \
+            ["10.77.0.1/24", "10.77.0.2/24", "10.77.0.3/24"]
+        with pytest.raises(IndexError, match="aggregators 0..2"):
+            lab.agg_ip_of(3)
+        assert runner.invoke(aggctl, ["lab", "down", "--name", name]).exit_code == 0
+        assert lab_leftovers(name) == []
+    finally:
+        Lab(name, 1).down()
+
+
 def test_aggctl_binary_runs_lab_commands():
     aggctl_bin = os.path.join(os.path.dirname(sys.executable), "aggctl")  # .venv/bin/aggctl
     name = unique_lab_name()

@@ -5,7 +5,7 @@ import json
 
 import click
 
-from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_WORKERS, NATIVE_MAX_MTU, Lab, LabError
+from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_AGGREGATORS, MAX_WORKERS, NATIVE_MAX_MTU, Lab, LabError
 
 DEFAULT_NAME = "aggdlab"
 
@@ -45,11 +45,13 @@ def lab():
               help="Packets dropped in transit on the bridge, e.g. 2% or 0.5%.")
 @click.option("--mtu", type=click.IntRange(68, JUMBO_MAX_MTU), default=NATIVE_MAX_MTU, show_default=True,
               help=f"above {NATIVE_MAX_MTU} (native XDP's limit) the aggregator must run generic mode")
+@click.option("--aggregators", type=click.IntRange(1, MAX_AGGREGATORS), default=1, show_default=True,
+              help="Aggregator namespaces (10.77.0.1 onwards): a job sharded over several.")
 @name_option
-def up(workers, loss, mtu, name):
+def up(workers, loss, mtu, aggregators, name):
     """Build a lab and leave it running."""
     try:
-        made = Lab(name, workers, loss_percent=loss, mtu=mtu).up()
+        made = Lab(name, workers, loss_percent=loss, mtu=mtu, aggregators=aggregators).up()
     except (LabError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"lab {name} is up: {workers} worker(s), loss {loss:g}%, mtu {mtu}")

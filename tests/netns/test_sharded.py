@@ -1,0 +1,45 @@
+"""One job sharded over several aggregator hosts (aggd_client.shards) in a lab: every aggregator a
+namespace of its own with the XDP program on its interface, then real daemons joined with one
+token. Sums are checked by the lab workers (aggd.lab.worker) against the documented bound."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from aggd.lab.runner import LabJob, run_workers, xdp_aggregator
+from aggd_client.shards import ShardMap
+
+pytestmark = pytest.mark.root
+
+E = 256
+SIZES = [1, E, E + 1, 37 * E + 5, 3, 262_147]   # shrink and grow, one value to many packets
+
+
+def assert_all_right(runs, expected_records):
+    for run in runs:
+        assert run.returncode == 0, f"rank {run.rank} failed:\n{run.stderr[-3000:]}"
+        assert len(run.records) == expected_records, run.stderr[-3000:]
+        assert all(rec["shape_ok"] and rec["within_bound"] for rec in run.records), run.records
+
+
+@pytest.mark.parametrize("weights, loss", [((1, 1), 0.0), ((1, 3, 2), 0.0), ((2, 1), 2.0)])
+def test_sums_through_several_xdp_aggregators(make_lab, weights, loss):
+    k = len(weights)
+    lab = make_lab(4, aggregators=k, loss_percent=loss)
+    with contextlib.ExitStack() as stack:
+        planes = [stack.enter_context(xdp_aggregator(lab, aggregator=i, total_slots=256)) for i in range(k)]
+        job = LabJob(job=1, workers=list(range(4)), slots=64, weights=weights)
+        for i, dp in enumerate(planes):
+            dp.install_job(job.config(lab, aggregator=i))
+        runs = run_workers(lab, job, timeout=300,
+                           extra=["--sizes", ",".join(map(str, SIZES)), "--rounds", "2", "--interleave",
+                                  "--give-up-after", "30"])
+        assert_all_right(runs, 2 * len(SIZES))
+        m = ShardMap(weights)
+        for i, dp in enumerate(planes):
+            stats = dp.job_stats(1)
+            chunks = sum(-(-(m.cuts(n, E)[i + 1] - m.cuts(n, E)[i]) // E) for n in SIZES)
+            # every chunk the map gives aggregator i, in each of 2 rounds, released there (in the kernel)
+            assert stats.counters["released"] == 2 * chunks, (i, stats.counters)
+            assert stats.counters["to_userspace"] == 0
