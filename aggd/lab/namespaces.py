@@ -442,6 +442,20 @@ class Lab:
     def _apply_loss(self, percent: float) -> None:
         self.check_output(self.switch_ns, ["nft", "-f", "-"], input=_loss_ruleset(percent))
 
+    def set_aggregator_rate(self, i: int, mbit: float | None) -> None:
+        """Limit the bridge's link to aggregator ``i`` to ``mbit`` Mbit/s towards it (a token bucket;
+        None: no limit): an aggregator host behind a slower link."""
+        port = self.agg_port_of(i)
+        self._check_aggregator(i)
+        if mbit is None:
+            subprocess.run(["ip", "netns", "exec", self.switch_ns, "tc", "qdisc", "del", "dev", port, "root"],
+                           capture_output=True)
+            return
+        if not mbit > 0:
+            raise ValueError(f"rate must be above 0 Mbit/s, not {mbit}")
+        self.check_output(self.switch_ns, ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate",
+                                           f"{mbit}mbit", "burst", "256kb", "latency", "200ms"])
+
     # processes
     def run(self, ns: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
         """Start ``argv`` inside namespace ``ns``; down() kills it if it is still running."""

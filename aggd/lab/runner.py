@@ -18,6 +18,7 @@ from aggd.lab.namespaces import Lab
 from aggd.lab.processes import LabProcesses, WorkerRun  # noqa: F401 (WorkerRun: run_workers' runs)
 
 WORKER_PORT = 40000
+STORE_PORT = 29650
 
 
 @dataclass
@@ -38,6 +39,9 @@ class LabJob:
     #: None: the one aggregator. Aggregator i's members use port ``port + i`` and its results the
     #: group ``group_of(i)``.
     weights: tuple[float, ...] | None = None
+    #: Move partitions between the aggregators every this many calls (aggd_client.shards), agreeing
+    #: through a torch TCPStore the first worker serves on STORE_PORT.
+    rebalance_every: int | None = None
 
     @property
     def world(self) -> int:
@@ -83,6 +87,9 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
         k = job.aggregators
         servers = ",".join(f"{lab.agg_ip_of(i)}:{server_port}" for i in range(k))
         shards = [] if job.weights is None else ["--weights", ",".join(str(w) for w in job.weights)]
+        if job.rebalance_every is not None:
+            shards += ["--rebalance-every", str(job.rebalance_every),
+                       "--store", f"{lab.worker_ip(job.workers[0])}:{STORE_PORT}"]
         for rank, w in enumerate(job.workers):
             if job.token is not None:
                 who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]

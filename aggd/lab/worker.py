@@ -154,6 +154,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=host_ports,
                     help="results' group, one an aggregator (not with --token: the join answer says)")
     ap.add_argument("--weights", type=weights, help="the shard map's weights, one an aggregator (default even)")
+    ap.add_argument("--rebalance-every", type=int, help="move partitions between the aggregators every N calls")
+    ap.add_argument("--store", type=host_port,
+                    help="torch TCPStore the members agree through (rank 0 serves it) for --rebalance-every")
     ap.add_argument("--bind", type=host_port, required=True,
                     help="member address; with several aggregators the port of the first, then the next ports")
     ap.add_argument("--job", required=True, help="job id; or its name with --token")
@@ -215,7 +218,17 @@ def main(argv=None) -> int:
                 clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
                                          elements=args.elements, slots=args.slots, window=args.window,
                                          gso=not args.no_gso, give_up_after=args.give_up_after))
-        client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k))
+        store = None
+        if args.rebalance_every is not None:
+            if args.store is None:
+                ap.error("--rebalance-every needs --store")
+            import datetime
+
+            from torch.distributed import TCPStore
+            store = TCPStore(args.store[0], args.store[1], args.world, args.rank == 0,
+                             timeout=datetime.timedelta(seconds=args.give_up_after * 4))
+        client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k), store=store,
+                                                         rebalance_every=args.rebalance_every)
     status = 0
     with client:
         if args.prime:
@@ -255,6 +268,8 @@ def main(argv=None) -> int:
                 rec = {"rank": args.rank, "size": size, "dtype": dtype, "round": i,
                        "seconds": seconds, "cpu_seconds": cpu, "shape_ok": out.shape == x.shape and out.dtype == x.dtype,
                        "extra_rss_bytes": extra, "extra_file_rss_bytes": files, "tensor_bytes": x.nbytes}
+                if isinstance(client, ShardedClient):  # the map that cut this call
+                    rec.update(shard_version=client.shard_map.version, shard_weights=list(client.shard_map.weights))
                 if isinstance(client, (AggClient, ShardedClient)):
                     first = client if isinstance(client, AggClient) else client.clients[0]
                     rec.update(retransmits=client.stats["retransmits"],

@@ -14,64 +14,23 @@ aggregators leaves some without a partition: those are not used for that call.
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
-from dataclasses import dataclass
-from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
 
 from .client import AggClient, AllreduceHandle, WouldBlock
+from .shard_map import ShardMap
+from .shard_policy import RebalancePolicy
 from .strategy import StrategyInfo
+
+log = logging.getLogger(__name__)
 
 #: How long a wait on one aggregator's answers lasts before the next aggregator's are read, while
 #: several are outstanding (each client makes progress only inside its own calls).
 POLL_SLICE = 0.002
-
-
-@dataclass(frozen=True)
-class ShardMap:
-    """Weights of the aggregators, in the order of the clients (or servers) they go with."""
-
-    weights: tuple[float, ...]
-    version: int = 0
-
-    def __post_init__(self) -> None:
-        w = tuple(self.weights)
-        if not w:
-            raise ValueError("a shard map needs at least one aggregator")
-        for i, x in enumerate(w):
-            if isinstance(x, bool) or not isinstance(x, (int, float, Fraction)) or not np.isfinite(float(x)) or x < 0:
-                raise ValueError(f"weight {i} must be a finite number >= 0, not {x!r}")
-        if not sum(w) > 0:
-            raise ValueError("at least one weight must be above 0")
-        object.__setattr__(self, "weights", w)
-
-    @classmethod
-    def even(cls, k: int) -> "ShardMap":
-        return cls((1,) * k)
-
-    def chunk_counts(self, chunks: int) -> tuple[int, ...]:
-        """Chunks each aggregator owns of a tensor of ``chunks`` chunks: proportional to the weights,
-        rounded by largest remainder (ties to the lower index)."""
-        w = [Fraction(x) for x in self.weights]
-        total = sum(w)
-        quotas = [chunks * x / total for x in w]
-        counts = [int(q) for q in quotas]
-        order = sorted(range(len(w)), key=lambda i: (-(quotas[i] - counts[i]), i))
-        for i in order[:chunks - sum(counts)]:
-            counts[i] += 1
-        return tuple(counts)
-
-    def cuts(self, n: int, elements: int) -> tuple[int, ...]:
-        """Value offsets ``c``: aggregator ``i`` owns values ``c[i]:c[i + 1]`` of a tensor of ``n``."""
-        if elements < 1:
-            raise ValueError("elements must be at least 1")
-        out, at = [0], 0
-        for k in self.chunk_counts(-(-n // elements)):
-            at += k
-            out.append(min(at * elements, n))
-        return tuple(out)
 
 
 class ShardedClient:
@@ -80,9 +39,20 @@ class ShardedClient:
     ``clients``: one ``AggClient`` per aggregator, of the same member (rank, world) and packet size;
     their results must not meet in one socket, so their (group, port) differ where they use groups.
     ``shard_map``: the weights (default: even). Use it as a context manager or ``close()`` it.
+
+    Rebalancing (``rebalance_every=N``): calls are numbered from 0 (``calls``); at every N-th call
+    the member ``leader`` (a rank) asks ``policy`` (default ``RebalancePolicy``), which has seen its
+    own part timings, whether to move partitions, and publishes the map for the calls from there on
+    under key ``<prefix><call>`` of ``store``; every member reads that key before it cuts the call.
+    ``store`` is any store the members share with torch.distributed's ``Store`` API (``set``, and a
+    ``get`` that waits for the key): under torchrun, the process group's store. So every call is cut
+    by exactly one map, the same on every member, and a switch moves nothing in flight. ``history``
+    lists ``(from call, map, reason)``.
     """
 
-    def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None):
+    def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None, *,
+                 store=None, rebalance_every: int | None = None, policy: RebalancePolicy | None = None,
+                 leader: int = 0, prefix: str = "aggd/shards/"):
         self.clients = list(clients)
         if not self.clients:
             raise ValueError("a sharded client needs at least one aggregator's client")
@@ -103,11 +73,35 @@ class ShardedClient:
         if len(set(groups)) != len(groups):
             raise ValueError(f"two aggregators send results to one group and port {groups}: give each "
                              f"aggregator host its own [jobs] group_base (or result_port)")
+        if rebalance_every is not None:
+            if int(rebalance_every) < 1:
+                raise ValueError(f"rebalance_every must be at least 1, not {rebalance_every}")
+            if store is None:
+                raise ValueError("rebalancing needs a store every member shares (torch.distributed's "
+                                 "TCPStore, or the process group's store under torchrun)")
+            if not 0 <= int(leader) < first._world:
+                raise ValueError(f"leader must be a rank in 0..{first._world - 1}, not {leader}")
+        self._store, self._prefix = store, prefix
+        self._every = None if rebalance_every is None else int(rebalance_every)
+        self._leader = int(leader)
+        self.policy = policy if policy is not None else (
+            RebalancePolicy(len(self.clients)) if self._every else None)
+        self.calls = 0
+        self.history: list[tuple[int, ShardMap, str]] = [(0, self.shard_map, "the map given")]
 
     # -- the AggClient API ----------------------------------------------------------------------
     @property
     def elements(self) -> int:
         return self.clients[0]._elements
+
+    @property
+    def rank(self) -> int:
+        return self.clients[0]._rank
+
+    @property
+    def round(self) -> int:
+        """The number the next call gets (calls so far): what ``ShardedHandle.round`` answers."""
+        return self.calls
 
     @property
     def strategy(self) -> StrategyInfo:
@@ -133,22 +127,51 @@ class ShardedClient:
         a = np.asarray(array)
         if not block and self.must_wait():
             raise WouldBlock("an aggregator's client cannot start a round yet")
+        if self._every and self.calls and self.calls % self._every == 0:
+            self._agree(self.calls)
+        call = self.calls
+        self.calls += 1
+        m = self.shard_map
         if len(self.clients) == 1:
-            return ShardedHandle(a, None, [(0, a.size, self.clients[0].allreduce_async(a, op, out=out))])
+            return ShardedHandle(self, call, m, None, [(0, 0, a.size, self.clients[0].allreduce_async(a, op, out=out))])
         flat = np.ascontiguousarray(a).reshape(-1)
-        result = np.empty(a.shape, a.dtype) if out is None else out
         if out is not None and (out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous):
             raise ValueError(f"out must be C-contiguous with the input's shape {a.shape} and dtype {a.dtype}")
+        result = np.empty(a.shape, a.dtype) if out is None else out
         dest = result.reshape(-1)
-        cuts = self.shard_map.cuts(flat.size, self.elements)
+        cuts = m.cuts(flat.size, self.elements)
         parts = []
         for i, c in enumerate(self.clients):
             lo, hi = cuts[i], cuts[i + 1]
             if hi > lo:
-                parts.append((lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
+                parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
         if not parts:  # an empty tensor: the first aggregator answers it as it would alone
-            return ShardedHandle(a, None, [(0, 0, self.clients[0].allreduce_async(a, op, out=out))])
-        return ShardedHandle(a, result, parts)
+            return ShardedHandle(self, call, m, None, [(0, 0, 0, self.clients[0].allreduce_async(a, op, out=out))])
+        return ShardedHandle(self, call, m, result, parts)
+
+    def _agree(self, call: int) -> None:
+        """The map for calls from ``call`` on: the leader decides and publishes, everyone reads."""
+        key = f"{self._prefix}{call}"
+        if self.rank == self._leader:
+            d = self.policy.decide(self.shard_map)
+            chosen = d.shard_map or self.shard_map
+            log.info("shard map at call %d: %s", call, d.reason)
+            self._store.set(key, json.dumps({"version": chosen.version, "weights": list(chosen.weights),
+                                             "reason": d.reason}))
+        doc = json.loads(self._store.get(key))
+        if doc["version"] == self.shard_map.version:
+            return
+        new = ShardMap(tuple(doc["weights"]), int(doc["version"]))
+        if len(new.weights) != len(self.clients):
+            raise ValueError(f"the store's shard map {key} has {len(new.weights)} weights for "
+                             f"{len(self.clients)} aggregators")
+        self.shard_map = new
+        self.history.append((call, new, doc["reason"]))
+        log.info("shard map version %d from call %d: %s", new.version, call, doc["reason"])
+
+    def _observed(self, values: list[int], seconds: list[float]) -> None:
+        if self.policy is not None:
+            self.policy.observe(values, seconds)
 
     def close(self) -> None:
         errors = []
@@ -171,52 +194,87 @@ class ShardedClient:
 
 
 class ShardedHandle:
-    """One sharded call to come: ``wait(timeout=None)``, ``done()``; once done ``rounds`` (each
-    aggregator's round that answered its partition, None where it had none), ``n_contrib`` (per
-    chunk of the whole tensor, in order) and ``strategy`` (the first partition's)."""
+    """One sharded call to come: ``wait(timeout=None)``, ``done()``; once done ``round`` (the
+    call's number, see below), ``rounds`` (each part's round on its aggregator), ``n_contrib`` (per
+    chunk of the whole tensor, in order), ``strategy`` (the first part's) and ``shard_map`` (the
+    map that cut it)."""
 
-    def __init__(self, array: np.ndarray, result: np.ndarray | None,
-                 parts: list[tuple[int, int, AllreduceHandle]]):
-        self._shape = array.shape
+    def __init__(self, owner: ShardedClient, call: int, shard_map: ShardMap, result: np.ndarray | None,
+                 parts: list[tuple[int, int, int, AllreduceHandle]]):
+        self._owner = owner
+        self.call = call
+        self.shard_map = shard_map
         self._result = result
         self._parts = parts
+        self._start = time.monotonic()
+        self._took: dict[int, float] = {}   # part index -> seconds from the call to its result
+
+    def _mark(self, j: int) -> None:
+        if j not in self._took:
+            self._took[j] = time.monotonic() - self._start
+            if len(self._took) == len(self._parts):   # every part answered: one observation
+                k = len(self._owner.clients)
+                values, seconds = [0] * k, [0.0] * k
+                for p, (i, lo, hi, _) in enumerate(self._parts):
+                    values[i], seconds[i] = hi - lo, self._took[p]
+                self._owner._observed(values, seconds)
 
     def done(self) -> bool:
-        return all(h.done() for _, _, h in self._parts)
+        ready = True
+        for j, (_, _, _, h) in enumerate(self._parts):
+            if j in self._took:
+                continue
+            if h.done():
+                if h._round.error is None:
+                    self._mark(j)
+            else:
+                ready = False
+        return ready
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending = [h for _, _, h in self._parts]
+        pending = [j for j in range(len(self._parts)) if j not in self._took]
         while pending:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"{len(pending)} of {len(self._parts)} aggregators have not answered "
                                    f"within {timeout} s")
-            if len(pending) == 1:
-                pending[0].wait(left)  # raises TimeoutError itself
-                pending = []
-                continue
-            for h in list(pending):
+            for j in list(pending):
+                h = self._parts[j][3]
                 try:
-                    h.wait(POLL_SLICE if left is None else min(POLL_SLICE, left))
+                    if len(pending) == 1:
+                        h.wait(left)  # raises TimeoutError itself
+                    else:
+                        h.wait(POLL_SLICE if left is None else min(POLL_SLICE, left))
                 except TimeoutError:
+                    if len(pending) == 1:
+                        raise
                     continue
-                pending.remove(h)
+                self._mark(j)
+                pending.remove(j)
         if self._result is None:
-            return self._parts[0][2].wait()
+            return self._parts[0][3].wait()
         return self._result
 
     @property
+    def round(self) -> int:
+        """The call's number; one more when a part was answered by a newer round of its aggregator
+        than the one it asked for (a quorum/async straggler: the result may hold another call's
+        tensor), as ``AllreduceHandle.round`` is then above the round asked."""
+        newer = any(h.round != h._round.number for _, _, _, h in self._parts)
+        return self.call + (1 if newer else 0)
+
+    @property
     def rounds(self) -> list[int]:
-        return [h.round for _, _, h in self._parts]
+        return [h.round for _, _, _, h in self._parts]
 
     @property
     def n_contrib(self) -> np.ndarray:
-        return np.concatenate([np.asarray(h.n_contrib) for _, _, h in self._parts])
+        return np.concatenate([np.asarray(h.n_contrib) for _, _, _, h in self._parts])
 
     @property
     def strategy(self) -> StrategyInfo | None:
-        return self._parts[0][2].strategy
+        return self._parts[0][3].strategy
 
     def __repr__(self) -> str:
         return f"<ShardedHandle {len(self._parts)} partitions {'done' if self.done() else 'pending'}>"
@@ -224,16 +282,18 @@ class ShardedHandle:
 
 def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, token: str, *,
              weights: Sequence[float] | None = None, bind_host: str = "0.0.0.0", timeout: float = 5.0,
-             **client_options) -> ShardedClient:
+             store=None, rebalance_every: int | None = None, **client_options) -> ShardedClient:
     """Join job ``job`` (name or id) on every aggregator in ``servers`` with its one token, and
-    return a ``ShardedClient`` over them (``weights``: the shard map's; default even)."""
+    return a ``ShardedClient`` over them (``weights``: the shard map's, default even; ``store`` and
+    ``rebalance_every``: see ``ShardedClient``)."""
     from .membership import join
 
     clients: list[AggClient] = []
     try:
         for server in servers:
             clients.append(join(server, job, rank, token, bind=(bind_host, 0), timeout=timeout, **client_options))
-        return ShardedClient(clients, None if weights is None else ShardMap(tuple(weights)))
+        return ShardedClient(clients, None if weights is None else ShardMap(tuple(weights)), store=store,
+                             rebalance_every=rebalance_every)
     except BaseException:
         for c in clients:
             c.close()

@@ -3,7 +3,6 @@ against real user-space aggregators (aggd.dataplane.userspace.server) on 127.0.0
 and real daemons: tests/netns/test_sharded.py."""
 from __future__ import annotations
 
-import threading
 from fractions import Fraction
 
 import numpy as np
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from aggd_client import AggClient
 from aggd_client.shards import ShardedClient, ShardMap
+from tests.harness.ranks import run_ranks
 
 E = 256
 
@@ -83,26 +83,6 @@ def sharded_clients(aggs, world, weights, **kw):
         a.add_job(model.JobConfig(job=JOB, world=world, slots=16, max_chunks=1 << 20,
                                   members={r: per_rank[r][i].address for r in range(world)}, elements=E))
     return [ShardedClient(cs, ShardMap(weights)) for cs in per_rank]
-
-
-def run_ranks(clients, work):
-    out, errs = [None] * len(clients), [None] * len(clients)
-
-    def one(r):
-        try:
-            out[r] = work(r, clients[r])
-        except BaseException as e:  # noqa: BLE001 (raised below)
-            errs[r] = e
-
-    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for e in errs:
-        if e is not None:
-            raise e
-    return out
 
 
 @pytest.mark.parametrize("weights", [(1, 1, 1), (1, 3, 0), (2, 1, 5)])

@@ -42,8 +42,9 @@ class LoopbackAggd:
     def address(self) -> tuple[str, int]:
         return self.agg.address
 
-    def create_job(self, name: str, world: int, *, strategy: str = "sync", slots: int = 64):
-        job = self.registry.create(name, world, strategy=strategy, slots=slots)
+    def create_job(self, name: str, world: int, *, strategy: str = "sync", slots: int = 64,
+                   token: str | None = None):
+        job = self.registry.create(name, world, strategy=strategy, slots=slots, token=token)
         job.port = self.agg.address[1]
         job.group = None
         self.agg.add_job(JobConfig(job=job.id, world=world, slots=slots, max_chunks=1 << 20, members={},

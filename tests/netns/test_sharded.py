@@ -43,3 +43,28 @@ def test_sums_through_several_xdp_aggregators(make_lab, weights, loss):
             # every chunk the map gives aggregator i, in each of 2 rounds, released there (in the kernel)
             assert stats.counters["released"] == 2 * chunks, (i, stats.counters)
             assert stats.counters["to_userspace"] == 0
+
+
+def test_partitions_move_away_from_an_aggregator_behind_a_slow_link(make_lab):
+    """Two XDP aggregators, the bridge's link to the second limited to 40 Mbit/s; 4 workers reduce
+    1 MiB tensors with rebalancing every 4 calls (agreed through torch's TCPStore): the map moves
+    most of each tensor to the first aggregator, every call of every member is cut by the same map,
+    and every sum is right."""
+    lab = make_lab(4, aggregators=2)
+    lab.set_aggregator_rate(1, 40)
+    with contextlib.ExitStack() as stack:
+        planes = [stack.enter_context(xdp_aggregator(lab, aggregator=i, total_slots=256)) for i in range(2)]
+        job = LabJob(job=1, workers=list(range(4)), slots=64, weights=(1, 1), rebalance_every=4)
+        for i, dp in enumerate(planes):
+            dp.install_job(job.config(lab, aggregator=i))
+        runs = run_workers(lab, job, timeout=300,
+                           extra=["--sizes", str(1 << 18), "--rounds", "16", "--give-up-after", "30"])
+        assert_all_right(runs, 16)
+    per_call = [[(rec["shard_version"], tuple(rec["shard_weights"])) for rec in r.records] for r in runs]
+    assert all(calls == per_call[0] for calls in per_call), per_call
+    versions = [v for v, _ in per_call[0]]
+    assert versions[:4] == [0] * 4 and versions[-1] >= 1, per_call[0]
+    first_moved = versions.index(1)
+    assert first_moved % 4 == 0, per_call[0]
+    w = per_call[0][-1][1]
+    assert w[0] > 3 * w[1], per_call[0]

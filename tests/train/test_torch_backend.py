@@ -127,7 +127,8 @@ def _init_alone(**pg_options):
 
 @pytest.fixture
 def no_aggd_env(monkeypatch):
-    for name in ("SERVER", "JOB", "TOKEN", "BIND", "GIVE_UP_AFTER", "JOIN_TIMEOUT", "ACCEPT_NEWER"):
+    for name in ("SERVER", "JOB", "TOKEN", "BIND", "GIVE_UP_AFTER", "JOIN_TIMEOUT", "ACCEPT_NEWER", "WEIGHTS",
+                 "REBALANCE_EVERY"):
         monkeypatch.delenv("AGGD_" + name, raising=False)
 
 
@@ -182,6 +183,47 @@ def test_settings_from_the_environment():
     assert s.bind == ("10.0.0.9", 41000) and s.accept_newer is True and s.give_up_after == 60.0
     assert Settings.resolve({"job": "resnet"}, {"AGGD_SERVER": "h:1", "AGGD_TOKEN": "x",
                                                  "AGGD_BIND": "10.0.0.9"}).bind == ("10.0.0.9", 0)
+
+
+def test_sharded_settings():
+    env = {"AGGD_SERVER": "10.0.0.1:47000,10.0.0.2:47000", "AGGD_JOB": "j", "AGGD_TOKEN": "t",
+           "AGGD_WEIGHTS": "1,2.5", "AGGD_REBALANCE_EVERY": "50"}
+    s = Settings.resolve(None, env)
+    assert s.server == ("10.0.0.1", 47000) and s.servers == (("10.0.0.1", 47000), ("10.0.0.2", 47000))
+    assert s.weights == (1.0, 2.5) and s.rebalance_every == 50
+    for bad, text in ((("AGGD_WEIGHTS", "1"), "AGGD_WEIGHTS has 1 weights for 2 servers"),
+                      (("AGGD_WEIGHTS", "1,x"), "could not convert|AGGD_WEIGHTS"),
+                      (("AGGD_WEIGHTS", "0,0"), "AGGD_WEIGHTS: at least one weight must be above 0"),
+                      (("AGGD_REBALANCE_EVERY", "0"), "AGGD_REBALANCE_EVERY must be at least 1"),
+                      (("AGGD_SERVER", "h:1,h:1"), "names a server twice")):
+        with pytest.raises((SettingsError, ValueError), match=text):
+            Settings.resolve(None, {**env, bad[0]: bad[1]})
+    with pytest.raises(SettingsError, match="AGGD_REBALANCE_EVERY needs several servers"):
+        Settings.resolve(None, {**env, "AGGD_SERVER": "h:1", "AGGD_WEIGHTS": "1"})
+
+
+def test_a_job_on_two_aggregators_from_one_setting(no_aggd_env, monkeypatch):
+    """AGGD_SERVER naming two aggregators with the job (one token): init joins both, every
+    allreduce is cut between them (AGGD_WEIGHTS) and the maps are agreed through the group's store."""
+    with LoopbackAggd() as a, LoopbackAggd() as b:
+        job = a.create_job("two", 1)
+        b.create_job("two", 1, token=job.token)
+        for name, value in {**a.env(job), "AGGD_SERVER": f"127.0.0.1:{a.address[1]},127.0.0.1:{b.address[1]}",
+                            "AGGD_WEIGHTS": "1,3", "AGGD_REBALANCE_EVERY": "2"}.items():
+            monkeypatch.setenv(name, value)
+        _init_alone()
+        try:
+            for i in range(5):
+                t = torch.arange(10 * ELEMENTS + 7, dtype=torch.float32) * (i + 1)
+                dist.all_reduce(t)
+                assert torch.equal(t, torch.arange(10 * ELEMENTS + 7, dtype=torch.float32) * (i + 1))
+                info = at.last_round_info()
+                assert info["round_asked"] == info["round_answered"] == i
+            assert at.last_round_info()["chunks"] == 11
+        finally:
+            dist.destroy_process_group()
+        assert a.agg.job_stats(job.id).counters["released"] > 0
+        assert b.agg.job_stats(job.id).counters["released"] > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

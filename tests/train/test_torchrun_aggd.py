@@ -106,3 +106,32 @@ def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_
     # the restarted group started where the job was (after the first attempt's rounds), by itself
     assert first[0] == first[1] > 0, first
     assert info["round_answered"] == first[0] + len(run.ranks[0]["sent"]) - 1, (first, info)
+
+
+def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, gloo, tmp_path):
+    """The job on two aggregator hosts (two daemons in two aggregator namespaces, one token):
+    AGGD_SERVER names both, AGGD_WEIGHTS cuts each bucket 1:2 and AGGD_REBALANCE_EVERY makes the
+    members agree on maps through torchrun's store every 2 allreduces. Training equals gloo within
+    the bound; both hosts released rounds in the kernel."""
+    from aggd.lab.daemon import LabDaemon
+
+    lab = make_lab(WORLD, aggregators=2)
+    daemons = [LabDaemon(lab, prefix="aggdsh-", call_timeout=10,
+                         jobs={"default_slots": 64, "group_base": f"239.77.{i}.0"},
+                         dataplane={"netns": lab.agg_ns_of(i)}) for i in range(2)]
+    try:
+        for d in daemons:
+            d.start()
+        job = create_job(daemons[0], "tr-shard")
+        daemons[1].call("jobs.create", name="tr-shard", world=WORLD, strategy="sync", token=job["token"])
+        servers = ",".join(f"{lab.agg_ip_of(i)}:{job['port']}" for i in range(2))
+        run = lab_launch(lab, servers, job, tmp_path, nodes=2, nproc_per_node=1,
+                         env={"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"})
+        info = check_against_gloo(run, gloo, job)
+        assert info["round_answered"] == len(run.ranks[0]["sent"]) - 1   # calls, numbered from 0
+        for d in daemons:
+            paths = released(d, job)
+            assert paths["kernel"] > 0 and paths["userspace"] == 0, paths
+    finally:
+        for d in daemons:
+            d.close()

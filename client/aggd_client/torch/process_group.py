@@ -66,37 +66,62 @@ class AggdProcessGroup(dist.ProcessGroup):
         super().__init__(rank, size)
         self._settings = settings
         self._timeout = timeout
-        key = (settings.server, settings.job)
+        keys = [(server, settings.job) for server in settings.servers]
         with _in_use_lock:
-            if key in _in_use:
-                raise ValueError(f"job {settings.job!r} of {settings.server[0]}:{settings.server[1]} is already "
-                                 f"used by another aggd process group of this process; give this group "
-                                 f"another job (pg_options={{'job': ..., 'token': ...}})")
-            _in_use.add(key)
+            for server, job in keys:
+                if (server, job) in _in_use:
+                    raise ValueError(f"job {job!r} of {server[0]}:{server[1]} is already used by another aggd "
+                                     f"process group of this process; give this group another job "
+                                     f"(pg_options={{'job': ..., 'token': ...}})")
+            _in_use.update(keys)
+        key = tuple(keys)
         self._key = key
         try:
             # torchrun keeps one store across restarts: a prefix per attempt, or a restarted rank
             # would read the address the previous attempt's gloo published and fail to connect
             attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"aggd/{attempt}/", store), rank, size, timeout)
-            info, address = request_join(settings.server, settings.job, rank, settings.token,
-                                         bind=settings.bind, timeout=settings.join_timeout)
-            if info.world != size:
-                raise ValueError(f"job {info.name!r} has {info.world} members but the process group has {size} "
-                                 f"ranks (create the job with --world {size})")
-            first = torch.tensor([info.round], dtype=torch.int64)
+            joined = []   # (info, address) per server; with several, each from its own port
+            host, port = settings.bind
+            for i, server in enumerate(settings.servers):
+                bind = (host, port + i if port else 0)
+                info, address = request_join(server, settings.job, rank, settings.token,
+                                             bind=bind, timeout=settings.join_timeout)
+                if info.world != size:
+                    where = f" of {server[0]}:{server[1]}" if len(settings.servers) > 1 else ""
+                    raise ValueError(f"job {info.name!r}{where} has {info.world} members but the process group "
+                                     f"has {size} ranks (create the job with --world {size})")
+                joined.append((info, address))
+            # every member starts each server's rounds where the furthest of them says
+            first = torch.tensor([info.round for info, _ in joined], dtype=torch.int64)
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX
             self._gloo.allreduce([first], opts).wait()
-            client = client_for(settings.server, info, address, rank, first_round=int(first.item()),
-                                give_up_after=settings.give_up_after, catch_up=False,
-                                strategy=info.strategy)
+            clients = []
+            try:
+                for server, (info, address), start in zip(settings.servers, joined, first.tolist()):
+                    clients.append(client_for(server, info, address, rank, first_round=int(start),
+                                              give_up_after=settings.give_up_after, catch_up=False,
+                                              strategy=info.strategy))
+                if len(clients) == 1:
+                    client = clients[0]
+                else:
+                    from ..shards import ShardedClient, ShardMap
+                    shard_store = (dist.PrefixStore(f"aggd/{attempt}/shards/", store)
+                                   if settings.rebalance_every else None)
+                    client = ShardedClient(clients, None if settings.weights is None else ShardMap(settings.weights),
+                                           store=shard_store, rebalance_every=settings.rebalance_every, prefix="")
+            except BaseException:
+                for c in clients:
+                    c.close()
+                raise
         except BaseException:
             with _in_use_lock:
-                _in_use.discard(key)
+                _in_use.difference_update(keys)
             raise
+        info = joined[0][0]
         self.job_info = info
-        self.first_round = int(first.item())
+        self.first_round = int(first[0].item())
         self._reducer = Reducer(client, timeout.total_seconds(), accept_newer=settings.accept_newer,
                                 name=f"aggd job {info.name} rank {rank}")
 
@@ -135,7 +160,7 @@ class AggdProcessGroup(dist.ProcessGroup):
         """Called by ``destroy_process_group``: stop the reduction thread, close the client."""
         self._reducer.close()
         with _in_use_lock:
-            _in_use.discard(self._key)
+            _in_use.difference_update(self._key)
         try:
             self._gloo.shutdown()
         except Exception:  # noqa: BLE001 - gloo may not have it, or be gone already

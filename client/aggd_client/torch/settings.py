@@ -5,7 +5,9 @@ environment (``AGGD_<NAME>``), then the defaults below. Every problem is a ``Set
 =================  ======================  =========================================================
 option             environment             meaning
 =================  ======================  =========================================================
-``server``         ``AGGD_SERVER``         the daemon's ``host:port`` (required)
+``server``         ``AGGD_SERVER``         the daemon's ``host:port`` (required); several, comma-
+                                           separated, shard the job over those aggregator hosts
+                                           (docs/sharding.md)
 ``job``            ``AGGD_JOB``            the job's name, or its id (digits) (required)
 ``token``          ``AGGD_TOKEN``          the job's token (``aggctl jobs show``) (required)
 ``bind``           ``AGGD_BIND``           this worker's address, ``host`` or ``host:port``
@@ -14,6 +16,11 @@ option             environment             meaning
 ``join_timeout``   ``AGGD_JOIN_TIMEOUT``   seconds to wait for the JOIN answer (10)
 ``accept_newer``   ``AGGD_ACCEPT_NEWER``   1: a quorum/async straggler's round answered by a newer
                                            round is used (same tensor every call); 0: an error (0)
+``weights``        ``AGGD_WEIGHTS``        with several servers: the shard map's weights, comma-
+                                           separated, one a server (default even)
+``rebalance_every``  ``AGGD_REBALANCE_EVERY``  with several servers: move partitions between them
+                                           every N allreduces, agreed through the group's store
+                                           (default: never)
 =================  ======================  =========================================================
 """
 from __future__ import annotations
@@ -78,6 +85,14 @@ class Settings:
     give_up_after: float = 60.0
     join_timeout: float = 10.0
     accept_newer: bool = False
+    #: every aggregator host of the job, ``server`` first (one: not sharded)
+    servers: tuple[tuple[str, int], ...] = ()
+    weights: tuple[float, ...] | None = None
+    rebalance_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.servers:
+            object.__setattr__(self, "servers", (self.server,))
 
     @classmethod
     def resolve(cls, options: Mapping | "Settings" | None = None,
@@ -107,14 +122,44 @@ class Settings:
             return value, where
 
         server, where = required("server", "the aggd daemon's host:port")
-        server = server if isinstance(server, tuple) else _host_port(server, where, port_required=True)
+        if isinstance(server, tuple) and server and isinstance(server[0], tuple):
+            servers = tuple(server)
+        elif isinstance(server, tuple):
+            servers = (server,)
+        else:
+            servers = tuple(_host_port(t, where, port_required=True) for t in str(server).split(","))
+        if len(set(servers)) != len(servers):
+            raise SettingsError(f"{where} names a server twice: {server!r}")
+        server = servers[0]
         job, where = required("job", "the job's name or id, as `aggctl jobs create` made it")
         if isinstance(job, str):
             job = int(job) if job.strip().isdigit() else job.strip()
         elif not isinstance(job, int):
             raise SettingsError(f"{where} must be a job name or id, not {job!r}")
         token, where = required("token", "the job's token, from `aggctl jobs show JOB`")
-        kw = {"server": (str(server[0]), int(server[1])), "job": job, "token": str(token).strip()}
+        kw = {"server": (str(server[0]), int(server[1])), "job": job, "token": str(token).strip(),
+              "servers": tuple((str(h), int(p)) for h, p in servers)}
+        value, where = raw("weights")
+        if value is not None:
+            try:
+                from ..shard_map import ShardMap
+                w = value if isinstance(value, (tuple, list)) else [float(t) for t in str(value).split(",")]
+                kw["weights"] = ShardMap(tuple(w)).weights
+            except ValueError as e:
+                raise SettingsError(f"{where}: {e}") from None
+            if len(kw["weights"]) != len(servers):
+                raise SettingsError(f"{where} has {len(kw['weights'])} weights for {len(servers)} servers")
+        value, where = raw("rebalance_every")
+        if value is not None:
+            try:
+                every = int(value)
+            except (TypeError, ValueError):
+                raise SettingsError(f"{where} must be a whole number of allreduces, not {value!r}") from None
+            if every < 1:
+                raise SettingsError(f"{where} must be at least 1, not {value!r}")
+            if len(servers) < 2:
+                raise SettingsError(f"{where} needs several servers in {ENV_PREFIX}SERVER")
+            kw["rebalance_every"] = every
         bind, where = raw("bind")
         if bind is not None:
             kw["bind"] = bind if isinstance(bind, tuple) else _host_port(bind, where, port_required=False)

@@ -1,0 +1,145 @@
+"""The rebalancing policy of a sharded job (aggd_client.shard_policy) against reference sequences,
+and the agreement on its maps through a shared store (ShardedClient with real user-space
+aggregators; the lab test with torch's TCPStore: tests/netns/test_sharded.py)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from aggd_client.shard_map import ShardMap
+from aggd_client.shard_policy import RebalancePolicy
+
+E = 256
+
+
+def observe(p, rates, values=(1000, 1000, 1000)):
+    k = p.k
+    p.observe(values[:k], [v / r for v, r in zip(values[:k], rates)])
+
+
+def test_reference_sequence_two_aggregators():
+    p = RebalancePolicy(2, alpha=1.0, tolerance=0.25, patience=2)
+    m = ShardMap((1, 1))
+    d = p.decide(m)
+    assert d.shard_map is None and "no service rate yet for aggregators 0, 1" in d.reason
+    observe(p, (100, 90))                                  # within tolerance
+    d = p.decide(m)
+    assert d.shard_map is None and d.reason.startswith("balanced")
+    observe(p, (300, 100))                                 # aggregator 1 three times slower ...
+    d = p.decide(m)
+    assert d.shard_map is None and "1 of 2 checks" in d.reason and "aggregator 1's part" in d.reason
+    observe(p, (300, 100))                                 # ... twice running: move
+    d = p.decide(m)
+    assert d.shard_map == ShardMap((750, 250), 1)
+    assert "weights (1, 1) -> (750, 250)" in d.reason
+    m = d.shard_map
+    observe(p, (300, 100))                                 # the new map fits the rates
+    assert p.decide(m).shard_map is None
+    observe(p, (100, 100))                                 # aggregator 1 recovers: back to even
+    assert p.decide(m).shard_map is None                   # (patience)
+    observe(p, (100, 100))
+    assert p.decide(m).shard_map == ShardMap((500, 500), 2)
+
+
+def test_noise_moves_nothing():
+    p = RebalancePolicy(2, alpha=1.0, patience=2)
+    m = ShardMap((1, 1))
+    for i in range(20):                                    # one slow check at a time, alternating
+        observe(p, (300, 100) if i % 2 else (100, 100))
+        assert p.decide(m).shard_map is None
+
+
+def test_floor_and_drained_aggregators():
+    p = RebalancePolicy(3, alpha=1.0, patience=1, floor=0.02)
+    m = ShardMap((1, 1, 0))                                # aggregator 2 drained
+    observe(p, (1000, 10, 5000))
+    d = p.decide(m)
+    assert d.shard_map.weights == (980, 20, 0)             # the slow one keeps the floor; 2 stays out
+    assert p.decide(ShardMap((1, 0, 0))).reason == "one aggregator in use: nothing to balance"
+
+
+def test_smoothing_and_checks():
+    p = RebalancePolicy(2, alpha=0.5)
+    observe(p, (100, 100))
+    observe(p, (300, 100))
+    assert p.rates == [200.0, 100.0]
+    p.observe([0, 1000], [0.0, 10.0])                      # no part on aggregator 0: its rate stays
+    assert p.rates == [200.0, 100.0]
+    with pytest.raises(ValueError, match="one observation an aggregator"):
+        p.observe([1], [1.0])
+    with pytest.raises(ValueError, match="3 weights for 2"):
+        p.decide(ShardMap((1, 1, 1)))
+    with pytest.raises(ValueError):
+        RebalancePolicy(2, floor=0.6)
+
+
+# -- agreement through a store --------------------------------------------------------------------
+
+class DictStore:
+    """torch.distributed.Store's set/get (get waits for the key), in memory, for threads."""
+
+    def __init__(self):
+        self.data, self.cond = {}, threading.Condition()
+
+    def set(self, key, value):
+        with self.cond:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+            self.cond.notify_all()
+
+    def get(self, key):
+        with self.cond:
+            assert self.cond.wait_for(lambda: key in self.data, timeout=30), key
+            return self.data[key]
+
+
+userspace = pytest.importorskip("aggd.dataplane.userspace.server")
+model = pytest.importorskip("aggd.core.model")
+
+
+def test_members_switch_maps_at_the_same_call(monkeypatch):
+    """Two members over two real user-space aggregators, the leader's policy made to see aggregator 1
+    as slow: every call of both members is cut by the same map, the switch lands at a multiple of
+    rebalance_every, and every sum is right."""
+    from aggd_client import AggClient
+    from aggd_client.shards import ShardedClient
+    from tests.harness.ranks import run_ranks
+    JOB = 5
+
+    aggs = []
+    try:
+        for _ in range(2):
+            a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
+            a.start()
+            aggs.append(a)
+        world, store = 2, DictStore()
+        per_rank = [[AggClient(a.address, JOB, r, world, bind=("127.0.0.1", 0), slots=16, give_up_after=10.0)
+                     for a in aggs] for r in range(world)]
+        for i, a in enumerate(aggs):
+            a.add_job(model.JobConfig(job=JOB, world=world, slots=16, max_chunks=1 << 20,
+                                      members={r: per_rank[r][i].address for r in range(world)}, elements=E))
+        clients = [ShardedClient(cs, store=store, rebalance_every=3) for cs in per_rank]
+        slow = clients[0].policy                          # the leader's: aggregator 1 seen 4x slower
+        real = slow.observe
+        monkeypatch.setattr(slow, "observe", lambda v, s: real(v, [s[0], s[1] * 4]))
+        x = [np.arange(40 * E, dtype=np.float32) * (r + 1) for r in range(world)]
+
+        def work(r, c):
+            maps = []
+            for _ in range(12):
+                h = c.allreduce_async(x[r])
+                np.testing.assert_array_equal(h.wait(30), x[0] * 3)
+                maps.append(h.shard_map)
+            return maps, c.history
+        out = run_ranks(clients, work)
+    finally:
+        for c in clients:
+            c.close()
+        for a in aggs:
+            a.close()
+    (maps0, hist0), (maps1, hist1) = out
+    assert maps0 == maps1 and hist0 == hist1
+    switched = [call for call, m, _ in hist0[1:]]
+    assert switched and all(c % 3 == 0 for c in switched)
+    assert maps0[-1].weights[0] > 2 * maps0[-1].weights[1], hist0
