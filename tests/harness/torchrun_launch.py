@@ -74,10 +74,11 @@ def gloo_reference(out: Path, world: int = 2, timeout: float = 180) -> Launch:
 
 def lab_launch(lab, server: str, job: dict, out: Path, *, nodes: int, nproc_per_node: int,
                max_restarts: int = 0, crash: str | None = None, timeout: float = 300,
-               env: dict[str, str] | None = None) -> Launch:
+               settings: dict[str, str] | None = None) -> Launch:
     """torchrun on ``nodes`` worker namespaces of ``lab`` (``nproc_per_node`` workers each) training
     with ``init_process_group("aggd")`` in ``job`` (the daemon's ``jobs.create`` answer) at
-    ``server`` (host:port; several, comma-separated: a sharded job); ``env``: more AGGD_* settings."""
+    ``server`` (host:port; several, comma-separated: a sharded job); ``settings``: more AGGD_*
+    variables."""
     out.mkdir(parents=True, exist_ok=True)
     world = nodes * nproc_per_node
     endpoint = f"{lab.worker_ip(0)}:{RDZV_PORT}"
@@ -94,7 +95,7 @@ def lab_launch(lab, server: str, job: dict, out: Path, *, nodes: int, nproc_per_
             argv += ["--crash", crash]
         env = _env({"AGGD_SERVER": server, "AGGD_JOB": job["name"], "AGGD_TOKEN": job["token"],
                     "AGGD_BIND": ip, "AGGD_GIVE_UP_AFTER": "40", "GLOO_SOCKET_IFNAME": lab.worker_ifname,
-                    "PG_TIMEOUT": "120", **(env or {})})
+                    "PG_TIMEOUT": "120", **(settings or {})})
         procs.append(lab.run(lab.worker_ns(node), argv, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, cwd=ROOT))
         if node == 0:

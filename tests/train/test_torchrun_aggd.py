@@ -126,7 +126,7 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
         daemons[1].call("jobs.create", name="tr-shard", world=WORLD, strategy="sync", token=job["token"])
         servers = ",".join(f"{lab.agg_ip_of(i)}:{job['port']}" for i in range(2))
         run = lab_launch(lab, servers, job, tmp_path, nodes=2, nproc_per_node=1,
-                         env={"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"})
+                         settings={"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"})
         info = check_against_gloo(run, gloo, job)
         assert info["round_answered"] == len(run.ranks[0]["sent"]) - 1   # calls, numbered from 0
         for d in daemons:
