@@ -73,10 +73,13 @@ def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], no
     return out
 
 
-def keeps_pace(rows: list[dict], rank: int, since_round: int, awaited: int, rules: DepartureRules) -> bool:
+def keeps_pace(rows: list[dict], rank: int, since_round: int, awaited: int, rules: DepartureRules,
+               open_rounds: list[tuple[int, int, int]] | None = None) -> bool:
     """Whether gone member ``rank`` may be awaited again: its newest round is the job's newest,
-    and every awaited member has sent a round ``readmit_rounds`` past ``since_round`` (the round
-    the member left or rejoined at), so no round it skipped is still waiting to complete."""
+    every awaited member has sent a round ``readmit_rounds`` past ``since_round`` (the round the
+    member left or rejoined at), and (given the job's ``open_rounds``) no round it skipped is still
+    open: a job that runs rounds in parallel (ssp, async handles) may have one, which would then
+    wait for a contribution that never comes (``skipped_round_open``)."""
     by_rank = {int(r["rank"]): r for r in rows}
     me = by_rank.get(rank)
     if me is None or me["last_round"] is None:
@@ -85,4 +88,14 @@ def keeps_pace(rows: list[dict], rank: int, since_round: int, awaited: int, rule
     if me["last_round"] < max(rounds):
         return False
     others = [by_rank[k]["last_round"] for k in by_rank if awaited >> k & 1 and k != rank]
-    return all(o is not None and o >= since_round + rules.readmit_rounds for o in others)
+    if not all(o is not None and o >= since_round + rules.readmit_rounds for o in others):
+        return False
+    return open_rounds is None or skipped_round_open(open_rounds, rank, since_round) is None
+
+
+def skipped_round_open(open_rounds: list[tuple[int, int, int]], rank: int, since_round: int) -> int | None:
+    """The oldest open round before ``since_round`` (the round gone member ``rank`` left or rejoined
+    at) without its contribution, or None: awaiting the member again would make that round wait
+    for it."""
+    skipped = [r for r, bitmap, _ in open_rounds if r < since_round and not bitmap >> rank & 1]
+    return min(skipped) if skipped else None

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from aggd.core.departures import DepartureRules, keeps_pace, silent_members
+from aggd.core.departures import DepartureRules, keeps_pace, silent_members, skipped_round_open
 from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
 from aggd.core.straggler import Detector
 
@@ -156,7 +156,9 @@ class PolicyRunner:
         step_s = det.last.period_ms / 1000 if det.last is not None and det.last.period_ms else None
         limit, now_ns = rules.threshold_s(step_s), int(now * 1e9)
         for rank, gone in list(job.gone.items()):
-            if keeps_pace(rows, rank, gone["round"], job.awaited, rules):
+            # the slots are read only for a member that keeps pace otherwise
+            if keeps_pace(rows, rank, gone["round"], job.awaited, rules) and \
+                    skipped_round_open(svc.open_rounds(job) or [], rank, gone["round"]) is None:
                 svc.readmit(job, rank, f"at the job's newest round again (gone since round {gone['round']})")
         if rules.silent_after_s <= 0:
             return

@@ -3,7 +3,7 @@ nothing as long), who is not (a paused job, a quorum, a member that only just sp
 gone member is awaited again."""
 from __future__ import annotations
 
-from aggd.core.departures import DepartureRules, keeps_pace, silent_members
+from aggd.core.departures import DepartureRules, keeps_pace, silent_members, skipped_round_open
 
 S = 1_000_000_000
 RULES = DepartureRules(silent_after_s=5.0, silent_steps=20.0, readmit_rounds=2)
@@ -53,6 +53,18 @@ def test_awaited_again_once_it_keeps_pace():
     assert not keeps_pace([row(0, 13, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
     assert keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, 12, 0)], 2, 10, 0b011, RULES)
     assert not keeps_pace([row(0, 12, 0), row(1, 12, 0), row(2, None, 0)], 2, 10, 0b011, RULES)
+
+
+def test_not_awaited_again_while_a_round_it_skipped_is_open():
+    """Rounds in parallel (ssp): round 9, which rank 2 (rejoined at 10) never sends, is still open
+    when it keeps pace otherwise; awaiting it again would make round 9 wait for it."""
+    rows = [row(0, 12, 0), row(1, 12, 0), row(2, 12, 0)]
+    skipped = [(9, 0b011, 0), (12, 0b111, 0)]
+    assert skipped_round_open(skipped, 2, 10) == 9
+    assert keeps_pace(rows, 2, 10, 0b011, RULES) and not keeps_pace(rows, 2, 10, 0b011, RULES, skipped)
+    # round 9 has its contribution (it left after sending it), round 12 is one of its own: awaited
+    assert keeps_pace(rows, 2, 10, 0b011, RULES, [(9, 0b111, 0), (12, 0b011, 0)])
+    assert skipped_round_open([], 2, 10) is None
 
 
 def test_silence_counts_from_the_daemons_start():
