@@ -138,5 +138,13 @@ struct member_stats {
 AGGD_MAP("percpu_array", struct member_stats, member_stats, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
 /* Time source: 0 means bpf_ktime_get_ns(); tests freeze time by writing a value. */
 AGGD_MAP("array", __u64, clock, 1);
+/* The interface's own MAC, once attached: a unicast frame for another host (a switch floods one
+ * whose destination it has not learnt, e.g. a dead aggregator's) is not ours to answer. */
+struct self_addr {
+	__u8 mac[6];
+	__u8 set;
+	__u8 _pad;
+};
+AGGD_MAP("array", struct self_addr, self_addr, 1);
 
 #endif /* AGGD_MAPS_H */

@@ -166,6 +166,11 @@ int aggd_xdp(struct xdp_md *ctx)
 	struct udphdr *udp = (void *)(ip + 1);
 	if ((void *)(udp + 1) > data_end || udp->dest != htons(AGGD_PORT))
 		return XDP_PASS;
+	__u32 zero_key = 0;
+	struct self_addr *me = self_addr.lookup(&zero_key);
+	if (me && me->set && !(eth->h_dest[0] & 1) &&
+	    (*(__u32 *)eth->h_dest != *(__u32 *)me->mac || *(__u16 *)(eth->h_dest + 4) != *(__u16 *)(me->mac + 4)))
+		return XDP_PASS; /* another host's frame, flooded to us: the stack drops it */
 
 	/* From here on the packet is ours: it is aggregated, answered, passed up, or dropped and counted. */
 	struct aggd_hdr *h = (void *)(udp + 1);
@@ -229,8 +234,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (!s)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 #ifdef AGGD_FRAGS
-	__u32 zero = 0;
-	__s32 *payload = (void *)payload_copy.lookup(&zero);
+	__s32 *payload = (void *)payload_copy.lookup(&zero_key);
 	if (!payload)
 		return XDP_ABORTED;
 	/* a re-read's payload is only room for the result */

@@ -442,6 +442,10 @@ class Lab:
     def _apply_loss(self, percent: float) -> None:
         self.check_output(self.switch_ns, ["nft", "-f", "-"], input=_loss_ruleset(percent))
 
+    def set_aggregator_link(self, i: int, up: bool) -> None:
+        """Take the bridge's link to aggregator ``i`` down (the host is gone) or up again."""
+        self.check_output(self.switch_ns, ["ip", "link", "set", self.agg_port_of(i), "up" if up else "down"])
+
     def set_aggregator_rate(self, i: int, mbit: float | None) -> None:
         """Limit the bridge's link to aggregator ``i`` to ``mbit`` Mbit/s towards it (a token bucket;
         None: no limit): an aggregator host behind a slower link."""

@@ -42,6 +42,9 @@ class LabJob:
     #: Move partitions between the aggregators every this many calls (aggd_client.shards), agreeing
     #: through a torch TCPStore the first worker serves on STORE_PORT.
     rebalance_every: int | None = None
+    #: Fail over from an aggregator that answers nothing for this many seconds (aggd_client.shards),
+    #: agreeing through the same store.
+    failover_after: float | None = None
 
     @property
     def world(self) -> int:
@@ -88,8 +91,11 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
         servers = ",".join(f"{lab.agg_ip_of(i)}:{server_port}" for i in range(k))
         shards = [] if job.weights is None else ["--weights", ",".join(str(w) for w in job.weights)]
         if job.rebalance_every is not None:
-            shards += ["--rebalance-every", str(job.rebalance_every),
-                       "--store", f"{lab.worker_ip(job.workers[0])}:{STORE_PORT}"]
+            shards += ["--rebalance-every", str(job.rebalance_every)]
+        if job.failover_after is not None:
+            shards += ["--failover-after", str(job.failover_after)]
+        if job.rebalance_every is not None or job.failover_after is not None:
+            shards += ["--store", f"{lab.worker_ip(job.workers[0])}:{STORE_PORT}"]
         for rank, w in enumerate(job.workers):
             if job.token is not None:
                 who = ["--job", job.name if job.name is not None else str(job.job), "--token", job.token]

@@ -155,6 +155,8 @@ def main(argv=None) -> int:
                     help="results' group, one an aggregator (not with --token: the join answer says)")
     ap.add_argument("--weights", type=weights, help="the shard map's weights, one an aggregator (default even)")
     ap.add_argument("--rebalance-every", type=int, help="move partitions between the aggregators every N calls")
+    ap.add_argument("--failover-after", type=float,
+                    help="drop an aggregator that answers nothing for this many seconds (needs --store)")
     ap.add_argument("--store", type=host_port,
                     help="torch TCPStore the members agree through (rank 0 serves it) for --rebalance-every")
     ap.add_argument("--bind", type=host_port, required=True,
@@ -219,16 +221,17 @@ def main(argv=None) -> int:
                                          elements=args.elements, slots=args.slots, window=args.window,
                                          gso=not args.no_gso, give_up_after=args.give_up_after))
         store = None
-        if args.rebalance_every is not None:
+        if args.rebalance_every is not None or args.failover_after is not None:
             if args.store is None:
-                ap.error("--rebalance-every needs --store")
+                ap.error("--rebalance-every and --failover-after need --store")
             import datetime
 
             from torch.distributed import TCPStore
             store = TCPStore(args.store[0], args.store[1], args.world, args.rank == 0,
                              timeout=datetime.timedelta(seconds=args.give_up_after * 4))
         client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k), store=store,
-                                                         rebalance_every=args.rebalance_every)
+                                                         rebalance_every=args.rebalance_every,
+                                                         failover_after=args.failover_after)
     status = 0
     with client:
         if args.prime:

@@ -22,6 +22,7 @@ from typing import Sequence
 import numpy as np
 
 from .client import AggClient, AllreduceHandle, WouldBlock
+from .errors import AggdError
 from .shard_map import ShardMap
 from .shard_policy import RebalancePolicy
 from .strategy import StrategyInfo
@@ -52,7 +53,7 @@ class ShardedClient:
 
     def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None, *,
                  store=None, rebalance_every: int | None = None, policy: RebalancePolicy | None = None,
-                 leader: int = 0, prefix: str = "aggd/shards/"):
+                 leader: int = 0, prefix: str = "aggd/shards/", failover_after: float | None = None):
         self.clients = list(clients)
         if not self.clients:
             raise ValueError("a sharded client needs at least one aggregator's client")
@@ -81,6 +82,19 @@ class ShardedClient:
                                  "TCPStore, or the process group's store under torchrun)")
             if not 0 <= int(leader) < first._world:
                 raise ValueError(f"leader must be a rank in 0..{first._world - 1}, not {leader}")
+        if failover_after is not None:
+            if not float(failover_after) > 0:
+                raise ValueError(f"failover_after must be a positive number of seconds, not {failover_after}")
+            if store is None:
+                raise ValueError("failover needs a store every member shares (torch.distributed's TCPStore, "
+                                 "or the process group's store under torchrun)")
+            if len(self.clients) < 2:
+                raise ValueError("failover needs at least two aggregators")
+        self.failover_after = None if failover_after is None else float(failover_after)
+        self.dead: set[int] = set()          # aggregators failed over (never used again)
+        self._epoch = 0                      # failovers agreed so far (the store's key space)
+        self._switch: tuple[int, ShardMap, str] | None = None   # a map to take from a call on
+        self._kept: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # last parts' results, by aggregator
         self._store, self._prefix = store, prefix
         self._every = None if rebalance_every is None else int(rebalance_every)
         self._leader = int(leader)
@@ -116,7 +130,7 @@ class ShardedClient:
         return out
 
     def must_wait(self) -> bool:
-        return any(c.must_wait() for c in self.clients)
+        return any(c.must_wait() for i, c in enumerate(self.clients) if i not in self.dead)
 
     def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
         return self.allreduce_async(array, op, out=out).wait()
@@ -131,6 +145,11 @@ class ShardedClient:
             self._agree(self.calls)
         call = self.calls
         self.calls += 1
+        if self._switch is not None and call >= self._switch[0]:
+            _, new, reason = self._switch
+            self._switch = None
+            self.shard_map = new
+            self.history.append((call, new, reason))
         m = self.shard_map
         if len(self.clients) == 1:
             return ShardedHandle(self, call, m, None, [(0, 0, a.size, self.clients[0].allreduce_async(a, op, out=out))])
@@ -143,11 +162,17 @@ class ShardedClient:
         parts = []
         for i, c in enumerate(self.clients):
             lo, hi = cuts[i], cuts[i + 1]
-            if hi > lo:
+            if hi > lo and i not in self.dead:
                 parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
+        for i in sorted(self.dead):  # a failed-over aggregator's part, while the map still has one:
+            lo, hi = cuts[i], cuts[i + 1]    # one more round on the replacement, after its own part
+            if hi > lo:
+                j = self._replacement()
+                parts.append((j, lo, hi, self.clients[j].allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
         if not parts:  # an empty tensor: the first aggregator answers it as it would alone
-            return ShardedHandle(self, call, m, None, [(0, 0, 0, self.clients[0].allreduce_async(a, op, out=out))])
-        return ShardedHandle(self, call, m, result, parts)
+            j = self._replacement() if 0 in self.dead else 0
+            return ShardedHandle(self, call, m, None, [(j, 0, 0, self.clients[j].allreduce_async(a, op, out=out))])
+        return ShardedHandle(self, call, m, result, parts, flat=flat, dest=dest, op=op)
 
     def _agree(self, call: int) -> None:
         """The map for calls from ``call`` on: the leader decides and publishes, everyone reads."""
@@ -158,6 +183,14 @@ class ShardedClient:
             log.info("shard map at call %d: %s", call, d.reason)
             self._store.set(key, json.dumps({"version": chosen.version, "weights": list(chosen.weights),
                                              "reason": d.reason}))
+        if self.failover_after is not None:
+            # between calls, a failover may be under way: the members a call behind need this one
+            everyone = range(self.clients[0]._world)
+            while not self._store.check([key]):
+                if any(self._store.check([f"{self._prefix}failover/{self._epoch}/{r}"]) for r in everyone):
+                    self._fail_over(None, list(range(len(self.clients))))
+                else:
+                    time.sleep(0.005)
         doc = json.loads(self._store.get(key))
         if doc["version"] == self.shard_map.version:
             return
@@ -168,6 +201,83 @@ class ShardedClient:
         self.shard_map = new
         self.history.append((call, new, doc["reason"]))
         log.info("shard map version %d from call %d: %s", new.version, call, doc["reason"])
+
+    # -- failover ----------------------------------------------------------------------------------
+    def _replacement(self) -> int:
+        """The aggregator that takes a failed one's parts: the first live one the map gives weight."""
+        live = [i for i, w in enumerate(self.shard_map.weights) if w > 0 and i not in self.dead]
+        if not live:
+            live = [i for i in range(len(self.clients)) if i not in self.dead]
+        if not live:
+            raise AggdError("every aggregator of the job has failed")
+        return live[0]
+
+    def _keep(self, call: int, parts, dest: np.ndarray) -> None:
+        """Copies of a finished call's parts: a member a call behind may need one (``_fail_over``)."""
+        kept: dict = {}
+        for i, lo, hi, h in parts:
+            kept.setdefault(i, (call, dest[lo:hi].copy(), np.asarray(h.n_contrib).copy()))
+        self._kept = kept
+
+    def _fail_over(self, handle: "ShardedHandle | None", stalled: list[int]) -> None:
+        """Agree through the store on which aggregators have failed and go on without them.
+
+        Under ``sync`` a call completes only once every member has sent all of it, so when an
+        aggregator dies every member ends up stalled on it, in one call ``F`` or the one before.
+        Each reports its call and its stalled aggregators; the failed ones are those every member
+        has stalled on (another may only be waiting for the members a call behind). Members at
+        ``F - 1`` take the failed aggregators' parts of that call from the lowest-ranked member at
+        ``F``, which kept copies; at ``F`` every member sends those parts again as one more round on
+        the replacement; from ``F + 1`` the map gives the failed aggregators weight 0. ``handle``
+        None: a member between calls (waiting for the leader's map at call ``F``), which has stalled
+        on nothing and may be the one that hands out call ``F - 1``'s parts."""
+        epoch = self._epoch
+        key = f"{self._prefix}failover/{epoch}/"
+        call = self.calls if handle is None else handle.call
+        self._store.set(f"{key}{self.rank}", json.dumps({"call": call, "stalled": stalled}))
+        world = self.clients[0]._world
+        reports = [json.loads(self._store.get(f"{key}{r}")) for r in range(world)]
+        self._epoch += 1
+        dead = set.intersection(*(set(r["stalled"]) for r in reports)) - self.dead
+        if not dead:
+            log.warning("failover %d: no aggregator every member stalled on (%s); waiting on", epoch, reports)
+            return
+        calls = {r["call"] for r in reports}
+        last = max(calls)
+        if not calls <= {last - 1, last}:
+            raise AggdError(f"failover {epoch}: members are more than one call apart ({sorted(calls)})")
+        ahead = min(r for r, rep_ in enumerate(reports) if rep_["call"] == last)
+        self.dead |= dead
+        weights = tuple(0 if i in self.dead else w for i, w in enumerate(self.shard_map.weights))
+        if not any(weights):
+            weights = tuple(0 if i in self.dead else 1 for i in range(len(self.clients)))
+        reason = (f"aggregator{'s' if len(dead) > 1 else ''} {', '.join(map(str, sorted(dead)))} stopped answering "
+                  f"(every member stalled on it in call {last - 1 if len(calls) > 1 else last}): failed over")
+        log.warning("%s; the map drops it from call %d", reason, last + 1)
+        self._switch = (last + 1, ShardMap(weights, self.shard_map.version + 1), reason)
+        for i in sorted(dead):
+            c = self.clients[i]
+            c._give_up = 1e-3   # nothing will answer: close without waiting for the rounds in flight
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - a dead aggregator's client closes as it can
+                pass
+        if call == last and len(calls) > 1 and self.rank == ahead:
+            for i in sorted(dead):   # the members a call behind take these
+                kept = self._kept.get(i)
+                if kept is None or kept[0] != last - 1:
+                    raise AggdError(f"failover {epoch}: no copy of aggregator {i}'s part of call {last - 1}")
+                self._store.set(f"{key}part/{i}", kept[1].tobytes())
+                self._store.set(f"{key}n_contrib/{i}", kept[2].astype(np.uint16).tobytes())
+        if handle is None:
+            return   # its next call sends the failed aggregators' parts to the replacement
+        if call == last - 1:
+            for i in sorted(dead):
+                data = self._store.get(f"{key}part/{i}")
+                counts = np.frombuffer(self._store.get(f"{key}n_contrib/{i}"), np.uint16)
+                handle._settle(i, data, counts)
+        else:
+            handle._redo(sorted(dead), self._replacement())
 
     def _observed(self, values: list[int], seconds: list[float]) -> None:
         if self.policy is not None:
@@ -200,9 +310,12 @@ class ShardedHandle:
     map that cut it)."""
 
     def __init__(self, owner: ShardedClient, call: int, shard_map: ShardMap, result: np.ndarray | None,
-                 parts: list[tuple[int, int, int, AllreduceHandle]]):
+                 parts: list[tuple[int, int, int, AllreduceHandle]], *, flat: np.ndarray | None = None,
+                 dest: np.ndarray | None = None, op: str = "sum"):
         self._owner = owner
         self.call = call
+        self._flat, self._dest, self._op = flat, dest, op
+        self._settled: dict[int, np.ndarray] = {}   # part index -> n_contrib taken from another member
         self.shard_map = shard_map
         self._result = result
         self._parts = parts
@@ -213,10 +326,13 @@ class ShardedHandle:
         if j not in self._took:
             self._took[j] = time.monotonic() - self._start
             if len(self._took) == len(self._parts):   # every part answered: one observation
+                if self._owner.failover_after is not None and self._dest is not None:
+                    self._owner._keep(self.call, self._parts, self._dest)
                 k = len(self._owner.clients)
                 values, seconds = [0] * k, [0.0] * k
                 for p, (i, lo, hi, _) in enumerate(self._parts):
-                    values[i], seconds[i] = hi - lo, self._took[p]
+                    values[i] += hi - lo
+                    seconds[i] = max(seconds[i], self._took[p])
                 self._owner._observed(values, seconds)
 
     def done(self) -> bool:
@@ -231,10 +347,49 @@ class ShardedHandle:
                 ready = False
         return ready
 
+    def _stalled(self, progress: dict[int, tuple[int, float]], now: float) -> list[int]:
+        """Aggregators of pending parts that have answered nothing for ``failover_after`` s."""
+        out = set()
+        for j in range(len(self._parts)):
+            if j in self._took:
+                continue
+            have = self._parts[j][3]._round.n_have
+            seen, since = progress.get(j, (-1, now))
+            if have != seen:
+                progress[j] = (have, now)
+            elif now - since >= self._owner.failover_after:
+                out.add(self._parts[j][0])
+        return sorted(out)
+
+    def _settle(self, i: int, data: bytes, counts: np.ndarray) -> None:
+        """Aggregator ``i``'s part, as another member got it (``ShardedClient._fail_over``)."""
+        for j, (agg, lo, hi, h) in enumerate(self._parts):
+            if agg == i:
+                self._dest[lo:hi] = np.frombuffer(data, self._dest.dtype)
+                self._settled[j] = counts
+                self._mark(j)
+
+    def _redo(self, dead: list[int], replacement: int) -> None:
+        """The failed aggregators' parts again, as one more round each on ``replacement``."""
+        c = self._owner.clients[replacement]
+        for j, (agg, lo, hi, h) in enumerate(self._parts):
+            if agg in dead and j not in self._took:
+                self._parts[j] = (replacement, lo, hi,
+                                  c.allreduce_async(self._flat[lo:hi], self._op, out=self._dest[lo:hi]))
+
     def wait(self, timeout: float | None = None) -> np.ndarray:
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = [j for j in range(len(self._parts)) if j not in self._took]
+        progress: dict[int, tuple[int, float]] = {}
+        failover = self._owner.failover_after is not None and self._dest is not None
         while pending:
+            if failover and len(pending) >= 1:
+                stalled = self._stalled(progress, time.monotonic())
+                if stalled:
+                    self._owner._fail_over(self, stalled)
+                    progress.clear()
+                    pending = [j for j in range(len(self._parts)) if j not in self._took]
+                    continue
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"{len(pending)} of {len(self._parts)} aggregators have not answered "
@@ -242,12 +397,12 @@ class ShardedHandle:
             for j in list(pending):
                 h = self._parts[j][3]
                 try:
-                    if len(pending) == 1:
+                    if len(pending) == 1 and not failover:
                         h.wait(left)  # raises TimeoutError itself
                     else:
                         h.wait(POLL_SLICE if left is None else min(POLL_SLICE, left))
                 except TimeoutError:
-                    if len(pending) == 1:
+                    if len(pending) == 1 and not failover:
                         raise
                     continue
                 self._mark(j)
@@ -266,11 +421,13 @@ class ShardedHandle:
 
     @property
     def rounds(self) -> list[int]:
-        return [h.round for _, _, _, h in self._parts]
+        return [h.round for _, _, _, h in sorted(self._parts, key=lambda p: p[1])]
 
     @property
     def n_contrib(self) -> np.ndarray:
-        return np.concatenate([np.asarray(h.n_contrib) for _, _, _, h in self._parts])
+        order = sorted(range(len(self._parts)), key=lambda j: self._parts[j][1])   # tensor order
+        return np.concatenate([self._settled[j] if j in self._settled else np.asarray(self._parts[j][3].n_contrib)
+                               for j in order])
 
     @property
     def strategy(self) -> StrategyInfo | None:

@@ -51,6 +51,29 @@ def test_contributions_accumulate_and_last_releases_to_group(dp):
     assert c["contributions"] == 3 and c["released"] == 1 and c["elements"] == 3 * ELEMENTS
 
 
+def test_a_frame_for_another_host_is_passed_untouched(dp):
+    """Once attached, the program knows its interface's MAC: a unicast frame for another host (a
+    switch floods one whose destination it has not learnt, e.g. a dead aggregator's) is passed to
+    the stack, which drops it, and is neither counted nor answered (a NACK would reach the sender
+    as if that other host had refused it)."""
+    dp.set_own_mac(bytes.fromhex(AGG_MAC.replace(":", "")))
+    try:
+        def to_another_host(frame_bytes):
+            return bytes.fromhex("020000000002") + frame_bytes[6:]
+        pkt = contrib(2, values=np.ones(ELEMENTS, np.int32))
+        other = to_another_host(pkt)
+        before = dp.job_stats(1).counters["rx_packets"]
+        res = run(dp, other)
+        assert res.verdict_name == "pass" and res.packet == other
+        assert dp.job_stats(1).counters["rx_packets"] == before
+        # not even a NACK for a job this host does not have
+        assert run(dp, to_another_host(contrib(2, job=200))).verdict_name == "pass"
+        assert run(dp, pkt).verdict_name == "drop"      # its own: absorbed as before
+        assert dp.job_stats(1).counters["contributions"] == 1
+    finally:
+        dp.set_own_mac(None)
+
+
 def test_duplicate_does_not_count_twice(dp):
     run(dp, contrib(0))
     assert run(dp, contrib(0, flags=Flag.RETRANSMIT)).verdict_name == "drop"

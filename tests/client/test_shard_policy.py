@@ -3,8 +3,6 @@ and the agreement on its maps through a shared store (ShardedClient with real us
 aggregators; the lab test with torch's TCPStore: tests/netns/test_sharded.py)."""
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -77,23 +75,6 @@ def test_smoothing_and_checks():
 
 # -- agreement through a store --------------------------------------------------------------------
 
-class DictStore:
-    """torch.distributed.Store's set/get (get waits for the key), in memory, for threads."""
-
-    def __init__(self):
-        self.data, self.cond = {}, threading.Condition()
-
-    def set(self, key, value):
-        with self.cond:
-            self.data[key] = value.encode() if isinstance(value, str) else value
-            self.cond.notify_all()
-
-    def get(self, key):
-        with self.cond:
-            assert self.cond.wait_for(lambda: key in self.data, timeout=30), key
-            return self.data[key]
-
-
 userspace = pytest.importorskip("aggd.dataplane.userspace.server")
 model = pytest.importorskip("aggd.core.model")
 
@@ -104,7 +85,7 @@ def test_members_switch_maps_at_the_same_call(monkeypatch):
     rebalance_every, and every sum is right."""
     from aggd_client import AggClient
     from aggd_client.shards import ShardedClient
-    from tests.harness.ranks import run_ranks
+    from tests.harness.ranks import DictStore, run_ranks
     JOB = 5
 
     aggs = []

@@ -1,5 +1,6 @@
-"""Run one function per member in threads (members of a job in one process, against aggregators on
-loopback): results by rank, the first member's exception raised."""
+"""Members of a job as threads of one process, against aggregators on loopback: ``run_ranks`` runs
+one function per member (results by rank, the first member's exception raised), ``DictStore`` is
+the store they share (torch.distributed's ``Store`` calls the sharded client uses)."""
 from __future__ import annotations
 
 import threading
@@ -26,3 +27,27 @@ def run_ranks(clients, work, timeout: float = 120.0) -> list:
     if any(t.is_alive() for t in threads):
         raise TimeoutError(f"a member's work did not end within {timeout} s")
     return out
+
+
+class DictStore:
+    """``set``, ``get`` (waits for the key), ``check`` (are all these keys there) in memory."""
+
+    def __init__(self, timeout: float = 30.0):
+        self.data: dict = {}
+        self.cond = threading.Condition()
+        self.timeout = timeout
+
+    def set(self, key, value):
+        with self.cond:
+            self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+            self.cond.notify_all()
+
+    def get(self, key):
+        with self.cond:
+            if not self.cond.wait_for(lambda: key in self.data, timeout=self.timeout):
+                raise TimeoutError(f"no key {key} in the store within {self.timeout} s")
+            return self.data[key]
+
+    def check(self, keys):
+        with self.cond:
+            return all(k in self.data for k in keys)

@@ -128,7 +128,7 @@ def _init_alone(**pg_options):
 @pytest.fixture
 def no_aggd_env(monkeypatch):
     for name in ("SERVER", "JOB", "TOKEN", "BIND", "GIVE_UP_AFTER", "JOIN_TIMEOUT", "ACCEPT_NEWER", "WEIGHTS",
-                 "REBALANCE_EVERY"):
+                 "REBALANCE_EVERY", "FAILOVER_AFTER"):
         monkeypatch.delenv("AGGD_" + name, raising=False)
 
 
@@ -190,12 +190,14 @@ def test_sharded_settings():
            "AGGD_WEIGHTS": "1,2.5", "AGGD_REBALANCE_EVERY": "50"}
     s = Settings.resolve(None, env)
     assert s.server == ("10.0.0.1", 47000) and s.servers == (("10.0.0.1", 47000), ("10.0.0.2", 47000))
-    assert s.weights == (1.0, 2.5) and s.rebalance_every == 50
+    assert s.weights == (1.0, 2.5) and s.rebalance_every == 50 and s.failover_after is None
+    assert Settings.resolve(None, {**env, "AGGD_FAILOVER_AFTER": "3"}).failover_after == 3.0
     for bad, text in ((("AGGD_WEIGHTS", "1"), "AGGD_WEIGHTS has 1 weights for 2 servers"),
                       (("AGGD_WEIGHTS", "1,x"), "could not convert|AGGD_WEIGHTS"),
                       (("AGGD_WEIGHTS", "0,0"), "AGGD_WEIGHTS: at least one weight must be above 0"),
                       (("AGGD_REBALANCE_EVERY", "0"), "AGGD_REBALANCE_EVERY must be at least 1"),
-                      (("AGGD_SERVER", "h:1,h:1"), "names a server twice")):
+                      (("AGGD_SERVER", "h:1,h:1"), "names a server twice"),
+                      (("AGGD_FAILOVER_AFTER", "-2"), "AGGD_FAILOVER_AFTER must be positive")):
         with pytest.raises((SettingsError, ValueError), match=text):
             Settings.resolve(None, {**env, bad[0]: bad[1]})
     with pytest.raises(SettingsError, match="AGGD_REBALANCE_EVERY needs several servers"):
@@ -209,7 +211,7 @@ def test_a_job_on_two_aggregators_from_one_setting(no_aggd_env, monkeypatch):
         job = a.create_job("two", 1)
         b.create_job("two", 1, token=job.token)
         for name, value in {**a.env(job), "AGGD_SERVER": f"127.0.0.1:{a.address[1]},127.0.0.1:{b.address[1]}",
-                            "AGGD_WEIGHTS": "1,3", "AGGD_REBALANCE_EVERY": "2"}.items():
+                            "AGGD_WEIGHTS": "1,3", "AGGD_REBALANCE_EVERY": "2", "AGGD_FAILOVER_AFTER": "5"}.items():
             monkeypatch.setenv(name, value)
         _init_alone()
         try:

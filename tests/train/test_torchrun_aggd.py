@@ -108,11 +108,17 @@ def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_
     assert info["round_answered"] == first[0] + len(run.ranks[0]["sent"]) - 1, (first, info)
 
 
-def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, gloo, tmp_path):
+@pytest.mark.parametrize("fault", [None, "second aggregator dies"])
+def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, gloo, tmp_path, fault):
     """The job on two aggregator hosts (two daemons in two aggregator namespaces, one token):
     AGGD_SERVER names both, AGGD_WEIGHTS cuts each bucket 1:2 and AGGD_REBALANCE_EVERY makes the
     members agree on maps through torchrun's store every 2 allreduces. Training equals gloo within
-    the bound; both hosts released rounds in the kernel."""
+    the bound; both hosts released rounds in the kernel. With a fault, the second host's link goes
+    down mid-training: the members fail over to the first (AGGD_FAILOVER_AFTER) and training
+    still equals gloo within the bound."""
+    import threading
+    import time
+
     from aggd.lab.daemon import LabDaemon
 
     lab = make_lab(WORLD, aggregators=2)
@@ -125,13 +131,27 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
         job = create_job(daemons[0], "tr-shard")
         daemons[1].call("jobs.create", name="tr-shard", world=WORLD, strategy="sync", token=job["token"])
         servers = ",".join(f"{lab.agg_ip_of(i)}:{job['port']}" for i in range(2))
-        run = lab_launch(lab, servers, job, tmp_path, nodes=2, nproc_per_node=1,
-                         settings={"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"})
+        settings = {"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"}
+        cut = threading.Event()
+        if fault:
+            settings["AGGD_FAILOVER_AFTER"] = "2"
+
+            def kill_second():
+                deadline = time.monotonic() + 200
+                while time.monotonic() < deadline and released(daemons[1], job)["kernel"] < 3:
+                    time.sleep(0.01)   # an allreduce or two in
+                lab.set_aggregator_link(1, up=False)
+                cut.set()
+            killer = threading.Thread(target=kill_second, daemon=True)
+            killer.start()
+        run = lab_launch(lab, servers, job, tmp_path, nodes=2, nproc_per_node=1, settings=settings)
         info = check_against_gloo(run, gloo, job)
         assert info["round_answered"] == len(run.ranks[0]["sent"]) - 1   # calls, numbered from 0
-        for d in daemons:
+        for d in daemons[:1] if fault else daemons:
             paths = released(d, job)
             assert paths["kernel"] > 0 and paths["userspace"] == 0, paths
+        if fault:
+            assert cut.is_set() and "stopped answering" in run.output and "failed over" in run.output
     finally:
         for d in daemons:
             d.close()

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 XDP_DIR = Path(__file__).resolve().parents[3] / "xdp"
 PROGRAM = XDP_DIR / "aggd_xdp.c"
 FUNCTION = "aggd_xdp"
-MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats")
+MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats", "self_addr")
 
 # XDP attach flags (include/uapi/linux/if_link.h)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
@@ -226,6 +226,7 @@ class XdpDataPlane(DataPlane):
         self.slots = self.bpf[b"slots"]
         self.stats = self.bpf[b"stats"]
         self.clock = self.bpf[b"clock"]
+        self.self_addr = self.bpf[b"self_addr"]
         self._member_stats_map = self.bpf[b"member_stats"]
 
     @property
@@ -245,8 +246,27 @@ class XdpDataPlane(DataPlane):
                 BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
         except Exception as exc:
             raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}") from exc
+        self.set_own_mac(self._interface_mac())
         self._attached = True
         log.info("attached %s to %s in %s mode", FUNCTION, self.ifname, self.mode)
+
+    def _interface_mac(self) -> bytes:
+        from pyroute2 import IPRoute
+        with IPRoute(netns=self.netns, flags=0) if self.netns else IPRoute() as ipr:
+            links = ipr.get_links(ifname=self.ifname)
+        if not links:
+            raise XdpError(f"no interface {self.ifname}")
+        return bytes.fromhex(links[0].get_attr("IFLA_ADDRESS").replace(":", ""))
+
+    def set_own_mac(self, mac: bytes | None) -> None:
+        """The MAC unicast frames must be sent to for the program to take them (None: any; the
+        attached program's interface's own, set by ``attach``)."""
+        leaf = self.self_addr.Leaf()
+        if mac is not None:
+            for i, b in enumerate(mac):
+                leaf.mac[i] = b
+            leaf.set = 1
+        self.self_addr[ctypes.c_uint32(0)] = leaf
 
     def detach(self) -> None:
         if self._attached:

@@ -108,9 +108,10 @@ class AggdProcessGroup(dist.ProcessGroup):
                 else:
                     from ..shards import ShardedClient, ShardMap
                     shard_store = (dist.PrefixStore(f"aggd/{attempt}/shards/", store)
-                                   if settings.rebalance_every else None)
+                                   if settings.rebalance_every or settings.failover_after else None)
                     client = ShardedClient(clients, None if settings.weights is None else ShardMap(settings.weights),
-                                           store=shard_store, rebalance_every=settings.rebalance_every, prefix="")
+                                           store=shard_store, rebalance_every=settings.rebalance_every, prefix="",
+                                           failover_after=settings.failover_after)
             except BaseException:
                 for c in clients:
                     c.close()

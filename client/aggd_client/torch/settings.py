@@ -21,6 +21,9 @@ option             environment             meaning
 ``rebalance_every``  ``AGGD_REBALANCE_EVERY``  with several servers: move partitions between them
                                            every N allreduces, agreed through the group's store
                                            (default: never)
+``failover_after``   ``AGGD_FAILOVER_AFTER``  with several servers: drop one that answers nothing for
+                                           this many seconds, agreed through the group's store
+                                           (default: never; sync jobs)
 =================  ======================  =========================================================
 """
 from __future__ import annotations
@@ -89,6 +92,7 @@ class Settings:
     servers: tuple[tuple[str, int], ...] = ()
     weights: tuple[float, ...] | None = None
     rebalance_every: int | None = None
+    failover_after: float | None = None
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -160,6 +164,11 @@ class Settings:
             if len(servers) < 2:
                 raise SettingsError(f"{where} needs several servers in {ENV_PREFIX}SERVER")
             kw["rebalance_every"] = every
+        value, where = raw("failover_after")
+        if value is not None:
+            if len(servers) < 2:
+                raise SettingsError(f"{where} needs several servers in {ENV_PREFIX}SERVER")
+            kw["failover_after"] = _seconds(value, where)
         bind, where = raw("bind")
         if bind is not None:
             kw["bind"] = bind if isinstance(bind, tuple) else _host_port(bind, where, port_required=False)
