@@ -83,19 +83,25 @@ def odd_harness():
     dp.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_random_sequences_odd_elements(odd_harness, kind):
-    before = RUN[f"odd {kind}"]
+def sequences_at_packet_size(h, kind: str, label: str, count: int) -> None:
+    """``count`` random sequences of strategy ``kind`` (with a swap in some) on harness ``h``,
+    built for its own packet size."""
+    before = RUN[label]
 
-    @settings(SETTINGS, max_examples=ODD_SEQUENCES // BATCH)
-    @given(batch=st.lists(sequences, min_size=BATCH, max_size=BATCH))
+    @settings(SETTINGS, max_examples=count // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.lists(swaps, max_size=1)), min_size=BATCH, max_size=BATCH))
     def sequences_agree(batch):
-        for shape, ops in batch:
-            run_sequence(odd_harness, RUN, f"odd {kind}", table_for(kind, shape), shape, ops,
-                         elements=ODD_ELEMENTS)
+        for (shape, ops), changes in batch:
+            run_sequence(h, RUN, label, table_for(kind, shape), shape, ops, changes[0] if changes else (),
+                         elements=h.elements)
 
     sequences_agree()
-    assert RUN[f"odd {kind}"] - before >= ODD_SEQUENCES
+    assert RUN[label] - before >= count
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_odd_elements(odd_harness, kind):
+    sequences_at_packet_size(odd_harness, kind, f"odd {kind}", ODD_SEQUENCES)
 
 
 @pytest.fixture(scope="module")
@@ -114,17 +120,7 @@ def frags_harness():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_sequences_multi_buffer_frames(frags_harness, kind):
-    before = RUN[f"frags {kind}"]
-
-    @settings(SETTINGS, max_examples=FRAGS_SEQUENCES // BATCH)
-    @given(batch=st.lists(st.tuples(sequences, st.lists(swaps, max_size=1)), min_size=BATCH, max_size=BATCH))
-    def sequences_agree(batch):
-        for (shape, ops), changes in batch:
-            run_sequence(frags_harness, RUN, f"frags {kind}", table_for(kind, shape), shape, ops,
-                         changes[0] if changes else (), elements=frags_harness.elements)
-
-    sequences_agree()
-    assert RUN[f"frags {kind}"] - before >= FRAGS_SEQUENCES
+    sequences_at_packet_size(frags_harness, kind, f"frags {kind}", FRAGS_SEQUENCES)
 
 
 def test_random_sequences_with_hot_swaps(harness):

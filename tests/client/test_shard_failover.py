@@ -10,38 +10,22 @@ import threading
 import numpy as np
 import pytest
 
-from aggd_client import AggClient
-from aggd_client.shards import ShardedClient
-from tests.harness.ranks import DictStore, run_ranks
+from tests.harness.ranks import DictStore, run_and_close, sharded_members, userspace_aggregators
 
-userspace = pytest.importorskip("aggd.dataplane.userspace.server")
-model = pytest.importorskip("aggd.core.model")
+pytest.importorskip("aggd.dataplane.userspace.server")
 
 E, JOB, WORLD, CALLS = 256, 6, 2, 10
 
 
 @pytest.fixture
 def aggs():
-    started = []
-    try:
-        for _ in range(2):
-            a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-            a.start()
-            started.append(a)
+    with userspace_aggregators(2, E) as started:
         yield started
-    finally:
-        for a in started:
-            a.close()
 
 
-def sharded(aggs, slots=16, **kw):
-    per_rank = [[AggClient(a.address, JOB, r, WORLD, bind=("127.0.0.1", 0), slots=slots, give_up_after=20.0)
-                 for a in aggs] for r in range(WORLD)]
-    for i, a in enumerate(aggs):
-        a.add_job(model.JobConfig(job=JOB, world=WORLD, slots=slots, max_chunks=1 << 20,
-                                  members={r: per_rank[r][i].address for r in range(WORLD)}, elements=E))
-    store = DictStore(timeout=60)
-    return [ShardedClient(cs, store=store, failover_after=0.5, **kw) for cs in per_rank]
+def sharded(aggs, slots=16):
+    return sharded_members(aggs, JOB, WORLD, E, slots=slots, give_up_after=20.0, store=DictStore(timeout=60),
+                           failover_after=0.5)
 
 
 def tensor(rank, call):
@@ -73,12 +57,7 @@ def test_an_aggregator_dies_between_calls(aggs):
                 barrier.wait(30)   # aggregator 1 dies with every member between calls 3 and 4
             got.append(c.allreduce(tensor(r, call)).copy())
         return got, c.history
-    try:
-        out = run_ranks(clients, work)
-    finally:
-        for c in clients:
-            c.close()
-    check(out, clients, failed_call=4)
+    check(run_and_close(clients, work), clients, failed_call=4)
 
 
 def test_an_aggregator_dies_with_one_member_a_call_behind(aggs):
@@ -97,9 +76,4 @@ def test_an_aggregator_dies_with_one_member_a_call_behind(aggs):
             if r == 0 and call == 3:
                 aggs[1].close()
         return got, c.history
-    try:
-        out = run_ranks(clients, work)
-    finally:
-        for c in clients:
-            c.close()
-    check(out, clients, failed_call=4, behind=True)
+    check(run_and_close(clients, work), clients, failed_call=4, behind=True)

@@ -75,32 +75,16 @@ def test_smoothing_and_checks():
 
 # -- agreement through a store --------------------------------------------------------------------
 
-userspace = pytest.importorskip("aggd.dataplane.userspace.server")
-model = pytest.importorskip("aggd.core.model")
-
-
 def test_members_switch_maps_at_the_same_call(monkeypatch):
     """Two members over two real user-space aggregators, the leader's policy made to see aggregator 1
     as slow: every call of both members is cut by the same map, the switch lands at a multiple of
     rebalance_every, and every sum is right."""
-    from aggd_client import AggClient
-    from aggd_client.shards import ShardedClient
-    from tests.harness.ranks import DictStore, run_ranks
-    JOB = 5
+    pytest.importorskip("aggd.dataplane.userspace.server")   # the client alone has no aggregator
+    from tests.harness.ranks import DictStore, run_and_close, sharded_members, userspace_aggregators
 
-    aggs = []
-    try:
-        for _ in range(2):
-            a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-            a.start()
-            aggs.append(a)
-        world, store = 2, DictStore()
-        per_rank = [[AggClient(a.address, JOB, r, world, bind=("127.0.0.1", 0), slots=16, give_up_after=10.0)
-                     for a in aggs] for r in range(world)]
-        for i, a in enumerate(aggs):
-            a.add_job(model.JobConfig(job=JOB, world=world, slots=16, max_chunks=1 << 20,
-                                      members={r: per_rank[r][i].address for r in range(world)}, elements=E))
-        clients = [ShardedClient(cs, store=store, rebalance_every=3) for cs in per_rank]
+    with userspace_aggregators(2, E) as aggs:
+        world = 2
+        clients = sharded_members(aggs, 5, world, E, store=DictStore(), rebalance_every=3)
         slow = clients[0].policy                          # the leader's: aggregator 1 seen 4x slower
         real = slow.observe
         monkeypatch.setattr(slow, "observe", lambda v, s: real(v, [s[0], s[1] * 4]))
@@ -113,12 +97,7 @@ def test_members_switch_maps_at_the_same_call(monkeypatch):
                 np.testing.assert_array_equal(h.wait(30), x[0] * 3)
                 maps.append(h.shard_map)
             return maps, c.history
-        out = run_ranks(clients, work)
-    finally:
-        for c in clients:
-            c.close()
-        for a in aggs:
-            a.close()
+        out = run_and_close(clients, work)
     (maps0, hist0), (maps1, hist1) = out
     assert maps0 == maps1 and hist0 == hist1
     switched = [call for call, m, _ in hist0[1:]]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from aggd_client import AggClient
 from aggd_client.shards import ShardedClient, ShardMap
-from tests.harness.ranks import run_ranks
+from tests.harness.ranks import run_and_close, sharded_members, userspace_aggregators
 
 E = 256
 
@@ -64,25 +64,12 @@ JOB = 5
 
 @pytest.fixture
 def aggs():
-    started = []
-    try:
-        for _ in range(3):
-            a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-            a.start()
-            started.append(a)
+    with userspace_aggregators(3, E) as started:
         yield started
-    finally:
-        for a in started:
-            a.close()
 
 
-def sharded_clients(aggs, world, weights, **kw):
-    per_rank = [[AggClient(a.address, JOB, r, world, bind=("127.0.0.1", 0), slots=16, give_up_after=10.0, **kw)
-                 for a in aggs] for r in range(world)]
-    for i, a in enumerate(aggs):
-        a.add_job(model.JobConfig(job=JOB, world=world, slots=16, max_chunks=1 << 20,
-                                  members={r: per_rank[r][i].address for r in range(world)}, elements=E))
-    return [ShardedClient(cs, ShardMap(weights)) for cs in per_rank]
+def sharded_clients(aggs, world, weights):
+    return sharded_members(aggs, JOB, world, E, shard_map=ShardMap(weights))
 
 
 @pytest.mark.parametrize("weights", [(1, 1, 1), (1, 3, 0), (2, 1, 5)])
@@ -93,11 +80,7 @@ def test_sums_of_every_size_over_three_aggregators(aggs, weights):
     rng = np.random.default_rng(7)
     tensors = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(world)]
     clients = sharded_clients(aggs, world, weights)
-    try:
-        results = run_ranks(clients, lambda r, c: [c.allreduce(t) for t in tensors[r]])
-    finally:
-        for c in clients:
-            c.close()
+    results = run_and_close(clients, lambda r, c: [c.allreduce(t) for t in tensors[r]])
     for i, n in enumerate(sizes):
         exact = np.sum([tensors[r][i].astype(np.float64) for r in range(world)], axis=0)
         for r in range(world):
@@ -117,17 +100,14 @@ def test_async_calls_overlap_and_out_is_filled(aggs):
     world = 2
     x = [np.full(5 * E + 3, r + 1, np.float32) for r in range(world)]
     clients = sharded_clients(aggs[:2], world, (1, 1))
-    try:
-        def work(r, c):
-            out = np.empty_like(x[r])
-            h = c.allreduce_async(x[r], out=out)
-            assert h.wait(30) is out
-            assert list(h.n_contrib) == [world] * 6 and all(k is not None for k in h.rounds)
-            return out
-        results = run_ranks(clients, work)
-    finally:
-        for c in clients:
-            c.close()
+
+    def work(r, c):
+        out = np.empty_like(x[r])
+        h = c.allreduce_async(x[r], out=out)
+        assert h.wait(30) is out
+        assert list(h.n_contrib) == [world] * 6 and all(k is not None for k in h.rounds)
+        return out
+    results = run_and_close(clients, work)
     for r in range(world):
         np.testing.assert_array_equal(results[r], np.full(5 * E + 3, 3, np.float32))
 

@@ -1,8 +1,11 @@
 """Members of a job as threads of one process, against aggregators on loopback: ``run_ranks`` runs
 one function per member (results by rank, the first member's exception raised), ``DictStore`` is
-the store they share (torch.distributed's ``Store`` calls the sharded client uses)."""
+the store they share (torch.distributed's ``Store`` calls the sharded client uses),
+``userspace_aggregators`` starts real user-space aggregators and ``sharded_members`` makes each
+member's ``ShardedClient`` over them."""
 from __future__ import annotations
 
+import contextlib
 import threading
 
 
@@ -51,3 +54,45 @@ class DictStore:
     def check(self, keys):
         with self.cond:
             return all(k in self.data for k in keys)
+
+
+@contextlib.contextmanager
+def userspace_aggregators(count: int, elements: int):
+    """``count`` real user-space aggregators (aggd.dataplane.userspace.server) on 127.0.0.1."""
+    from aggd.dataplane.userspace.server import UserspaceAggregator
+
+    started = []
+    try:
+        for _ in range(count):
+            a = UserspaceAggregator(bind=("127.0.0.1", 0), elements=elements)
+            a.start()
+            started.append(a)
+        yield started
+    finally:
+        for a in started:
+            a.close()
+
+
+def sharded_members(aggs, job: int, world: int, elements: int, *, slots: int = 16, give_up_after: float = 10.0,
+                    **sharded) -> list:
+    """Per rank a ShardedClient (``sharded``: its keyword arguments) over one AggClient an aggregator
+    of ``aggs``, the job installed on each with those members."""
+    from aggd.core.model import JobConfig
+    from aggd_client import AggClient
+    from aggd_client.shards import ShardedClient
+
+    per_rank = [[AggClient(a.address, job, r, world, bind=("127.0.0.1", 0), slots=slots, give_up_after=give_up_after)
+                 for a in aggs] for r in range(world)]
+    for i, a in enumerate(aggs):
+        a.add_job(JobConfig(job=job, world=world, slots=slots, max_chunks=1 << 20,
+                            members={r: per_rank[r][i].address for r in range(world)}, elements=elements))
+    return [ShardedClient(cs, **sharded) for cs in per_rank]
+
+
+def run_and_close(clients, work, timeout: float = 120.0) -> list:
+    """``run_ranks``, then every client closed (also when a member failed)."""
+    try:
+        return run_ranks(clients, work, timeout)
+    finally:
+        for c in clients:
+            c.close()
