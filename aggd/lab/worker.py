@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from aggd_client import AggClient, ShardedClient, ShardMap, join
+from aggd_client.shards import rejoiner
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding
 
 from aggd.lab import hostcpu
@@ -157,6 +158,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rebalance-every", type=int, help="move partitions between the aggregators every N calls")
     ap.add_argument("--failover-after", type=float,
                     help="drop an aggregator that answers nothing for this many seconds (needs --store)")
+    ap.add_argument("--revive", metavar="CALL:AGGREGATOR",
+                    help="(rank 0, with --token) bring a failed aggregator back from about that call")
     ap.add_argument("--store", type=host_port,
                     help="torch TCPStore the members agree through (rank 0 serves it) for --rebalance-every")
     ap.add_argument("--bind", type=host_port, required=True,
@@ -201,11 +204,14 @@ def main(argv=None) -> int:
             ap.error(f"--weights: {len(args.weights)} weights for {k} aggregators")
         binds = [(args.bind[0], args.bind[1] + i if args.bind[1] else 0) for i in range(k)]
         clients = []
+        rejoin = None
         if args.token is not None:
             job = int(args.job) if args.job.isdigit() else args.job
+            options = {"window": args.window, "gso": not args.no_gso, "give_up_after": args.give_up_after}
             for server, bind in zip(args.server, binds):
                 clients.append(join(server, job, args.rank, args.token, bind=bind, timeout=args.give_up_after,
-                                    window=args.window, gso=not args.no_gso, give_up_after=args.give_up_after))
+                                    **options))
+            rejoin = rejoiner(args.server, job, args.rank, args.token, args.bind[0], args.give_up_after, options)
             info = clients[0].job_info
             args.world, args.elements = info.world, info.elements
             terms = info.world * info.headroom
@@ -231,7 +237,8 @@ def main(argv=None) -> int:
                              timeout=datetime.timedelta(seconds=args.give_up_after * 4))
         client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k), store=store,
                                                          rebalance_every=args.rebalance_every,
-                                                         failover_after=args.failover_after)
+                                                         failover_after=args.failover_after, rejoin=rejoin)
+    revive = None if args.revive is None else tuple(int(t) for t in args.revive.split(":"))
     status = 0
     with client:
         if args.prime:
@@ -253,6 +260,8 @@ def main(argv=None) -> int:
                     held, held_files = rss(), mapped_file_rss()
                 if i == args.warmup and host0 is None:
                     host0 = hostcpu.snapshot()
+                if revive is not None and args.rank == 0 and i == revive[0] and revive[1] in client.dead:
+                    client.revive(revive[1])
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer

@@ -53,7 +53,8 @@ class ShardedClient:
 
     def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None, *,
                  store=None, rebalance_every: int | None = None, policy: RebalancePolicy | None = None,
-                 leader: int = 0, prefix: str = "aggd/shards/", failover_after: float | None = None):
+                 leader: int = 0, prefix: str = "aggd/shards/", failover_after: float | None = None,
+                 rejoin=None):
         self.clients = list(clients)
         if not self.clients:
             raise ValueError("a sharded client needs at least one aggregator's client")
@@ -96,6 +97,9 @@ class ShardedClient:
         self._switch: tuple[int, ShardMap, str] | None = None   # a map to take from a call on
         self._kept: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # last parts' results, by aggregator
         self._store, self._prefix = store, prefix
+        # rejoin(i) -> (server, JobInfo, member address, client options): a failed aggregator back
+        self._rejoin_fn = rejoin
+        self._revive: dict[int, float | None] = {}   # the leader's requests: aggregator -> weight
         self._every = None if rebalance_every is None else int(rebalance_every)
         self._leader = int(leader)
         self.policy = policy if policy is not None else (
@@ -179,10 +183,19 @@ class ShardedClient:
         key = f"{self._prefix}{call}"
         if self.rank == self._leader:
             d = self.policy.decide(self.shard_map)
-            chosen = d.shard_map or self.shard_map
-            log.info("shard map at call %d: %s", call, d.reason)
+            chosen, reason, back = d.shard_map or self.shard_map, d.reason, []
+            if self._revive and self._switch is None:   # (not while a failover's map is pending)
+                back = sorted(i for i in self._revive if i in self.dead)
+                weights = list(chosen.weights)
+                for i in back:
+                    weights[i] = self._revive[i] or max(weights)
+                self._revive.clear()
+                if back:
+                    chosen = ShardMap(tuple(weights), chosen.version + 1)
+                    reason = f"aggregator{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} back"
+            log.info("shard map at call %d: %s", call, reason)
             self._store.set(key, json.dumps({"version": chosen.version, "weights": list(chosen.weights),
-                                             "reason": d.reason}))
+                                             "reason": reason, "revive": back}))
         if self.failover_after is not None:
             # between calls, a failover may be under way: the members a call behind need this one
             everyone = range(self.clients[0]._world)
@@ -192,6 +205,8 @@ class ShardedClient:
                 else:
                     time.sleep(0.005)
         doc = json.loads(self._store.get(key))
+        for i in doc.get("revive", []):
+            self._rejoin(i, call)
         if doc["version"] == self.shard_map.version:
             return
         new = ShardMap(tuple(doc["weights"]), int(doc["version"]))
@@ -202,7 +217,33 @@ class ShardedClient:
         self.history.append((call, new, doc["reason"]))
         log.info("shard map version %d from call %d: %s", new.version, call, doc["reason"])
 
-    # -- failover ----------------------------------------------------------------------------------
+    # -- failover and back ---------------------------------------------------------------------------
+    def revive(self, aggregator: int, weight: float | None = None) -> None:
+        """(The leader.) Bring a failed-over aggregator back at the next agreed call: every member
+        joins it again (``rejoin``: ``join_all`` gives one), they agree on its first round through
+        the store, and the map gives it ``weight`` (default the largest weight in use)."""
+        if self.rank != self._leader:
+            raise ValueError(f"only the leader (rank {self._leader}) brings an aggregator back")
+        if not self._every:
+            raise ValueError("bringing an aggregator back needs rebalance_every (its agreed calls)")
+        if aggregator not in self.dead:
+            raise ValueError(f"aggregator {aggregator} has not failed (failed: {sorted(self.dead)})")
+        self._revive[aggregator] = weight
+
+    def _rejoin(self, i: int, call: int) -> None:
+        """Join aggregator ``i`` again and start its rounds where every member agrees."""
+        if self._rejoin_fn is None:
+            raise AggdError(f"aggregator {i} is back in the map, but this member cannot join it again "
+                            f"(ShardedClient needs rejoin=; join_all gives one)")
+        server, info, address, options = self._rejoin_fn(i)
+        key = f"{self._prefix}revive/{call}/{i}/"
+        self._store.set(f"{key}{self.rank}", str(int(info.round)))
+        first = max(int(self._store.get(f"{key}{r}")) for r in range(self.clients[0]._world))
+        from .membership import client_for
+        self.clients[i] = client_for(server, info, address, self.rank, first_round=first, **options)
+        self.dead.discard(i)
+        log.warning("aggregator %d back from call %d (its rounds from %d)", i, call, first)
+
     def _replacement(self) -> int:
         """The aggregator that takes a failed one's parts: the first live one the map gives weight."""
         live = [i for i, w in enumerate(self.shard_map.weights) if w > 0 and i not in self.dead]
@@ -439,10 +480,12 @@ class ShardedHandle:
 
 def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, token: str, *,
              weights: Sequence[float] | None = None, bind_host: str = "0.0.0.0", timeout: float = 5.0,
-             store=None, rebalance_every: int | None = None, **client_options) -> ShardedClient:
+             store=None, rebalance_every: int | None = None, failover_after: float | None = None,
+             **client_options) -> ShardedClient:
     """Join job ``job`` (name or id) on every aggregator in ``servers`` with its one token, and
-    return a ``ShardedClient`` over them (``weights``: the shard map's, default even; ``store`` and
-    ``rebalance_every``: see ``ShardedClient``)."""
+    return a ``ShardedClient`` over them (``weights``: the shard map's, default even; ``store``,
+    ``rebalance_every`` and ``failover_after``: see ``ShardedClient``; it can join a failed
+    aggregator again when the leader calls ``revive``)."""
     from .membership import join
 
     clients: list[AggClient] = []
@@ -450,8 +493,20 @@ def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, toke
         for server in servers:
             clients.append(join(server, job, rank, token, bind=(bind_host, 0), timeout=timeout, **client_options))
         return ShardedClient(clients, None if weights is None else ShardMap(tuple(weights)), store=store,
-                             rebalance_every=rebalance_every)
+                             rebalance_every=rebalance_every, failover_after=failover_after,
+                             rejoin=rejoiner(servers, job, rank, token, bind_host, timeout, client_options))
     except BaseException:
         for c in clients:
             c.close()
         raise
+
+
+def rejoiner(servers: Sequence[tuple[str, int]], job: int | str, rank: int, token: str, bind_host: str,
+             timeout: float, client_options: dict):
+    """``ShardedClient``'s ``rejoin``: JOIN aggregator ``i`` again from a new port of ``bind_host``."""
+    from .membership import request_join
+
+    def rejoin(i: int):
+        info, address = request_join(servers[i], job, rank, token, bind=(bind_host, 0), timeout=timeout)
+        return servers[i], info, address, dict(client_options)
+    return rejoin

@@ -44,3 +44,51 @@ def test_a_job_on_two_daemons_joined_with_one_token(make_lab, make_daemon):
         released = shown["paths"]["kernel"]["counters"]["released"]
         chunks = sum(-(-(m.cuts(n, 256)[i + 1] - m.cuts(n, 256)[i]) // 256) for n in SIZES)
         assert released == 2 * chunks, (i, shown["paths"]["kernel"]["counters"])
+
+
+def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon):
+    """Two daemons, 4 workers with failover after 1 s and agreed maps every 4 calls: the second
+    host's link goes down (the members fail over to the first), comes back, and rank 0 brings the
+    host back at call 60: every member joins it again and its rounds go on there. Every sum right,
+    every member's calls cut alike."""
+    import threading
+    import time
+
+    lab = make_lab(4, aggregators=2)
+    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
+               for i in range(2)]
+    job = daemons[0].call("jobs.create", name="ha", world=4)
+    daemons[1].call("jobs.create", name="ha", world=4, token=job["token"])
+
+    def released(i):
+        return daemons[i].call("jobs.show", job="ha")["paths"]["kernel"]["counters"]["released"]
+
+    events = {}
+
+    def outage():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and released(1) < 5 * 256:
+            time.sleep(0.02)   # about 5 calls in
+        lab.set_aggregator_link(1, up=False)
+        events["down"] = released(1)
+        time.sleep(3)          # the members fail over meanwhile
+        lab.set_aggregator_link(1, up=True)
+        events["up"] = released(1)
+
+    t = threading.Thread(target=outage, daemon=True)
+    t.start()
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="ha", token=job["token"],
+                                   weights=(1, 1), rebalance_every=4, failover_after=1.0),
+                       timeout=300, extra=["--sizes", str(1 << 18), "--rounds", "80", "--revive", "60:1",
+                                           "--give-up-after", "30"])
+    t.join(10)
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(r.records) == 80 and all(rec["within_bound"] for rec in r.records)
+    per_call = [[tuple(rec["shard_weights"]) for rec in r.records] for r in runs]
+    assert all(calls == per_call[0] for calls in per_call)
+    w = per_call[0]
+    gone = [i for i, x in enumerate(w) if x[1] == 0]
+    assert gone and w[-1][1] > 0 and gone[-1] < 64, (w, events)    # dropped, then back by call 64
+    assert events["up"] == events["down"]          # nothing reached it while it was away
+    assert released(1) > events["up"]              # and its rounds went on once back
