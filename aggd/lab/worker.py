@@ -160,6 +160,8 @@ def main(argv=None) -> int:
                     help="drop an aggregator that answers nothing for this many seconds (needs --store)")
     ap.add_argument("--revive", metavar="CALL:AGGREGATOR",
                     help="(rank 0, with --token) bring a failed aggregator back from about that call")
+    ap.add_argument("--add", metavar="CALL:HOST:PORT",
+                    help="(rank 0, with --token) add that aggregator (the job registered there) from about that call")
     ap.add_argument("--store", type=host_port,
                     help="torch TCPStore the members agree through (rank 0 serves it) for --rebalance-every")
     ap.add_argument("--bind", type=host_port, required=True,
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
                                                          rebalance_every=args.rebalance_every,
                                                          failover_after=args.failover_after, rejoin=rejoin)
     revive = None if args.revive is None else tuple(int(t) for t in args.revive.split(":"))
+    add = None if args.add is None else args.add.split(":")
     status = 0
     with client:
         if args.prime:
@@ -262,6 +265,8 @@ def main(argv=None) -> int:
                     host0 = hostcpu.snapshot()
                 if revive is not None and args.rank == 0 and i == revive[0] and revive[1] in client.dead:
                     client.revive(revive[1])
+                if add is not None and args.rank == 0 and i == int(add[0]):
+                    client.add_aggregator((add[1], int(add[2])))
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer

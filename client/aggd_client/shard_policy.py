@@ -40,6 +40,12 @@ class RebalancePolicy:
         self.rates: list[float | None] = [None] * aggregators
         self.streak = 0
 
+    def grow(self) -> None:
+        """One more aggregator (scale out): its rate is not known yet."""
+        self.k += 1
+        self.rates.append(None)
+        self.streak = 0
+
     def observe(self, values: Sequence[int], seconds: Sequence[float]) -> None:
         """One call: the values each aggregator's part held (0: it had none) and its seconds."""
         if len(values) != self.k or len(seconds) != self.k:

@@ -100,6 +100,8 @@ class ShardedClient:
         # rejoin(i) -> (server, JobInfo, member address, client options): a failed aggregator back
         self._rejoin_fn = rejoin
         self._revive: dict[int, float | None] = {}   # the leader's requests: aggregator -> weight
+        self._add: list[tuple[tuple[str, int], float | None]] = []   # the leader's: new aggregators
+        self._asked: tuple[float, ...] | None = None   # the leader's: weights asked for (set_weights)
         self._every = None if rebalance_every is None else int(rebalance_every)
         self._leader = int(leader)
         self.policy = policy if policy is not None else (
@@ -184,6 +186,20 @@ class ShardedClient:
         if self.rank == self._leader:
             d = self.policy.decide(self.shard_map)
             chosen, reason, back = d.shard_map or self.shard_map, d.reason, []
+            if self._asked is not None and self._switch is None:
+                chosen = ShardMap(tuple(0 if i in self.dead else w for i, w in enumerate(self._asked)),
+                                  self.shard_map.version + 1)
+                reason = f"weights {chosen.weights} asked for"
+                self._asked = None
+            added = []
+            if self._add and self._switch is None:
+                weights = list(chosen.weights)
+                for server, weight in self._add:
+                    weights.append(weight or max(weights))
+                    added.append(list(server))
+                self._add.clear()
+                chosen = ShardMap(tuple(weights), chosen.version + 1)
+                reason = f"aggregator{'s' if len(added) > 1 else ''} {', '.join(f'{h}:{p}' for h, p in added)} added"
             if self._revive and self._switch is None:   # (not while a failover's map is pending)
                 back = sorted(i for i in self._revive if i in self.dead)
                 weights = list(chosen.weights)
@@ -192,10 +208,11 @@ class ShardedClient:
                 self._revive.clear()
                 if back:
                     chosen = ShardMap(tuple(weights), chosen.version + 1)
-                    reason = f"aggregator{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} back"
+                    reason = (f"{reason}; " if added else "") + \
+                        f"aggregator{'s' if len(back) > 1 else ''} {', '.join(map(str, back))} back"
             log.info("shard map at call %d: %s", call, reason)
             self._store.set(key, json.dumps({"version": chosen.version, "weights": list(chosen.weights),
-                                             "reason": reason, "revive": back}))
+                                             "reason": reason, "revive": back, "add": added}))
         if self.failover_after is not None:
             # between calls, a failover may be under way: the members a call behind need this one
             everyone = range(self.clients[0]._world)
@@ -205,6 +222,8 @@ class ShardedClient:
                 else:
                     time.sleep(0.005)
         doc = json.loads(self._store.get(key))
+        for server in doc.get("add", []):
+            self._join_new((str(server[0]), int(server[1])), call)
         for i in doc.get("revive", []):
             self._rejoin(i, call)
         if doc["version"] == self.shard_map.version:
@@ -230,19 +249,57 @@ class ShardedClient:
             raise ValueError(f"aggregator {aggregator} has not failed (failed: {sorted(self.dead)})")
         self._revive[aggregator] = weight
 
-    def _rejoin(self, i: int, call: int) -> None:
-        """Join aggregator ``i`` again and start its rounds where every member agrees."""
+    def set_weights(self, weights: Sequence[float]) -> None:
+        """(The leader.) The map's weights from the next agreed call (a 0 drains that aggregator:
+        scale in); failed aggregators stay at 0."""
+        if self.rank != self._leader:
+            raise ValueError(f"only the leader (rank {self._leader}) sets the weights")
+        if not self._every:
+            raise ValueError("setting the weights needs rebalance_every (its agreed calls)")
+        m = ShardMap(tuple(weights))
+        if len(m.weights) != len(self.clients):
+            raise ValueError(f"{len(m.weights)} weights for {len(self.clients)} aggregators")
+        self._asked = m.weights
+
+    def add_aggregator(self, server: tuple[str, int], weight: float | None = None) -> None:
+        """(The leader.) Scale out: at the next agreed call every member joins the job on ``server``
+        too (the job registered there with the same token), and the map gives it ``weight``
+        (default the largest weight in use)."""
+        if self.rank != self._leader:
+            raise ValueError(f"only the leader (rank {self._leader}) adds an aggregator")
+        if not self._every:
+            raise ValueError("adding an aggregator needs rebalance_every (its agreed calls)")
+        self._add.append(((str(server[0]), int(server[1])), weight))
+
+    def _joined(self, target, call: int, what: str) -> AggClient:
+        """A client of aggregator ``target`` (an index, or a new server), its first round agreed."""
         if self._rejoin_fn is None:
-            raise AggdError(f"aggregator {i} is back in the map, but this member cannot join it again "
+            raise AggdError(f"aggregator {target} is in the map, but this member cannot join it "
                             f"(ShardedClient needs rejoin=; join_all gives one)")
-        server, info, address, options = self._rejoin_fn(i)
-        key = f"{self._prefix}revive/{call}/{i}/"
+        server, info, address, options = self._rejoin_fn(target)
+        key = f"{self._prefix}{what}/{call}/{len(self.clients) if what == 'add' else target}/"
         self._store.set(f"{key}{self.rank}", str(int(info.round)))
         first = max(int(self._store.get(f"{key}{r}")) for r in range(self.clients[0]._world))
         from .membership import client_for
-        self.clients[i] = client_for(server, info, address, self.rank, first_round=first, **options)
+        client = client_for(server, info, address, self.rank, first_round=first, **options)
+        if info.elements != self.elements or info.world != self.clients[0]._world:
+            client.close()
+            raise AggdError(f"the job on {server[0]}:{server[1]} has {info.world} members and {info.elements} "
+                            f"values a packet, not {self.clients[0]._world} and {self.elements}")
+        return client
+
+    def _rejoin(self, i: int, call: int) -> None:
+        """Join aggregator ``i`` again and start its rounds where every member agrees."""
+        self.clients[i] = self._joined(i, call, "revive")
         self.dead.discard(i)
-        log.warning("aggregator %d back from call %d (its rounds from %d)", i, call, first)
+        log.warning("aggregator %d back from call %d", i, call)
+
+    def _join_new(self, server: tuple[str, int], call: int) -> None:
+        """Scale out: one more aggregator from ``call`` on."""
+        self.clients.append(self._joined(server, call, "add"))
+        if self.policy is not None:
+            self.policy.grow()
+        log.warning("aggregator %s:%d added from call %d", server[0], server[1], call)
 
     def _replacement(self) -> int:
         """The aggregator that takes a failed one's parts: the first live one the map gives weight."""
@@ -503,10 +560,18 @@ def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, toke
 
 def rejoiner(servers: Sequence[tuple[str, int]], job: int | str, rank: int, token: str, bind_host: str,
              timeout: float, client_options: dict):
-    """``ShardedClient``'s ``rejoin``: JOIN aggregator ``i`` again from a new port of ``bind_host``."""
+    """``ShardedClient``'s ``rejoin``: JOIN aggregator ``i`` again, or a new one (a server: it then
+    becomes the next index), from a new port of ``bind_host``."""
     from .membership import request_join
 
-    def rejoin(i: int):
-        info, address = request_join(servers[i], job, rank, token, bind=(bind_host, 0), timeout=timeout)
-        return servers[i], info, address, dict(client_options)
+    known = list(servers)
+
+    def rejoin(target):
+        if isinstance(target, int):
+            server = known[target]
+        else:
+            server = tuple(target)
+            known.append(server)
+        info, address = request_join(server, job, rank, token, bind=(bind_host, 0), timeout=timeout)
+        return server, info, address, dict(client_options)
     return rejoin

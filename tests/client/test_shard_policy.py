@@ -58,6 +58,16 @@ def test_floor_and_drained_aggregators():
     assert p.decide(ShardMap((1, 0, 0))).reason == "one aggregator in use: nothing to balance"
 
 
+def test_a_new_aggregator_is_measured_before_it_moves_anything():
+    p = RebalancePolicy(2, alpha=1.0, patience=1)
+    observe(p, (100, 100))
+    p.grow()
+    d = p.decide(ShardMap((1, 1, 1)))
+    assert d.shard_map is None and d.reason == "no service rate yet for aggregator 2"
+    observe(p, (100, 100, 300))
+    assert p.decide(ShardMap((1, 1, 1))).shard_map.weights == (200, 200, 600)
+
+
 def test_smoothing_and_checks():
     p = RebalancePolicy(2, alpha=0.5)
     observe(p, (100, 100))
@@ -103,3 +113,29 @@ def test_members_switch_maps_at_the_same_call(monkeypatch):
     switched = [call for call, m, _ in hist0[1:]]
     assert switched and all(c % 3 == 0 for c in switched)
     assert maps0[-1].weights[0] > 2 * maps0[-1].weights[1], hist0
+
+
+def test_the_leader_drains_an_aggregator_by_its_weights():
+    """Scale in: the leader sets aggregator 1's weight to 0; from the next agreed call no member
+    gives it a part."""
+    pytest.importorskip("aggd.dataplane.userspace.server")
+    from tests.harness.ranks import DictStore, run_and_close, sharded_members, userspace_aggregators
+
+    with userspace_aggregators(2, E) as aggs:
+        clients = sharded_members(aggs, 5, 2, E, store=DictStore(), rebalance_every=2)
+        with pytest.raises(ValueError, match="only the leader"):
+            clients[1].set_weights((1, 0))
+        x = np.ones(10 * E, np.float32)
+
+        def work(r, c):
+            weights = []
+            for call in range(8):
+                if r == 0 and call == 3:
+                    c.set_weights((1, 0))
+                np.testing.assert_array_equal(c.allreduce(x), x * 2)
+                weights.append(c.shard_map.weights)
+            return weights
+        out = run_and_close(clients, work)
+        assert out[0] == out[1] and out[0][:4] == [(1, 1)] * 4 and out[0][4:] == [(1, 0)] * 4, out
+        drained = aggs[1].job_stats(5).counters["released"]
+        assert drained == 4 * 5   # 5 chunks a call on aggregator 1 in calls 0-3, none after

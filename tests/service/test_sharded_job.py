@@ -92,3 +92,27 @@ def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon):
     assert gone and w[-1][1] > 0 and gone[-1] < 64, (w, events)    # dropped, then back by call 64
     assert events["up"] == events["down"]          # nothing reached it while it was away
     assert released(1) > events["up"]              # and its rounds went on once back
+
+
+def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
+    """Scale out: the job is registered on three daemons with one token; the workers start on the
+    first two, and rank 0 adds the third at call 12. From one agreed call on every member cuts its
+    tensors in three and the third host releases rounds; every sum right."""
+    lab = make_lab(4, aggregators=3)
+    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
+               for i in range(3)]
+    job = daemons[0].call("jobs.create", name="grow", world=4)
+    for d in daemons[1:]:
+        d.call("jobs.create", name="grow", world=4, token=job["token"])
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="grow", token=job["token"],
+                                   weights=(1, 1), rebalance_every=4),
+                       timeout=300, extra=["--sizes", str(1 << 16), "--rounds", "30", "--give-up-after", "30",
+                                           "--add", f"12:{lab.agg_ip_of(2)}:{job['port']}"])
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(r.records) == 30 and all(rec["within_bound"] for rec in r.records)
+    per_call = [[len(rec["shard_weights"]) for rec in r.records] for r in runs]
+    assert all(calls == per_call[0] for calls in per_call)
+    assert per_call[0][:12] == [2] * 12 and per_call[0][16:] == [3] * 14, per_call[0]
+    shown = daemons[2].call("jobs.show", job="grow")
+    assert shown["joined"] == 4 and shown["paths"]["kernel"]["counters"]["released"] > 0
