@@ -166,3 +166,29 @@ def test_ddp_hook_gives_the_model_gloo_gives_within_the_quantisation_bound(aggre
     # the test means something only if training moved the model well beyond the bound (bfloat16's
     # 8-bit mantissa makes its bound wide: a few times is all it can show)
     assert moved > (2 if dtype == "bfloat16" else 10) * bound
+
+
+def test_the_hook_reduces_buckets_through_a_sharded_client():
+    """The comm hook takes a ShardedClient as it takes an AggClient: DDP-like buckets of unequal
+    sizes, each cut between two real user-space aggregators, come back as the mean."""
+    from tests.harness.ranks import run_and_close, sharded_members, userspace_aggregators
+
+    world, sizes = 2, [2410, 1, 700, 2410]
+    rng = np.random.default_rng(9)
+    buckets = [[torch.tensor(rng.standard_normal(n), dtype=torch.float32) for n in sizes] for _ in range(world)]
+    with userspace_aggregators(2, E) as aggs:
+        clients = sharded_members(aggs, 23, world, E)
+
+        def work(r, c):
+            state = AggdHookState(c)
+            try:
+                return [state.submit(i, b).wait() for i, b in enumerate(buckets[r])]
+            finally:
+                state.close()
+        out = run_and_close(clients, work)
+        assert all(a.job_stats(23).counters["released"] > 0 for a in aggs)
+    for i, n in enumerate(sizes):
+        exact = (buckets[0][i].double() + buckets[1][i].double()).numpy() / world
+        for r in range(world):
+            np.testing.assert_allclose(out[r][i].numpy(), exact, atol=1e-5)
+        assert torch.equal(out[0][i], out[1][i])
