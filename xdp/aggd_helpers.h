@@ -31,6 +31,11 @@ static __always_inline void mac_copy(__u8 *dst, const __u8 *src)
 	*(__u16 *)(dst + 4) = *(const __u16 *)(src + 4);
 }
 
+static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
+{
+	return *(const __u32 *)a == *(const __u32 *)b && *(const __u16 *)(a + 4) == *(const __u16 *)(b + 4);
+}
+
 /* Turn a worker's packet into one for the job's multicast group: source becomes this host. */
 static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					     struct job_cfg *cfg)

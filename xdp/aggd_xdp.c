@@ -168,8 +168,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		return XDP_PASS;
 	__u32 zero_key = 0;
 	struct self_addr *me = self_addr.lookup(&zero_key);
-	if (me && me->set && !(eth->h_dest[0] & 1) &&
-	    (*(__u32 *)eth->h_dest != *(__u32 *)me->mac || *(__u16 *)(eth->h_dest + 4) != *(__u16 *)(me->mac + 4)))
+	if (me && me->set && !(eth->h_dest[0] & 1) && !mac_equal(eth->h_dest, me->mac))
 		return XDP_PASS; /* another host's frame, flooded to us: the stack drops it */
 
 	/* From here on the packet is ours: it is aggregated, answered, passed up, or dropped and counted. */

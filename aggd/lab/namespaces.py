@@ -274,9 +274,9 @@ class Lab:
         self._check_aggregator(i)
         return f"02:77:00:00:00:{1 + i:02x}"
 
-    @staticmethod
-    def agg_port_of(i: int) -> str:
+    def agg_port_of(self, i: int) -> str:
         """The bridge's port to aggregator i."""
+        self._check_aggregator(i)
         return "sw-agg" if i == 0 else f"sw-agg{i}"
 
     def _check_aggregator(self, i: int) -> None:
@@ -450,7 +450,6 @@ class Lab:
         """Limit the bridge's link to aggregator ``i`` to ``mbit`` Mbit/s towards it (a token bucket;
         None: no limit): an aggregator host behind a slower link."""
         port = self.agg_port_of(i)
-        self._check_aggregator(i)
         if mbit is None:
             subprocess.run(["ip", "netns", "exec", self.switch_ns, "tc", "qdisc", "del", "dev", port, "root"],
                            capture_output=True)

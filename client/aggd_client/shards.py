@@ -23,6 +23,7 @@ import numpy as np
 
 from .client import AggClient, AllreduceHandle, WouldBlock
 from .errors import AggdError
+from .membership import client_for, join, request_join
 from .shard_map import ShardMap
 from .shard_policy import RebalancePolicy
 from .strategy import StrategyInfo
@@ -237,14 +238,18 @@ class ShardedClient:
         log.info("shard map version %d from call %d: %s", new.version, call, doc["reason"])
 
     # -- failover and back ---------------------------------------------------------------------------
+    def _leader_request(self, what: str) -> None:
+        """A change only the leader asks for, published at the next agreed call."""
+        if self.rank != self._leader:
+            raise ValueError(f"only the leader (rank {self._leader}) {what}")
+        if not self._every:
+            raise ValueError(f"the leader {what} at agreed calls: it needs rebalance_every")
+
     def revive(self, aggregator: int, weight: float | None = None) -> None:
         """(The leader.) Bring a failed-over aggregator back at the next agreed call: every member
         joins it again (``rejoin``: ``join_all`` gives one), they agree on its first round through
         the store, and the map gives it ``weight`` (default the largest weight in use)."""
-        if self.rank != self._leader:
-            raise ValueError(f"only the leader (rank {self._leader}) brings an aggregator back")
-        if not self._every:
-            raise ValueError("bringing an aggregator back needs rebalance_every (its agreed calls)")
+        self._leader_request("brings an aggregator back")
         if aggregator not in self.dead:
             raise ValueError(f"aggregator {aggregator} has not failed (failed: {sorted(self.dead)})")
         self._revive[aggregator] = weight
@@ -252,10 +257,7 @@ class ShardedClient:
     def set_weights(self, weights: Sequence[float]) -> None:
         """(The leader.) The map's weights from the next agreed call (a 0 drains that aggregator:
         scale in); failed aggregators stay at 0."""
-        if self.rank != self._leader:
-            raise ValueError(f"only the leader (rank {self._leader}) sets the weights")
-        if not self._every:
-            raise ValueError("setting the weights needs rebalance_every (its agreed calls)")
+        self._leader_request("sets the weights")
         m = ShardMap(tuple(weights))
         if len(m.weights) != len(self.clients):
             raise ValueError(f"{len(m.weights)} weights for {len(self.clients)} aggregators")
@@ -265,10 +267,7 @@ class ShardedClient:
         """(The leader.) Scale out: at the next agreed call every member joins the job on ``server``
         too (the job registered there with the same token), and the map gives it ``weight``
         (default the largest weight in use)."""
-        if self.rank != self._leader:
-            raise ValueError(f"only the leader (rank {self._leader}) adds an aggregator")
-        if not self._every:
-            raise ValueError("adding an aggregator needs rebalance_every (its agreed calls)")
+        self._leader_request("adds an aggregator")
         self._add.append(((str(server[0]), int(server[1])), weight))
 
     def _joined(self, target, call: int, what: str) -> AggClient:
@@ -280,7 +279,6 @@ class ShardedClient:
         key = f"{self._prefix}{what}/{call}/{len(self.clients) if what == 'add' else target}/"
         self._store.set(f"{key}{self.rank}", str(int(info.round)))
         first = max(int(self._store.get(f"{key}{r}")) for r in range(self.clients[0]._world))
-        from .membership import client_for
         client = client_for(server, info, address, self.rank, first_round=first, **options)
         if info.elements != self.elements or info.world != self.clients[0]._world:
             client.close()
@@ -481,7 +479,7 @@ class ShardedHandle:
         progress: dict[int, tuple[int, float]] = {}
         failover = self._owner.failover_after is not None and self._dest is not None
         while pending:
-            if failover and len(pending) >= 1:
+            if failover:
                 stalled = self._stalled(progress, time.monotonic())
                 if stalled:
                     self._owner._fail_over(self, stalled)
@@ -543,8 +541,6 @@ def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, toke
     return a ``ShardedClient`` over them (``weights``: the shard map's, default even; ``store``,
     ``rebalance_every`` and ``failover_after``: see ``ShardedClient``; it can join a failed
     aggregator again when the leader calls ``revive``)."""
-    from .membership import join
-
     clients: list[AggClient] = []
     try:
         for server in servers:
@@ -562,8 +558,6 @@ def rejoiner(servers: Sequence[tuple[str, int]], job: int | str, rank: int, toke
              timeout: float, client_options: dict):
     """``ShardedClient``'s ``rejoin``: JOIN aggregator ``i`` again, or a new one (a server: it then
     becomes the next index), from a new port of ``bind_host``."""
-    from .membership import request_join
-
     known = list(servers)
 
     def rejoin(target):
