@@ -86,7 +86,9 @@ enum aggd_counter {
 	AGGD_COUNTER_CARRIED = 9,
 	AGGD_COUNTER_TIMEOUTS = 10,
 	AGGD_COUNTER_PARTIALS = 11,
-	AGGD_COUNTER__COUNT = 12,
+	AGGD_COUNTER_FORWARDED = 12,
+	AGGD_COUNTER_RELAYED = 13,
+	AGGD_COUNTER__COUNT = 14,
 };
 
 /* Header fields are big-endian; the int32 payload that follows is little-endian. */
@@ -104,7 +106,7 @@ struct aggd_hdr {
 	__u8 flags;	/* Flag bits */
 	__u8 code;	/* NackCode in NACKs, 0 otherwise */
 	__be64 contributors;	/* results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none */
-	__be16 n_contrib;	/* contributions summed in a result (may exceed popcount under wbsp) */
+	__be16 n_contrib;	/* results: contributions summed (may exceed popcount under wbsp); contributions: how many one holds (a rack aggregator's partial sum), 0 from a worker (counts as 1) */
 	__be16 step;	/* local step within the round (wbsp); 0 otherwise */
 	__u8 strategy;	/* StrategyKind that governed the round (results), so clients adapt */
 	__u8 param;	/* that strategy's parameter: quorum k or ssp staleness */

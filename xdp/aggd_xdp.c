@@ -182,8 +182,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (h->version != AGGD_VERSION)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_VERSION);
 	__u8 type = h->type;
-	if (type == AGGD_MSG_TYPE_JOIN)
-		return XDP_PASS; /* membership is the daemon's business */
+	if (type == AGGD_MSG_TYPE_JOIN || type == AGGD_MSG_TYPE_JOIN_ACK || type == AGGD_MSG_TYPE_RESULT)
+		return XDP_PASS; /* membership, and a rack job's upper results, are the daemon's business */
 	if (type != AGGD_MSG_TYPE_CONTRIB && type != AGGD_MSG_TYPE_REREAD)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
@@ -254,6 +254,9 @@ int aggd_xdp(struct xdp_md *ctx)
 	__s16 exp_in = (__s16)ntohs(HDR(h, __be16, exponent));
 	__u32 step = ntohs(HDR(h, __be16, step));
 	__u32 skip = ntohs(HDR(h, __be16, skip));
+	/* a rack aggregator's partial sum holds that many contributions; a worker's (0) one */
+	__u16 weight = ntohs(HDR(h, __be16, n_contrib));
+	weight = weight ? weight : 1;
 	int retransmit = h->flags & AGGD_FLAG_RETRANSMIT;
 	struct strategy_entry *st_new = strategy_for(cfg, round);
 	__u64 now = clock_now();
@@ -548,7 +551,7 @@ int aggd_xdp(struct xdp_md *ctx)
 				v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
 			}
 		}
-		b->n_contrib++;
+		b->n_contrib += weight;
 		if (sc->released)
 			b->state = BANK_RELEASED;
 	}

@@ -193,6 +193,9 @@ class JobConfig:
     #: Each member's tag (given in its JOIN_ACK), which its contributions and re-reads carry in
     #: ``contributors``; a rank without one has tag 0.
     tags: dict[int, int] = field(default_factory=dict)
+    #: A rack job: complete rounds go up to this aggregator as one contribution, and its results
+    #: come back down to the members (docs/protocol.md, "Two levels"). None: results are final here.
+    upstream: Upstream | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < MAX_JOBS:
@@ -209,10 +212,34 @@ class JobConfig:
         self.tags = {int(r): check_tag(t) for r, t in self.tags.items() if t}
         if self.group is not None:
             self.group = _addr(self.group)
+        if self.upstream is not None:
+            self.upstream = replace(self.upstream, addr=_addr(self.upstream.addr))
 
 
 def _addr(a: Addr) -> Addr:
     return (str(a[0]), int(a[1]))
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """Where a rack job's sums go (docs/protocol.md, "Two levels"): the upper aggregator's address
+    and, once the rack has joined the upper job there, that job's id and the rack's rank and member
+    tag in it. Until then (``job`` None) a complete round waits, forwarded but unsent: the members'
+    retransmissions send it once the link is up."""
+    addr: Addr
+    job: int | None = None
+    rank: int = 0
+    tag: int = 0
+
+    @property
+    def linked(self) -> bool:
+        return self.job is not None
+
+
+def check_upstream_table(job: int, entries: list[TableEntry]) -> None:
+    """A rack job is ``sync`` at every level: a partial sum goes up once, when every member is in."""
+    if any(StrategyKind(e.kind) != StrategyKind.SYNC for e in entries):
+        raise ValueError(f"job {job} forwards its sums to an upper aggregator: only sync serves it")
 
 
 def check_tag(tag: int) -> int:
@@ -243,6 +270,9 @@ class BankState(enum.IntEnum):
     EMPTY = 0
     OPEN = 1
     RELEASED = 2
+    #: A rack job's round complete here and sent up as one contribution: its result is the upper
+    #: aggregator's (docs/protocol.md, "Two levels"). Open for admission, not a bank to reuse.
+    FORWARDED = 3
 
 
 @dataclass
@@ -260,14 +290,16 @@ class Bank:
     param: int = 0
     timeout_us: int = 0
     t_first: int = 0                   #: ns, when the bank opened
+    skip: int = 0                      #: the opening packet's ``skip`` (a rack forwards it upwards)
     unannounced: bool = False          #: released by its deadline, not yet sent to the group
     #: Opened by a carry and no member's own contribution yet: a holding area for late gradients
     #: that takes no part in the slot's key order or admission and whose deadline has not started.
     holding: bool = False
     steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
 
-    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False) -> None:
+    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False, skip: int = 0) -> None:
         self.state, self.key, self.t_first, self.holding = BankState.OPEN, key, now, holding
+        self.skip = skip
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
         self.bitmap = self.late = self.n_contrib = self.flags = 0
@@ -275,10 +307,10 @@ class Bank:
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
 
-    def adopt(self, key: Key, entry: TableEntry) -> None:
+    def adopt(self, key: Key, entry: TableEntry, skip: int = 0) -> None:
         """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
         carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
-        self.key = key
+        self.key, self.skip = key, skip
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
 
@@ -363,12 +395,14 @@ class Slot:
         return max((b.key for b in self.banks if b.state != BankState.EMPTY and not b.holding), default=None)
 
     def open_banks(self, holding: bool = False) -> list[Bank]:
-        """Open banks; with ``holding``, the holding ones too."""
-        return [b for b in self.banks if b.state == BankState.OPEN and (holding or not b.holding)]
+        """Banks still without a result (open, or forwarded to the upper aggregator); with
+        ``holding``, the holding ones too."""
+        return [b for b in self.banks if b.state in (BankState.OPEN, BankState.FORWARDED)
+                and (holding or not b.holding)]
 
     def n_free(self) -> int:
         """Banks a new round may take: empty or released."""
-        return sum(b.state != BankState.OPEN for b in self.banks)
+        return sum(b.state in (BankState.EMPTY, BankState.RELEASED) for b in self.banks)
 
     def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
@@ -532,6 +566,8 @@ class AggregatorModel:
         self.jobs: dict[int, JobState] = {}
         self._drops: dict[int, np.ndarray] = {NO_JOB: _zero_drops()}
         self.on_release: ReleaseObserver | None = None
+        #: (upper job, upper address) -> the rack job whose results come from there
+        self._downstream: dict[tuple[int, Addr], int] = {}
 
     # -- registry ------------------------------------------------------------------------------
     def add_job(self, cfg: JobConfig) -> None:
@@ -542,14 +578,37 @@ class AggregatorModel:
                              f"the aggregator has {self.elements}")
         cfg = replace(cfg, members=dict(cfg.members), tags=dict(cfg.tags))  # ours to mutate (set_member)
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
+        if cfg.upstream is not None:
+            check_upstream_table(cfg.job, table)
         elements = self.elements
         slots = Slots(cfg.slots, lambda s: new_slot(elements))   # made as packets reach them
         self.jobs[cfg.job] = JobState(cfg, slots, table, awaited=(1 << cfg.world) - 1)
         self._drops[cfg.job] = _zero_drops()
+        self._route_upstream(cfg.job)
 
     def remove_job(self, job: int) -> None:
         self.jobs.pop(job, None)
         self._drops.pop(job, None)
+        self._route_upstream(job)
+
+    def set_upstream(self, job: int, upstream: Upstream) -> None:
+        """The rack job's link to its upper aggregator (``Upstream.job`` set once it has joined)."""
+        cfg = self.jobs[job].cfg
+        if cfg.upstream is None:
+            raise ValueError(f"job {job} was not made a rack job (JobConfig.upstream)")
+        cfg.upstream = replace(upstream, addr=_addr(upstream.addr))
+        self._route_upstream(job)
+
+    def relays(self, upper_job: int, src: Addr) -> bool:
+        """Is a result of job ``upper_job`` from ``src`` one of our rack jobs' upper results?"""
+        return (upper_job, _addr(src)) in self._downstream
+
+    def _route_upstream(self, job: int) -> None:
+        self._downstream = {k: j for k, j in self._downstream.items() if j != job}
+        state = self.jobs.get(job)
+        up = state.cfg.upstream if state is not None else None
+        if up is not None and up.linked:
+            self._downstream[(up.job, up.addr)] = job
 
     def set_member(self, job: int, rank: int, addr: Addr | None, tag: int = 0) -> None:
         """Register ``rank``'s address and tag (``addr`` None: unregister it)."""
@@ -574,7 +633,10 @@ class AggregatorModel:
     def set_strategy(self, job: int, entries: list[TableEntry]) -> None:
         """Replace the job's strategy table with exactly these rows (what the data planes store;
         ``StrategyTable.table_entries()`` makes them). Open banks keep the row they opened with."""
-        self.jobs[job].table = check_table(entries)
+        entries = check_table(entries)
+        if self.jobs[job].cfg.upstream is not None:
+            check_upstream_table(job, entries)
+        self.jobs[job].table = entries
 
     def strategy_table(self, job: int) -> list[TableEntry]:
         return list(self.jobs[job].table)
@@ -612,8 +674,11 @@ class AggregatorModel:
             return self._drop(NO_JOB, DropReason.BAD_MAGIC)
         if hdr.version != VERSION:
             return self._drop(NO_JOB, DropReason.BAD_VERSION)
-        if hdr.type == MsgType.JOIN and not self.userspace:
-            return Verdict("pass")      # membership is the daemon's business
+        if hdr.type in (MsgType.JOIN, MsgType.JOIN_ACK, MsgType.RESULT) and not self.userspace:
+            # membership is the daemon's business, and so, so far, are a rack's upper results
+            return Verdict("pass")
+        if hdr.type == MsgType.RESULT:
+            return self._from_upstream(data, hdr, src, now_ns)
         if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD):
             return self._drop(NO_JOB, DropReason.BAD_TYPE)
         held = (size - HEADER_SIZE) // 4
@@ -643,6 +708,23 @@ class AggregatorModel:
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
+    def _from_upstream(self, data, hdr: Header, src: Addr, now: int) -> Verdict:
+        """A result of the upper aggregator for one of our rack jobs (docs/protocol.md, "Two
+        levels"): a result from anywhere else is ``bad_type``, as aggregators take no results."""
+        state = self.jobs.get(self._downstream.get((hdr.job, _addr(src)), NO_JOB))
+        if state is None:
+            return self._drop(NO_JOB, DropReason.BAD_TYPE)
+        held = (len(data) - HEADER_SIZE) // 4
+        if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
+            return self._drop(NO_JOB, DropReason.BAD_COUNT)
+        cfg = state.cfg
+        state.count("rx_packets")
+        state.count("rx_bytes", len(data))
+        if hdr.chunk >= cfg.max_chunks:
+            return self._drop(cfg.job, DropReason.BAD_CHUNK)
+        values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
+        return self._relay(state, state.slots[hdr.chunk % cfg.slots], hdr, values)
+
     def _slot_rules(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray, src: Addr,
                     now: int) -> Verdict:
         """docs/protocol.md, "Per contribution K = (round, chunk) from member X"."""
@@ -651,6 +733,8 @@ class AggregatorModel:
                 job.count("timeouts")
                 bank.unannounced = True
                 self._release(job, bank, "timeout")
+            elif bank.settled(job.awaited) and job.cfg.upstream is not None:
+                bank.state = BankState.FORWARDED   # sent up by the next retransmission to it
             elif bank.settled(job.awaited):
                 bank.unannounced = True
                 self._release(job, bank, "complete")
@@ -668,6 +752,8 @@ class AggregatorModel:
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
             return self._contribute(job, bank, hdr, values, src, fresh=False, now=now)
         if bank is not None:                                                     # rule 2
+            if bank.counted(hdr.rank, hdr.step) and bank.state == BankState.FORWARDED:
+                return self._forward(job, bank, hdr, retransmit=True)   # the upper lost it, or we its answer
             if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
@@ -702,14 +788,14 @@ class AggregatorModel:
         entry = governing(job.table, key[0])
         held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
         if held is not None:      # the carries wait for the chunk's next round: this one
-            held.adopt(key, entry)
+            held.adopt(key, entry, skip)
             return held
         if not admits(entry, slot, key[0]):
             return None
         bank = slot.free_bank()
         if bank is None:
             return None
-        bank.open(key, entry, now)
+        bank.open(key, entry, now, skip=skip)
         return bank
 
     def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
@@ -722,6 +808,9 @@ class AggregatorModel:
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
             bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
+        if bank.complete(job.awaited) and job.cfg.upstream is not None:
+            bank.state = BankState.FORWARDED
+            return self._forward(job, bank, hdr, retransmit=False)
         if bank.complete(job.awaited):
             self._release(job, bank, "complete")
             return self._to_group(job, self._result(job, bank, hdr))
@@ -786,7 +875,8 @@ class AggregatorModel:
             bank.exponent = hdr.exponent
         else:
             bank.exponent = self.arith.accumulate(bank.values, bank.exponent, values, hdr.exponent)
-        bank.n_contrib = (bank.n_contrib + 1) & 0xFFFF
+        # a rack aggregator's partial sum counts as the contributions it holds (0: a worker's one)
+        bank.n_contrib = (bank.n_contrib + max(1, hdr.n_contrib)) & 0xFFFF
         job.count("contributions")
         job.count("elements", hdr.count)
 
@@ -810,6 +900,7 @@ class AggregatorModel:
         values, overflow = self.arith.narrow(bank.values)
         if overflow:
             extra_flags |= Flag.OVERFLOW
+        if (bank.flags | extra_flags) & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
             job.count("overflows")
         out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
                      chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
@@ -817,6 +908,36 @@ class AggregatorModel:
                      contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
                      param=bank.param)
         return out.pack() + values.tobytes()
+
+    def _forward(self, job: JobState, bank: Bank, hdr: Header, retransmit: bool) -> Verdict:
+        """A rack job's complete round, up to its upper aggregator as one contribution that holds
+        ``n_contrib`` of them (again, flagged retransmit, when a member retransmits into it)."""
+        up = job.cfg.upstream
+        if up is None or not up.linked:
+            return Verdict("drop", job=job.cfg.job)      # kept: sent once the rack has joined
+        values, overflow = self.arith.narrow(bank.values)
+        if overflow:
+            bank.flags |= Flag.OVERFLOW                  # the members learn it from the result
+        out = Header(type=MsgType.CONTRIB, job=up.job, rank=up.rank, round=bank.key[0], chunk=bank.key[1],
+                     count=hdr.count, exponent=bank.exponent, flags=Flag.RETRANSMIT if retransmit else 0,
+                     contributors=up.tag, n_contrib=bank.n_contrib, skip=bank.skip).pack()
+        job.count("forwarded")
+        return Verdict("tx", None, out + values.tobytes(), "upstream", (up.addr,), job.cfg.job)
+
+    def _relay(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray) -> Verdict:
+        """The upper aggregator's result of a forwarded round: kept in its bank (the members' re-reads
+        and retransmissions are answered from it) and sent to the rack's members; a second copy
+        (the answer to a re-send) goes to them again."""
+        bank = slot.bank_of((hdr.round, hdr.chunk))
+        if bank is None or bank.state not in (BankState.FORWARDED, BankState.RELEASED):
+            return self._drop(job.cfg.job, DropReason.STALE)
+        if bank.state == BankState.FORWARDED:
+            self.arith.load(bank.values, values)
+            bank.exponent, bank.n_contrib = hdr.exponent, hdr.n_contrib
+            bank.flags |= hdr.flags & (Flag.OVERFLOW | Flag.CARRIED)
+            self._release(job, bank, "complete")
+        job.count("relayed")
+        return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job)))
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
         cfg = job.cfg

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
-from aggd_client.quant import HEADROOM, MAX_HEADROOM
+from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_TERMS
 
 from aggd.core import strategy as strat
 
@@ -56,6 +56,64 @@ class Limits:
     max_job_memory: int = 256 << 20   #: most bytes of sums a job's slots may take ([jobs] max_job_memory)
     max_chunks: int = 1 << 24
     gso: bool = True                  #: workers may send with UDP GSO (false in generic mode)
+
+
+@dataclass(frozen=True)
+class UpstreamSpec:
+    """A rack job's upper aggregator (docs/hierarchy.md): the job ``job`` (name or id) on the aggd at
+    ``server``, joined with ``token`` as rank ``rank``; ``span`` is every worker under the top, whose
+    contributions one result holds (the rack's members quantise for them)."""
+    server: Addr
+    job: str
+    token: str
+    rank: int
+    span: int
+
+    def to_json(self) -> dict:
+        return {"server": list(self.server), "job": self.job, "token": self.token, "rank": self.rank,
+                "span": self.span}
+
+    def describe(self) -> dict:
+        """What operators see: everything but the token."""
+        d = self.to_json()
+        d.pop("token")
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "UpstreamSpec":
+        return cls((str(d["server"][0]), int(d["server"][1])), str(d["job"]), str(d["token"]), int(d["rank"]),
+                   int(d["span"]))
+
+
+def upstream_spec(d, world: int) -> UpstreamSpec:
+    """The ``upstream`` of a job-create request, checked: RegistryError naming the key and why."""
+    if not isinstance(d, dict):
+        raise RegistryError(f"upstream must be an object with server, job, token, rank and span, not {d!r}",
+                            "bad_request")
+    missing = [k for k in ("server", "job", "token", "rank", "span") if k not in d]
+    if missing:
+        raise RegistryError(f"upstream: missing {', '.join(missing)}", "bad_request")
+    server = d["server"]
+    if isinstance(server, str):
+        host, _, port = server.rpartition(":")
+        server = [host, int(port)] if port.isdigit() else [server, None]
+    try:
+        ipaddress.IPv4Address(server[0])
+        ok = len(server) == 2 and _is_int(server[1]) and 0 < server[1] < 65536
+    except (ValueError, TypeError, IndexError, KeyError):
+        ok = False
+    if not ok:
+        raise RegistryError(f"upstream.server must be IPV4:PORT, not {d['server']!r}", "bad_request")
+    if not isinstance(d["job"], str) or not (_NAME.fullmatch(d["job"]) or d["job"].isdigit()):
+        raise RegistryError(f"upstream.job must be the upper job's name or id, not {d['job']!r}", "bad_request")
+    if not isinstance(d["token"], str) or not 1 <= len(d["token"]) <= 128:
+        raise RegistryError("upstream.token must be the upper job's token (1 to 128 characters)", "bad_request")
+    if not _is_int(d["rank"]) or not 0 <= d["rank"] < MAX_MEMBERS:
+        raise RegistryError(f"upstream.rank must be 0..{MAX_MEMBERS - 1}, not {d['rank']!r}", "bad_request")
+    if not _is_int(d["span"]) or not world <= d["span"] <= MAX_SPAN:
+        raise RegistryError(f"upstream.span (workers under the top aggregator) must be {world}..{MAX_SPAN}, "
+                            f"not {d['span']!r}", "bad_request")
+    return UpstreamSpec((str(server[0]), int(server[1])), d["job"], d["token"], int(d["rank"]), int(d["span"]))
 
 
 @dataclass
@@ -105,11 +163,18 @@ class Job:
     #: "reason": why, "round": the job's round then (or the round it rejoined at)}. Rounds stop
     #: waiting for them (``awaited``) until they keep pace again.
     gone: dict[int, dict] = field(default_factory=dict)
+    #: A rack job: its complete rounds go up to this aggregator (docs/hierarchy.md); None: a flat job.
+    upstream: UpstreamSpec | None = None
 
     # -- derived ---------------------------------------------------------------------------------
     @property
     def userspace_slots(self) -> int:
         return self.slots - self.kernel_slots
+
+    @property
+    def span(self) -> int:
+        """Workers whose contributions one result holds: the tree's for a rack job."""
+        return self.upstream.span if self.upstream is not None else self.world
 
     @property
     def strategy(self) -> strat.Strategy:
@@ -145,7 +210,7 @@ class Job:
                 "group": list(self.group) if self.group else None,
                 "port": self.port, "elements": self.elements, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
-                "strategy_version": self.strategy_version, "headroom": self.headroom}
+                "strategy_version": self.strategy_version, "headroom": self.headroom, "span": self.span}
 
     def describe(self, with_token: bool = True) -> dict:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
@@ -157,7 +222,8 @@ class Job:
              "placement": self.placement(),
              "members": {str(r): m.describe() for r, m in sorted(self.members.items())},
              "joined": len(self.members), "created_at": self.created_at,
-             "gone": {str(r): dict(g) for r, g in sorted(self.gone.items())}}
+             "gone": {str(r): dict(g) for r, g in sorted(self.gone.items())},
+             "upstream": self.upstream.describe() if self.upstream is not None else None}
         if with_token:
             d["token"] = self.token
         return d
@@ -169,6 +235,7 @@ class Job:
         d["kernel_base"] = self.kernel_base
         d["strategies"] = [list(e) for e in self.strategies]
         d["members"] = [m.to_json() for _, m in sorted(self.members.items())]
+        d["upstream"] = self.upstream.to_json() if self.upstream is not None else None
         return d
 
     @classmethod
@@ -182,6 +249,8 @@ class Job:
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
         job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"])}
                     for r, g in d.get("gone", {}).items()}
+        if d.get("upstream"):
+            job.upstream = UpstreamSpec.from_json(d["upstream"])
         return job
 
 
@@ -195,6 +264,10 @@ class JoinOutcome:
     changed: bool = False
     #: the rank had joined before: a restarted worker (a live client never joins twice)
     rejoined: bool = False
+
+
+#: Most workers one result may sum (a rack job's ``span``): what quantisation leaves room for.
+MAX_SPAN = MAX_TERMS // MAX_HEADROOM
 
 
 def _is_int(value) -> bool:
@@ -284,11 +357,12 @@ class Registry:
     # -- jobs ------------------------------------------------------------------------------------
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
-               token: str | None = None, now: float = 0.0) -> Job:
+               token: str | None = None, upstream: dict | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
         strategy; less gives finer sums but refuses the strategies that need more); ``token``: the
-        job's token (None: a new one), so a job sharded over several aggregator hosts has one."""
+        job's token (None: a new one), so a job sharded over several aggregator hosts has one;
+        ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span)."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -316,6 +390,9 @@ class Registry:
         if not _is_int(headroom) or not 1 <= headroom <= MAX_HEADROOM:
             raise RegistryError(f"headroom must be 1..{MAX_HEADROOM}, not {headroom!r}", "bad_request")
         parsed = _valid_strategy(strategy, world, headroom)
+        spec = None if upstream is None else upstream_spec(upstream, world)
+        if spec is not None and parsed.kind != strat.StrategyKind.SYNC:
+            raise RegistryError(f"strategy {str(parsed)!r}: a rack job (upstream) is sync only", "bad_strategy")
         if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
             raise RegistryError("token must be 32 to 128 letters, digits, '_' or '-' (the token of the "
                                 "same job on another aggregator host)", "bad_request")
@@ -325,7 +402,8 @@ class Registry:
         job_id = free_ids[0]
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
-        same_size = elements == lim.elements
+        # A rack job's rounds are forwarded by the user-space path (the XDP program does not forward).
+        same_size = elements == lim.elements and spec is None
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
@@ -333,7 +411,7 @@ class Registry:
                   max_chunks=lim.max_chunks, elements=elements, group=group,
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
-                  headroom=headroom)
+                  headroom=headroom, upstream=spec)
         self.jobs[job_id] = job
         return job
 

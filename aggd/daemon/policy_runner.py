@@ -122,7 +122,8 @@ class PolicyRunner:
                 if obs is None:
                     continue
                 pol.sync_with(current)
-                if not self._cfg().auto_switch or not rules.manages(job.name, pol.own):
+                # a rack job is sync at every level: not the policy's to switch
+                if not self._cfg().auto_switch or job.upstream is not None or not rules.manages(job.name, pol.own):
                     continue
                 decision = pol.step(obs, current, now)
                 if decision is None:

@@ -42,7 +42,9 @@ from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
+from aggd.core.model import Upstream
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
+from aggd.daemon.upstream import UpstreamLinks
 
 log = logging.getLogger("aggd")
 
@@ -140,6 +142,7 @@ class Service:
         self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
         self.registry = Registry(self._limits(config))
         self.departures: dict[int, int] = {}   # job id -> members declared gone since start
+        self.upstream = UpstreamLinks(self)    # rack jobs' links to their upper aggregators
         self.state_path = Path(config.state.dir) / STATE_FILE
 
     def _limits(self, cfg: Config) -> Limits:
@@ -171,10 +174,12 @@ class Service:
         with _netns(netns):  # sockets stay in the namespace they were made in
             self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
                                           extra_binds=((self.address, dpc.userspace_port),),
-                                          handlers={int(proto.MsgType.JOIN): self._on_join},
+                                          handlers={int(proto.MsgType.JOIN): self._on_join,
+                                                    int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack},
                                           keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
         self._restore()
         self.us.start()
+        self.upstream.start()
         from aggd.daemon.policy_runner import PolicyRunner
         self.policy = PolicyRunner(self).start()
         if dpc.kind == "p4":
@@ -265,6 +270,7 @@ class Service:
         if self.policy is not None:
             self.policy.stop()
             self.policy = None
+        self.upstream.stop()
         planes, self.dp, self.us = self.planes[::-1], None, None
         failed = None
         for plane in planes:  # the user-space path first: it answers what XDP passes on
@@ -320,6 +326,7 @@ class Service:
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
                                     members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
                                     elements=job.elements,
+                                    upstream=Upstream(job.upstream.server) if job.upstream is not None else None,
                                     # the user-space path keeps this job's slots across restarts
                                     identity=f"{job.name}@{job.created_at!r}")
         for plane in self.planes:
@@ -338,6 +345,13 @@ class Service:
             self._install_strategies(job, table)
         if job.gone:
             self._set_awaited(job)
+        if job.upstream is not None:
+            self.upstream.want(job)
+
+    def listen_for(self, group: tuple[str, int]) -> None:
+        """The user-space path also serves what arrives for ``group`` (a rack job's upper results)."""
+        with _netns(self.config.dataplane.netns or None):   # its socket lives where the others do
+            self.us.listen(group, self.address)
 
     def _set_awaited(self, job: Job) -> None:
         """Tell every data plane which members the job's rounds wait for (DataPlaneError: one
@@ -444,7 +458,8 @@ class Service:
         "status": {},
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
-                        "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?"},
+                        "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?",
+                        "upstream": "object?"},
         "jobs.delete": {"job": "job"},
         "jobs.show": {"job": "job"},
         "workers": {"job": "job"},
@@ -556,9 +571,10 @@ class Service:
         return [self._summary(j) for j in self.registry.list()]
 
     def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
-                        headroom=None, token=None):
+                        headroom=None, token=None, upstream=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
-                                   kernel_slots=kernel_slots, headroom=headroom, token=token, now=time.time())
+                                   kernel_slots=kernel_slots, headroom=headroom, token=token, upstream=upstream,
+                                   now=time.time())
         try:
             self._apply(job)
         except BaseException:
@@ -574,6 +590,7 @@ class Service:
     def cmd_jobs_delete(self, job):
         j = self.registry.delete(job)
         self.departures.pop(j.id, None)
+        self.upstream.drop(j.id)
         # its members' JOIN history: a job created later may get the same id
         self._rejoins.pop(j.id, None)
         for key in [k for k in self._answered_joins if k[0] == j.id]:
@@ -588,6 +605,8 @@ class Service:
         j = self._job(job)
         d = j.describe()
         d["paths"] = self._paths(j)
+        if j.upstream is not None:
+            d["upstream"]["link"] = self.upstream.describe(j.id)
         d["dataplane"] = self.config.dataplane.kind    # the "kernel" path is the switch's with "p4"
         top, _ = self._rounds(j)
         d["round"] = top
@@ -656,6 +675,9 @@ class Service:
             parsed = strat.parse(strategy)
         except strat.StrategyError as exc:
             raise ControlError("bad_strategy", f"job {j.name}: bad strategy {strategy!r}: {exc}") from None
+        if j.upstream is not None and parsed.kind != strat.StrategyKind.SYNC:
+            raise ControlError("bad_strategy", f"job {j.name} forwards its sums to an upper aggregator (a rack "
+                                               f"job): sync only, not {strategy!r}")
 
         def install(version: int, first: int) -> None:
             saved = list(j.strategies)

@@ -131,6 +131,14 @@ class DataPlane(abc.ABC):
         declared gone (``aggd.core.model.AggregatorModel.set_awaited``)."""
         raise DataPlaneError(f"{type(self).__name__} cannot release rounds without a member")
 
+    def set_upstream(self, job: int, upstream) -> None:
+        """A rack job's link to its upper aggregator (``aggd.core.model.Upstream``): complete rounds
+        go up there and its results come back down (docs/protocol.md, "Two levels"). A data plane
+        that holds none of the job's slots has nothing to do; one that holds some and cannot forward
+        refuses."""
+        if self.allocation(job)[1]:
+            raise DataPlaneError(f"{type(self).__name__} does not forward to an upper aggregator")
+
     def check_strategies(self, entries) -> None:
         """Raise DataPlaneError if this data plane cannot run these strategy rows (checked before
         anything changes anywhere)."""

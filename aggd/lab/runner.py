@@ -45,6 +45,11 @@ class LabJob:
     #: Fail over from an aggregator that answers nothing for this many seconds (aggd_client.shards),
     #: agreeing through the same store.
     failover_after: float | None = None
+    #: Served by the lab's aggregator ``aggregator`` (one aggregator: no ``weights``).
+    aggregator: int = 0
+    #: Rank ``i`` contributes the tensors of worker ``tensor_rank_base + i`` (a rack job: the
+    #: racks' workers are one span of tensors, whose sum every worker checks).
+    tensor_rank_base: int = 0
 
     @property
     def world(self) -> int:
@@ -88,7 +93,8 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
     ``on_record(rank, record)`` is called as each worker reports (progress bars)."""
     with LabProcesses(lab, f"lab workers of job {job.job}", on_record=on_record, env=env) as workers:
         k = job.aggregators
-        servers = ",".join(f"{lab.agg_ip_of(i)}:{server_port}" for i in range(k))
+        first = job.aggregator if job.weights is None else 0
+        servers = ",".join(f"{lab.agg_ip_of(first + i)}:{server_port}" for i in range(k))
         shards = [] if job.weights is None else ["--weights", ",".join(str(w) for w in job.weights)]
         if job.rebalance_every is not None:
             shards += ["--rebalance-every", str(job.rebalance_every)]
@@ -105,7 +111,8 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
                        "--elements", str(elements), "--slots", str(job.slots)]
             workers.start(lab.worker_ns(w), [
                 sys.executable, "-m", "aggd.lab.worker", "--server", servers,
-                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank), *who, *shards,
+                "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank),
+                "--tensor-rank", str(job.tensor_rank_base + rank), *who, *shards,
                 *([] if gso else ["--no-gso"]), *extra])
         return workers.wait(timeout)
 

@@ -168,6 +168,9 @@ def main(argv=None) -> int:
                     help="member address; with several aggregators the port of the first, then the next ports")
     ap.add_argument("--job", required=True, help="job id; or its name with --token")
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--tensor-rank", type=int,
+                    help="contribute worker N's tensors (default: --rank): a rack job's worker is one of "
+                         "the tree's span, each with its own tensors, and checks the sum of them all")
     ap.add_argument("--world", type=int, help="members (not with --token: the join answer says)")
     ap.add_argument("--token", help="join the daemon's job with this token (aggd_client.join)")
     ap.add_argument("--sizes", default="256", help="comma-separated element counts")
@@ -215,8 +218,9 @@ def main(argv=None) -> int:
                                     **options))
             rejoin = rejoiner(args.server, job, args.rank, args.token, args.bind[0], args.give_up_after, options)
             info = clients[0].job_info
-            args.world, args.elements = info.world, info.elements
-            terms = info.world * info.headroom
+            # a rack job's sums hold every worker under its upper aggregator: the span's
+            args.world, args.elements = info.span or info.world, info.elements
+            terms = args.world * info.headroom
             print(f"rank {args.rank} joined: {[c.job_info for c in clients]}", file=sys.stderr, flush=True)
         else:
             if args.world is None:
@@ -251,8 +255,8 @@ def main(argv=None) -> int:
             for n, (size, i) in enumerate(steps):
                 out = None  # the previous result is not held through this round
                 if x is None or not args.reuse or x.shape != (size,):
-                    x = tensor(args.seed, args.rank, size, dtype, 0 if args.reuse else i, args.pattern,
-                               args.elements)
+                    x = tensor(args.seed, args.rank if args.tensor_rank is None else args.tensor_rank, size, dtype,
+                               0 if args.reuse else i, args.pattern, args.elements)
                 if args.gloo is not None:
                     client.load(x)  # gloo reduces in place
                 elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):

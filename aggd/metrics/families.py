@@ -64,6 +64,10 @@ COUNTERS: dict[str, Family] = {
     "carried": counter("aggd_carried_contributions", "Late contributions carried into a later round", JP),
     "timeouts": counter("aggd_quorum_timeouts", "Rounds released by a quorum deadline", JP),
     "partials": counter("aggd_partial_results", "Running sums sent before release (async)", JP),
+    "forwarded": counter("aggd_forwarded_sums", "A rack job's partial sums sent up to its upper aggregator "
+                                                "(re-sends included)", JP),
+    "relayed": counter("aggd_relayed_results", "The upper aggregator's results passed on to the rack's "
+                                               "members", JP),
 }
 #: Counters exported for the kernel path only (no ``path`` label).
 KERNEL_ONLY = {"to_userspace"}

@@ -124,7 +124,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     contribution carries (the JOIN_ACK's: ``join`` passes it; 0 for a member configured without a
     JOIN). ``headroom``: contributions per member every round is quantised for, whatever the
     strategy (the JOIN_ACK's: ``join`` passes it); None: as many as the strategy in force puts in a
-    round (``quant.terms_for``), for an aggregator whose strategy never changes.
+    round (``quant.terms_for``), for an aggregator whose strategy never changes. ``span``: the
+    workers whose contributions one result holds, when that is more than ``world`` (a rack job under
+    an upper aggregator: the JOIN_ACK's ``span``, which ``join`` passes); None: ``world``.
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -133,7 +135,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
-                 catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None):
+                 catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
+                 span: int | None = None):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -152,6 +155,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError("tag must be a u64 (the JOIN_ACK's)")
         if headroom is not None and not 1 <= int(headroom) <= quant.MAX_HEADROOM:
             raise ValueError(f"headroom must be in 1..{quant.MAX_HEADROOM}, got {headroom}")
+        if span is not None and not int(world) <= int(span) <= quant.MAX_TERMS // quant.MAX_HEADROOM:
+            raise ValueError(f"span must be in {int(world)}..{quant.MAX_TERMS // quant.MAX_HEADROOM}, got {span}")
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
@@ -165,6 +170,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             info = StrategyInfo(StrategyKind(strategy))
         self._server = (socket.gethostbyname(server[0]), int(server[1]))
         self._job, self._rank, self._world = int(job), int(rank), int(world)
+        self._span = int(world) if span is None else int(span)   # what every round is quantised for
         self._tag = int(tag)
         self._headroom = None if headroom is None else int(headroom)
         self._elements = int(elements)

@@ -51,6 +51,9 @@ class JobInfo:
     #: Contributions per member every round of the job is quantised for, whatever the strategy
     #: (docs/protocol.md, "Quantisation and the error bound").
     headroom: int = quant.MAX_HEADROOM
+    #: Workers whose contributions one result holds: ``world``, or for a rack job under an upper
+    #: aggregator every worker under it (docs/protocol.md, "Two levels"); 0: not said (``world``).
+    span: int = 0
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -61,7 +64,8 @@ class JobInfo:
                        elements=int(d["elements"]), slots=int(d["slots"]), max_chunks=int(d["max_chunks"]),
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
                        gso=bool(d.get("gso", True)), round=int(d.get("round", 0)),
-                       tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)))
+                       tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)),
+                       span=int(d.get("span", 0)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
 
@@ -225,6 +229,7 @@ def client_for(server: tuple[str, int], info: JobInfo, address: tuple[str, int],
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
                        bind=address, elements=info.elements, slots=info.slots,
                        **{"first_round": info.round, "tag": info.tag, "headroom": info.headroom,
+                          "span": info.span or None,
                           **client_options})
     client.job_info = info
     return client

@@ -218,7 +218,7 @@ class ResultHandler:
         flags = h["flags"]
         if (flags & _OVERFLOW).any():
             j = int(np.argmax((flags & _OVERFLOW) != 0))
-            terms = None if self._headroom is None else self._world * self._headroom
+            terms = None if self._headroom is None else self._span * self._headroom
             self._fail_round(rnd, AggregationOverflowError(self._server, self._job,
                                                            int(rounds[j]), int(chunks[j]),
                                                            int(h["n_contrib"][j]), terms))

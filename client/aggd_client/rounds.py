@@ -119,7 +119,7 @@ class _Send:
         self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
         # headroom for what the result may hold: the job's, fixed, so that a round quantised under one
         # strategy and governed by another (a swap not yet seen) never holds more than that
-        self.terms = (c._world * c._headroom if c._headroom is not None else quant.terms_for(c._world, kind))
+        self.terms = (c._span * c._headroom if c._headroom is not None else quant.terms_for(c._span, kind))
         self.fq, self.jq = quant._q_frexp(c._world, self.terms)
         self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
         self.ring: _Ring | None = c._take_ring(self.R)

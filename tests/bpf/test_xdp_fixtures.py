@@ -200,7 +200,7 @@ MALFORMED = [
     ("too short", lambda: frame(_hdr())[:14 + 20 + 8 + 20], None, DropReason.TOO_SHORT, None),
     ("bad magic", lambda: frame(_hdr(magic=0x1234), elements=ELEMENTS), None, DropReason.BAD_MAGIC, None),
     ("bad version", lambda: frame(_hdr(version=9), elements=ELEMENTS), None, DropReason.BAD_VERSION, None),
-    ("result sent to aggregator", lambda: frame(_hdr(type=MsgType.RESULT), elements=ELEMENTS), None,
+    ("nack sent to aggregator", lambda: frame(_hdr(type=MsgType.NACK), elements=ELEMENTS), None,
      DropReason.BAD_TYPE, None),
     ("count zero", lambda: frame(_hdr(count=0), elements=ELEMENTS), None, DropReason.BAD_COUNT, None),
     ("count beyond packet", lambda: frame(_hdr(count=20), elements=10), None, DropReason.BAD_COUNT, None),
@@ -222,6 +222,16 @@ MALFORMED = [
     ("chunk beyond max_chunks", lambda: frame(_hdr(chunk=1 << 20), elements=ELEMENTS), 1,
      DropReason.BAD_CHUNK, None),
 ]
+
+
+@pytest.mark.parametrize("kind", [MsgType.RESULT, MsgType.JOIN_ACK])
+def test_results_and_join_answers_are_passed_to_the_daemon(dp, kind):
+    """A rack job's upper results and the JOIN_ACK of its link come to the daemon (which refuses a
+    result from anyone but a rack job's upper aggregator, as bad_type)."""
+    before = dp.job_stats(None).drops
+    res = run(dp, frame(_hdr(type=kind), elements=ELEMENTS))
+    assert res.verdict_name == "pass"
+    assert dp.job_stats(None).drops == before
 
 
 @pytest.mark.parametrize("name,make,bucket,reason,nack", MALFORMED, ids=[m[0] for m in MALFORMED])

@@ -236,7 +236,6 @@ MALFORMED = [
     ("bad magic", _with(magic=0xA66E), addr(0), DropReason.BAD_MAGIC, NO_JOB, None),
     ("bad magic before version", _with(magic=0, version=9), addr(0), DropReason.BAD_MAGIC, NO_JOB, None),
     ("bad version", _with(version=VERSION + 1), addr(0), DropReason.BAD_VERSION, NO_JOB, None),
-    ("type result", _with(type=MsgType.RESULT), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
     ("type nack", _with(type=MsgType.NACK), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
     ("type 0", _with(type=0), addr(0), DropReason.BAD_TYPE, NO_JOB, None),
     ("count 0", _with(count=0), addr(0), DropReason.BAD_COUNT, NO_JOB, None),
@@ -256,6 +255,16 @@ MALFORMED = [
     ("chunk huge", _with(chunk=2**32 - 1), addr(0), DropReason.BAD_CHUNK, 1, None),
     ("bad chunk re-read", _with(type=MsgType.REREAD, chunk=8), addr(0), DropReason.BAD_CHUNK, 1, None),
 ]
+
+
+def test_results_and_join_answers_go_to_the_daemon_in_the_kernel_and_are_refused_in_user_space():
+    """An aggregator takes results only from a rack job's upper aggregator (docs/protocol.md, "Two
+    levels"), which the daemon serves; in user space a result from anywhere else is bad_type."""
+    for t in (MsgType.RESULT, MsgType.JOIN_ACK, MsgType.JOIN):
+        assert model().process(_with(type=t), addr(0)).action == "pass"
+    us = model(userspace=True)
+    v = us.process(_with(type=MsgType.RESULT), addr(0))
+    assert v.action == "drop" and v.reason == DropReason.BAD_TYPE and v.job == NO_JOB
 
 
 @pytest.mark.parametrize("name,data,src,reason,bucket,code", MALFORMED, ids=[c[0] for c in MALFORMED])

@@ -44,14 +44,34 @@ def list_(as_json):
                    f"strategy; 1: two bits finer sums, sync/ssp/async only; 2: also quorum).")
 @click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
                                 "hosts is created on each with the token the first one printed.")
+@click.option("--upstream", metavar="HOST:PORT/JOB",
+              help="Make it a rack job: its complete rounds go up to job JOB (name or id) of the aggd at "
+                   "HOST:PORT, which this daemon joins (docs/hierarchy.md). Needs the three options below.")
+@click.option("--upstream-token", help="The upper job's token.")
+@click.option("--upstream-rank", type=click.IntRange(0, MAX_MEMBERS - 1), help="This rack's rank in the upper job.")
+@click.option("--span", type=click.IntRange(1), help="Workers under the upper aggregator, every rack's: the "
+                                                     "members quantise for them.")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, headroom, token, as_json):
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, token, upstream, upstream_token,
+           upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
                        ("headroom", headroom), ("token", token)):
         if value is not None:
             args[key] = value
+    rack = {"--upstream-token": upstream_token, "--upstream-rank": upstream_rank, "--span": span}
+    if upstream is not None:
+        server, sep, upper = upstream.rpartition("/")
+        if not sep or not server or not upper:
+            raise click.BadParameter(f"{upstream!r} is not HOST:PORT/JOB", param_hint="--upstream")
+        missing = [k for k, v in rack.items() if v is None]
+        if missing:
+            raise click.UsageError(f"--upstream needs {', '.join(missing)}")
+        args["upstream"] = {"server": server, "job": upper, "token": upstream_token, "rank": upstream_rank,
+                            "span": span}
+    elif any(v is not None for v in rack.values()):
+        raise click.UsageError(f"{', '.join(k for k, v in rack.items() if v is not None)} only with --upstream")
     j = call("jobs.create", **args)
     if as_json:
         echo_json(j)
@@ -93,6 +113,12 @@ def show(job, as_json):
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
                f"{j['elements']} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")
+    up = j.get("upstream")
+    if up:
+        link = up.get("link") or {}
+        click.echo(f"upstream:  job {up['job']} at {up['server'][0]}:{up['server'][1]} as rank {up['rank']}, "
+                   f"{up['span']} workers in all; link {link.get('state', '-')}"
+                   + (f" ({link['reason']})" if link.get("reason") else ""))
     switch = j.get("dataplane") == "p4"        # the fast path is a P4 switch, not the kernel
     karray = p["kernel"]["array"]
     click.echo(f"  {'switch' if switch else 'kernel'}:     slots {slot_range(p['kernel']['slots'])}"

@@ -292,7 +292,8 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
             bi[s, b, F_EXPONENT] = exponent
         else:
             bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT], payload, exponent)
-        bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + 1) & 0xFFFF
+        weight = _be16(p, O_NCONTRIB)       # a rack's partial sum holds that many (a worker's: 0, one)
+        bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + (weight if weight > 0 else 1)) & 0xFFFF
         counters[C_CONTRIBUTIONS] += np.uint64(1)
         counters[C_ELEMENTS] += np.uint64(count)
         members[rank, M_CONTRIBUTIONS] += np.uint64(1)              # JobState.count_member
@@ -529,7 +530,9 @@ class FastPath:
             fj = self.jobs.get(job)
             # An observer sees the model's releases; a job with members declared gone releases by
             # the model's rule 0 (Bank.settled), which the kernel does not have.
-            if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1:
+            # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
+            if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
+                    and fj.state.cfg.upstream is None:
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
                           fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,

@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from aggd_client.mrecv import MultiReceiver, sockaddr_addr
-from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, Counter, DropReason, StrategyKind
+from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, Counter, DropReason, MsgType, StrategyKind
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 from aggd_client.transport import grow_buffers
 
@@ -98,7 +98,7 @@ def _own_config(cfg) -> JobConfig:
     """A JobConfig of its own (members and tags copied) from any job description with its fields."""
     return JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
                      members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
-                     elements=getattr(cfg, "elements", None))
+                     elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None))
 
 
 class UserspaceAggregator(DataPlane):
@@ -125,6 +125,7 @@ class UserspaceAggregator(DataPlane):
         self._lock = threading.RLock()
         self._deferred: list[tuple[Handler, bytes, Addr]] = []
         self._socks: list[socket.socket] = []
+        self._groups: dict[socket.socket, Addr] = {}   # listening sockets: an upper aggregator's results
         try:
             for addr in (bind, *extra_binds):
                 self._socks.append(_udp_socket(addr))
@@ -257,6 +258,41 @@ class UserspaceAggregator(DataPlane):
             except (ValueError, NotImplementedError) as exc:
                 raise DataPlaneError(str(exc)) from None
             self._fast.refresh(job)
+
+    def set_upstream(self, job: int, upstream) -> None:
+        with self._lock:
+            self._route[job].set_upstream(job, upstream)
+
+    def listen(self, group: Addr, interface: str) -> None:
+        """Also serve what arrives for the multicast ``group`` (ip, port) on the interface whose
+        address is ``interface``: an upper aggregator's results to its racks. Idempotent."""
+        with self._lock:
+            if group in self._groups.values():
+                return
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                grow_buffers(sock, _BUFFERS)
+                sock.bind((group[0], group[1]))       # only that group's datagrams
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                                socket.inet_aton(group[0]) + socket.inet_aton(interface))
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(interface))
+                sock.setblocking(False)
+            except BaseException:
+                sock.close()
+                raise
+            self._groups[sock] = group
+            self._receivers[sock] = MultiReceiver(self._batch.stage, self._batch.rec, self._batch.sizes,
+                                                  names=self._batch.names)
+            self._socks = [*self._socks, sock]   # a new list: the serving thread iterates the old one
+
+    def send_from(self, port: int, data: bytes, addr: Addr) -> None:
+        """Send ``data`` to ``addr`` from the socket bound to ``port`` (a rack's JOIN to its upper
+        aggregator leaves from the address its forwarded sums will come from)."""
+        sock = next((s for s in self._socks if s.getsockname()[1] == port and s not in self._groups), None)
+        if sock is None:
+            raise DataPlaneError(f"the user-space path has no socket on port {port}")
+        self._sendto(sock, data, addr)
 
     def set_awaited(self, job: int, awaited: int) -> None:
         with self._lock:
@@ -431,6 +467,9 @@ class UserspaceAggregator(DataPlane):
                 self._deferred.append((handler, bytes(data), src))
                 return None
             job = self._job_of(i) if size >= 6 else NO_JOB
+            if size >= HEADER_SIZE and data[3] == MsgType.RESULT:   # from a rack job's upper aggregator?
+                model = next((m for m in self._models.values() if m.relays(job, src)), self.model)
+                return model.process(data, src, int(batch.nows[i]))
             return self._route.get(job, self.model).process(data, src, int(batch.nows[i]))
         except Exception:  # one bad packet (or a bug it triggers) must not stop the path
             self.errors += 1

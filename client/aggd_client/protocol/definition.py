@@ -117,6 +117,8 @@ class Counter(enum.IntEnum):
     CARRIED = 9          #: late contributions carried into a later round
     TIMEOUTS = 10        #: quorum rounds released by their deadline
     PARTIALS = 11        #: async running sums answered before the round was complete
+    FORWARDED = 12       #: a rack's partial sums sent up to its upper aggregator (re-sends included)
+    RELAYED = 13         #: the upper aggregator's results passed on to the rack's members
 
 
 @dataclass(frozen=True)
@@ -142,7 +144,9 @@ HEADER: tuple[Field, ...] = (
     Field("code", "u8", "NackCode in NACKs, 0 otherwise"),
     Field("contributors", "u64", "results: bitmap of ranks summed (bit i = rank i); contributions and "
                                  "re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none"),
-    Field("n_contrib", "u16", "contributions summed in a result (may exceed popcount under wbsp)"),
+    Field("n_contrib", "u16", "results: contributions summed (may exceed popcount under wbsp); "
+                              "contributions: how many one holds (a rack aggregator's partial sum), "
+                              "0 from a worker (counts as 1)"),
     Field("step", "u16", "local step within the round (wbsp); 0 otherwise"),
     Field("strategy", "u8", "StrategyKind that governed the round (results), so clients adapt"),
     Field("param", "u8", "that strategy's parameter: quorum k or ssp staleness"),

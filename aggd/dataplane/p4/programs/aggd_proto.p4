@@ -72,6 +72,8 @@ const bit<8> AGGD_COUNTER_RETRANSMITS = 8;
 const bit<8> AGGD_COUNTER_CARRIED = 9;
 const bit<8> AGGD_COUNTER_TIMEOUTS = 10;
 const bit<8> AGGD_COUNTER_PARTIALS = 11;
+const bit<8> AGGD_COUNTER_FORWARDED = 12;
+const bit<8> AGGD_COUNTER_RELAYED = 13;
 
 header aggd_h {
     bit<16> magic;  // 0xA66D; anything else is dropped
@@ -87,7 +89,7 @@ header aggd_h {
     bit<8> flags;  // Flag bits
     bit<8> code;  // NackCode in NACKs, 0 otherwise
     bit<64> contributors;  // results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none
-    bit<16> n_contrib;  // contributions summed in a result (may exceed popcount under wbsp)
+    bit<16> n_contrib;  // results: contributions summed (may exceed popcount under wbsp); contributions: how many one holds (a rack aggregator's partial sum), 0 from a worker (counts as 1)
     bit<16> step;  // local step within the round (wbsp); 0 otherwise
     bit<8> strategy;  // StrategyKind that governed the round (results), so clients adapt
     bit<8> param;  // that strategy's parameter: quorum k or ssp staleness

@@ -379,8 +379,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     drop();
                     return;
                 }
-                if (hdr.aggd.type == AGGD_MSG_TYPE_JOIN) {
-                    meta.fwd = 1;      /* membership is the daemon's business */
+                if (hdr.aggd.type == AGGD_MSG_TYPE_JOIN || hdr.aggd.type == AGGD_MSG_TYPE_JOIN_ACK ||
+                    hdr.aggd.type == AGGD_MSG_TYPE_RESULT) {
+                    meta.fwd = 1;      /* membership, and a rack job's upper results, are the daemon's */
                     return;
                 }
                 if (hdr.aggd.type != AGGD_MSG_TYPE_CONTRIB && hdr.aggd.type != AGGD_MSG_TYPE_REREAD) {
@@ -827,7 +828,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     int<32> d = (int<32>)(int<16>)hdr.aggd.exponent - (int<32>)(int<16>)b_exp;
                     meta.sb = d > 31 ? 8w31 : (bit<8>)(bit<32>)d;     /* the int32 value */
                 }
-                bank_n.write(base + (bit<32>)add, b_n + 1);
+                /* a rack aggregator's partial sum holds that many contributions; a worker's (0) one */
+                bit<16> weight = hdr.aggd.n_contrib == 0 ? 16w1 : hdr.aggd.n_contrib;
+                bank_n.write(base + (bit<32>)add, b_n + weight);
                 meta.do_add = 1;
                 meta.fresh = fresh;
                 meta.add_bank = base + (bit<32>)add;
