@@ -51,6 +51,37 @@ static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *i
 	udp->check = 0; /* optional for IPv4; recomputing it would cost a pass over the payload */
 }
 
+/* From this host (a rack job's address) to the job's group: an upper result relayed, which may
+ * have come to another group. */
+static __always_inline void address_self_to_group(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+						  struct job_cfg *cfg)
+{
+	mac_copy(eth->h_source, cfg->self_mac);
+	mac_copy(eth->h_dest, cfg->group_mac);
+	ip->saddr = cfg->self_ip;
+	ip->daddr = cfg->group_ip;
+	ip->ttl = 64;
+	ip->check = ip_checksum(ip);
+	udp->source = htons(AGGD_PORT);
+	udp->dest = cfg->result_port;
+	udp->check = 0;
+}
+
+/* From this host to a rack job's upper aggregator: a complete round's sum going up. */
+static __always_inline void address_to_upstream(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+						struct job_cfg *cfg)
+{
+	mac_copy(eth->h_source, cfg->self_mac);
+	mac_copy(eth->h_dest, cfg->up_mac);
+	ip->saddr = cfg->self_ip;
+	ip->daddr = cfg->up_ip;
+	ip->ttl = 64;
+	ip->check = ip_checksum(ip);
+	udp->source = htons(AGGD_PORT);
+	udp->dest = cfg->up_port;
+	udp->check = 0;
+}
+
 /* Send a packet back where it came from. */
 static __always_inline void address_to_sender(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp)
 {

@@ -15,7 +15,9 @@
 
 #define NO_JOB AGGD_MAX_JOBS /* counter bucket for packets not (yet) tied to a job */
 
-enum bank_state { BANK_EMPTY = 0, BANK_OPEN = 1, BANK_RELEASED = 2 };
+/* FORWARDED: a rack job's round, complete here and sent up to its upper aggregator, whose result
+ * releases it (docs/protocol.md, "Two levels"); open for admission, not a bank to reuse. */
+enum bank_state { BANK_EMPTY = 0, BANK_OPEN = 1, BANK_RELEASED = 2, BANK_FORWARDED = 3 };
 
 /* Banks a slot keeps: ssp:2 needs three open rounds plus one released round kept for re-reads. */
 #define NBANKS 4
@@ -44,6 +46,27 @@ struct job_cfg {
 	__u8 group_mac[6];
 	__u64 all_members;   /* bitmap with the world's bits set */
 	struct strategy_entry strategy[AGGD_STRATEGY_VERSIONS];
+	/* A rack job (docs/protocol.md, "Two levels"): complete rounds go up to the upper job as one
+	 * contribution, from this host (self_*) to the upper aggregator (up_*, up_mac its next hop);
+	 * its results come back through `upstreams`. */
+	__u8 upstream;       /* 0: results are final here; 1: a rack job not linked yet; 2: linked */
+	__u8 up_mac[6];
+	__u8 _pad1;
+	__u16 up_job;
+	__u16 up_rank;
+	__be32 up_ip;
+	__be16 up_port;
+	__u8 self_mac[6];
+	__be32 self_ip;
+	__u32 _pad2;
+	__u64 up_tag;        /* the rack's member tag in the upper job */
+};
+
+/* Whose results a result is: the upper aggregator's address and job -> the rack job. */
+struct upstream_key {
+	__be32 ip;
+	__be16 port;
+	__u16 job;
 };
 
 struct member {
@@ -72,6 +95,7 @@ struct bank {
 	__u8 unannounced;    /* released by its deadline: the next answer from it goes to the group */
 	__u8 holding;        /* opened by a carry, no own contribution yet: outside the key order,
 	                      * admission and deadline (docs/protocol.md, rule 4) */
+	__u16 skip;          /* the opening packet's skip: a rack job's forwarded sum carries it */
 	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
 	/* Exact sums, kept biased so the hot loop needs no sign extension and no overflow test: every
 	 * contribution adds each int32 x as x - 2**31 (modulo 2**64) and 2**31 to `bias`, and a lane's
@@ -89,7 +113,7 @@ struct scratch {
 	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts, settled;
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
-	__u32 add_fresh, add_carried, late, out_group, partial, released;
+	__u32 add_fresh, add_carried, late, out_group, partial, released, forward;
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };
@@ -146,5 +170,10 @@ struct self_addr {
 	__u8 _pad;
 };
 AGGD_MAP("array", struct self_addr, self_addr, 1);
+#ifdef AGGD_PIN_DIR
+BPF_TABLE_PINNED("hash", struct upstream_key, __u32, upstreams, AGGD_MAX_JOBS, AGGD_PIN_DIR "/upstreams");
+#else
+BPF_TABLE("hash", struct upstream_key, __u32, upstreams, AGGD_MAX_JOBS);
+#endif
 
 #endif /* AGGD_MAPS_H */

@@ -25,6 +25,7 @@ enum aggd_msg_type {
 	AGGD_MSG_TYPE_NACK = 4,
 	AGGD_MSG_TYPE_JOIN = 5,
 	AGGD_MSG_TYPE_JOIN_ACK = 6,
+	AGGD_MSG_TYPE_SHARDS = 7,
 };
 
 enum aggd_flag {

@@ -132,9 +132,10 @@ static __always_inline int admits(struct strategy_entry *e, __u32 round, int nop
 }
 
 static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now,
-				      __u8 holding)
+				      __u8 holding, __u16 skip)
 {
 	b->holding = holding;
+	b->skip = skip;
 	b->key = key;
 	b->state = BANK_OPEN;
 	b->bitmap = 0;
@@ -153,6 +154,128 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 		steps[i] = 0;
 }
 
+/* A rack job's upper results (docs/protocol.md, "Two levels") are relayed here up to native XDP's
+ * largest packet: in a jumbo build (generic mode only) the relay's payload loop would take the
+ * program past the verifier's million instructions, so there they go to the daemon, which gives
+ * rack jobs no kernel slots (XdpDataPlane.relays). */
+#define AGGD_RELAYS (ELEMS <= AGGD_NATIVE_MAX_ELEMENTS)
+
+/* The rack job a result is an upper result of, or -1. */
+static __always_inline int rack_of(struct iphdr *ip, struct udphdr *udp, struct aggd_hdr *h)
+{
+	struct upstream_key k = {.ip = ip->saddr, .port = udp->source, .job = ntohs(HDR(h, __be16, job))};
+	__u32 *job = upstreams.lookup(&k);
+	return job ? (int)*job : -1;
+}
+
+/* An upper aggregator's result for rack job `job`: kept in the forwarded round's bank (released
+ * from then on) and sent to the rack's group; again to the group for a round released already. */
+static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end, struct ethhdr *eth,
+				 struct iphdr *ip, struct udphdr *udp, struct aggd_hdr *h, __u32 job)
+{
+	__u32 udp_len = ntohs(udp->len);
+	if (udp_len < sizeof(*udp) + sizeof(*h) || L4_OFF + udp_len > FRAME_LEN(ctx, data, data_end))
+		return count_drop(NO_JOB, AGGD_DROP_REASON_TOO_SHORT);
+	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
+	__u32 n = ntohs(HDR(h, __be16, count));
+	if (n == 0 || n > ELEMS || n * 4 > payload_len)
+		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
+	struct job_cfg *cfg = job < AGGD_MAX_JOBS ? jobs.lookup(&job) : 0;
+	if (!cfg || !cfg->active || cfg->upstream != 2)
+		return XDP_PASS;
+	struct job_stats *jst = stats_of(job);
+	if (!jst)
+		return XDP_ABORTED;
+	jst->counter[AGGD_COUNTER_RX_PACKETS] += 1;
+	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
+	__u32 chunk = ntohl(HDR(h, __be32, chunk));
+	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
+		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
+	__u32 slot_idx = chunk % cfg->n_slots;
+	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
+		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
+		return XDP_PASS;
+	}
+	__u32 gidx = cfg->slot_base + slot_idx;
+	struct slot *s = slots.lookup(&gidx);
+	if (!s)
+		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
+#ifdef AGGD_FRAGS
+	__u32 zero_key = 0;
+	__u32 *payload = (void *)payload_copy.lookup(&zero_key);
+	if (!payload)
+		return XDP_ABORTED;
+	if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
+		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+#else
+	__u32 *payload = (void *)(h + 1);
+	if ((void *)(payload + ELEMS) > data_end)
+		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+#endif
+	__u64 key = ((__u64)ntohl(HDR(h, __be32, round)) << 32) | chunk;
+	__u16 n_in = ntohs(HDR(h, __be16, n_contrib));
+	__s16 exp_in = (__s16)ntohs(HDR(h, __be16, exponent));
+	__u8 flags_in = h->flags;
+	int found = -1, fresh = 0;
+	__u64 bitmap = 0;
+	__u16 n_out = 0, version = 0;
+	__s16 exp_out = 0;
+	__u8 flags_out = 0, kind = 0, param = 0;
+
+	bpf_spin_lock(&s->lock);
+#pragma unroll
+	for (int i = 0; i < NBANKS; i++) {
+		struct bank *b = &s->bank[i];
+		if (found < 0 && b->key == key && !b->holding &&
+		    (b->state == BANK_FORWARDED || b->state == BANK_RELEASED))
+			found = i;
+	}
+	if (found >= 0) {
+		/* one payload loop, outside the bank scan: the verifier walks it once, not once a bank
+		 * (at 8192 values a packet the program is near its limit of a million instructions) */
+		struct bank *b = &s->bank[found & (NBANKS - 1)];
+		if (b->state == BANK_FORWARDED) {
+			lanes_set(b->values, payload); /* the upper sum is the round's result */
+			b->bias = SUM_BIAS;
+			b->exponent = exp_in;
+			b->n_contrib = n_in;
+			b->flags |= flags_in & (AGGD_FLAG_OVERFLOW | AGGD_FLAG_CARRIED);
+			b->state = BANK_RELEASED;
+			fresh = 1;
+		} /* else: a round relayed before, whose upper result this is again: sent on as it came */
+		bitmap = b->bitmap;
+		n_out = b->n_contrib;
+		exp_out = b->exponent;
+		flags_out = b->flags;
+		version = b->version;
+		kind = b->kind;
+		param = b->param;
+	}
+	bpf_spin_unlock(&s->lock);
+
+	if (found < 0)
+		return drop_in(jst, AGGD_DROP_REASON_STALE);
+	if (fresh)
+		jst->counter[AGGD_COUNTER_RELEASED] += 1;
+	jst->counter[AGGD_COUNTER_RELAYED] += 1;
+	if (flags_out & AGGD_FLAG_OVERFLOW)
+		jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
+	HDR(h, __be16, job) = htons((__u16)job);
+	HDR(h, __be16, rank) = htons(0xffff);
+	HDR(h, __be16, strategy_version) = htons(version);
+	HDR(h, __be16, exponent) = htons((__u16)exp_out);
+	h->flags = flags_out;
+	h->code = 0;
+	HDR(h, __be64, contributors) = __builtin_bswap64(bitmap);
+	HDR(h, __be16, n_contrib) = htons(n_out);
+	HDR(h, __be16, step) = 0;
+	h->strategy = kind;
+	h->param = param;
+	HDR(h, __be16, skip) = 0;
+	address_self_to_group(eth, ip, udp, cfg);
+	return XDP_TX;
+}
+
 int aggd_xdp(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
@@ -164,8 +287,21 @@ int aggd_xdp(struct xdp_md *ctx)
 	    (ip->frag_off & htons(0x3fff)))
 		return XDP_PASS;
 	struct udphdr *udp = (void *)(ip + 1);
-	if ((void *)(udp + 1) > data_end || udp->dest != htons(AGGD_PORT))
+	if ((void *)(udp + 1) > data_end)
 		return XDP_PASS;
+	if (udp->dest != htons(AGGD_PORT)) {
+		/* an upper aggregator's result to a rack job comes to its group, on another port */
+		struct aggd_hdr *uh = (void *)(udp + 1);
+		int rack;
+		if ((void *)(uh + 1) > data_end || HDR(uh, __be16, magic) != htons(AGGD_MAGIC) ||
+		    uh->version != AGGD_VERSION || uh->type != AGGD_MSG_TYPE_RESULT || (rack = rack_of(ip, udp, uh)) < 0)
+			return XDP_PASS;
+#if AGGD_RELAYS
+		return relay(ctx, data, data_end, eth, ip, udp, uh, (__u32)rack);
+#else
+		return XDP_PASS;
+#endif
+	}
 	__u32 zero_key = 0;
 	struct self_addr *me = self_addr.lookup(&zero_key);
 	if (me && me->set && !(eth->h_dest[0] & 1) && !mac_equal(eth->h_dest, me->mac))
@@ -182,8 +318,17 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (h->version != AGGD_VERSION)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_VERSION);
 	__u8 type = h->type;
-	if (type == AGGD_MSG_TYPE_JOIN || type == AGGD_MSG_TYPE_JOIN_ACK || type == AGGD_MSG_TYPE_RESULT)
-		return XDP_PASS; /* membership, and a rack job's upper results, are the daemon's business */
+	if (type == AGGD_MSG_TYPE_RESULT) {
+		/* a rack job's upper result (re-sent to our port); any other the daemon refuses */
+		int rack = rack_of(ip, udp, h);
+#if AGGD_RELAYS
+		return rack < 0 ? XDP_PASS : relay(ctx, data, data_end, eth, ip, udp, h, (__u32)rack);
+#else
+		return XDP_PASS;
+#endif
+	}
+	if (type == AGGD_MSG_TYPE_JOIN || type == AGGD_MSG_TYPE_JOIN_ACK || type == AGGD_MSG_TYPE_SHARDS)
+		return XDP_PASS; /* membership and shard maps are the daemon's business */
 	if (type != AGGD_MSG_TYPE_CONTRIB && type != AGGD_MSG_TYPE_REREAD)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
@@ -267,6 +412,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	__u16 out_n = 0, out_version = 0;
 	__s16 out_exp = 0;
 	__u8 out_flags = 0, out_kind = 0, out_param = 0;
+	__u16 out_skip = 0;
 
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
@@ -277,7 +423,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->rel_old_key = sc->target_key = sc->hold_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
-	sc->partial = sc->released = sc->written = 0;
+	sc->partial = sc->released = sc->written = sc->forward = 0;
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
@@ -288,6 +434,8 @@ int aggd_xdp(struct xdp_md *ctx)
 					b->unannounced = 1;
 					sc->timeouts++;
 				}
+			} else if ((b->bitmap & all) == all && cfg->upstream) {
+				b->state = BANK_FORWARDED; /* sent up by the next retransmission into it */
 			} else if ((b->bitmap & all) == all) {
 				/* it waited for a member declared gone since it opened, and has the others */
 				b->state = BANK_RELEASED;
@@ -325,11 +473,11 @@ int aggd_xdp(struct xdp_md *ctx)
 		sc->used++;
 		if (sc->used == 1 || k > sc->newest)
 			sc->newest = k;
-		if (b->state == BANK_OPEN) {
+		if (b->state == BANK_OPEN || b->state == BANK_FORWARDED) { /* no result yet */
 			sc->nopen++;
 			if ((__u32)(k >> 32) < sc->min_open_round)
 				sc->min_open_round = k >> 32;
-			if ((__u32)k == chunk && k > key && k < sc->target_key) {
+			if (b->state == BANK_OPEN && (__u32)k == chunk && k > key && k < sc->target_key) {
 				sc->target_key = k;
 				sc->itarget = i;
 			}
@@ -372,7 +520,10 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->reason = AGGD_DROP_REASON_DUPLICATE;
 			else
 				sc->add = ik;
-		else if (counted) /* a carried (member, step) is marked counted in its origin too */
+		else if (counted && b->state == BANK_FORWARDED) {
+			sc->out = ik; /* the upper aggregator lost it, or we its answer: send it up again */
+			sc->forward = 1;
+		} else if (counted) /* a carried (member, step) is marked counted in its origin too */
 			sc->out = ik; /* the sender lost the result */
 		else
 			sc->late = 1; /* released without this contribution */
@@ -390,9 +541,10 @@ int aggd_xdp(struct xdp_md *ctx)
 			hb->kind = st_new ? st_new->kind : AGGD_STRATEGY_KIND_SYNC;
 			hb->param = st_new ? st_new->param : 0;
 			hb->timeout_us = st_new ? st_new->timeout_us : 0;
+			hb->skip = skip;
 			sc->add = sc->ihold;
 		} else if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
-			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0);
+			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0, skip);
 			sc->add = pick;
 			sc->add_fresh = 1;
 		} else {
@@ -436,7 +588,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			__u64 k2 = (r2 << 32) | chunk;
 			struct strategy_entry *e2 = strategy_for(cfg, (__u32)r2);
 			if (r2 <= 0xffffffffULL && pick >= 0 && sc->nfree >= 2) {
-				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now, 1);
+				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now, 1, 0);
 				sc->add = pick;
 				sc->add_fresh = 1;
 			} else {
@@ -497,6 +649,7 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->released = 1;
 				sc->out = add;
 				sc->out_group = 1;
+				sc->forward = cfg->upstream != 0; /* a rack job's sum goes up, not out */
 			} else if (b->kind == AGGD_STRATEGY_KIND_ASYNC) {
 				sc->out = add; /* no barrier: the sender gets the running sum at once */
 				sc->partial = 1;
@@ -553,7 +706,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		}
 		b->n_contrib += weight;
 		if (sc->released)
-			b->state = BANK_RELEASED;
+			b->state = sc->forward ? BANK_FORWARDED : BANK_RELEASED;
 	}
 	int out = sc->out;
 	if (out >= 0) {
@@ -575,8 +728,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		} else if (!sc->written) {
 			high = lanes_send(r->values, (__u32 *)payload, r->bias + SUM_BIAS, r->bias);
 		}
-		if ((high >> 32) && r->state == BANK_RELEASED)
-			r->flags |= AGGD_FLAG_OVERFLOW;
+		if ((high >> 32) && (r->state == BANK_RELEASED || r->state == BANK_FORWARDED))
+			r->flags |= AGGD_FLAG_OVERFLOW; /* a rack's members learn it from the relayed result */
 		out_key = r->key;
 		out_bitmap = r->bitmap;
 		out_n = r->n_contrib;
@@ -587,9 +740,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		out_version = r->version;
 		out_kind = r->kind;
 		out_param = r->param;
+		out_skip = r->skip;
 	}
 	int timeouts = sc->timeouts, settled = sc->settled, reason = sc->reason, add_carried = sc->add_carried;
-	int released = sc->released, partial = sc->partial;
+	int released = sc->released, partial = sc->partial, forward = sc->forward;
 	int out_group = sc->out_group;
 	int was_late = sc->late;
 	bpf_spin_unlock(&s->lock);
@@ -619,13 +773,40 @@ int aggd_xdp(struct xdp_md *ctx)
 		jst->counter[AGGD_COUNTER_ELEMENTS] += n;
 		if (add_carried)
 			jst->counter[AGGD_COUNTER_CARRIED] += 1;
-		if (released)
+		if (released && !forward)
 			jst->counter[AGGD_COUNTER_RELEASED] += 1;
 		if (partial)
 			jst->counter[AGGD_COUNTER_PARTIALS] += 1;
 	}
 	if (out < 0)
 		return XDP_DROP; /* absorbed into the slot */
+	if (forward) {
+		if (cfg->upstream != 2)
+			return XDP_DROP; /* kept: a retransmission sends it once the rack has joined */
+		jst->counter[AGGD_COUNTER_FORWARDED] += 1;
+#ifdef AGGD_FRAGS
+		if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
+			return XDP_ABORTED;
+#endif
+		/* the count, and the payload (the sum, written above), stay */
+		h->type = AGGD_MSG_TYPE_CONTRIB;
+		HDR(h, __be16, job) = htons(cfg->up_job);
+		HDR(h, __be16, rank) = htons(cfg->up_rank);
+		HDR(h, __be32, round) = htonl((__u32)(out_key >> 32));
+		HDR(h, __be32, chunk) = htonl((__u32)out_key);
+		HDR(h, __be16, strategy_version) = 0;
+		HDR(h, __be16, exponent) = htons((__u16)out_exp);
+		h->flags = released ? 0 : AGGD_FLAG_RETRANSMIT;
+		h->code = 0;
+		HDR(h, __be64, contributors) = __builtin_bswap64(cfg->up_tag);
+		HDR(h, __be16, n_contrib) = htons(out_n);
+		HDR(h, __be16, step) = 0;
+		h->strategy = 0;
+		h->param = 0;
+		HDR(h, __be16, skip) = htons(out_skip);
+		address_to_upstream(eth, ip, udp, cfg);
+		return XDP_TX;
+	}
 	if (out_flags & AGGD_FLAG_OVERFLOW)
 		jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 	if (!out_group && !partial) {

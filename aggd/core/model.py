@@ -674,11 +674,12 @@ class AggregatorModel:
             return self._drop(NO_JOB, DropReason.BAD_MAGIC)
         if hdr.version != VERSION:
             return self._drop(NO_JOB, DropReason.BAD_VERSION)
-        if hdr.type in (MsgType.JOIN, MsgType.JOIN_ACK, MsgType.RESULT) and not self.userspace:
-            # membership is the daemon's business, and so, so far, are a rack's upper results
-            return Verdict("pass")
-        if hdr.type == MsgType.RESULT:
+        if hdr.type in (MsgType.JOIN, MsgType.JOIN_ACK, MsgType.SHARDS) and not self.userspace:
+            return Verdict("pass")      # membership and shard maps are the daemon's business
+        if hdr.type == MsgType.RESULT and (self.userspace or self.relays(hdr.job, src)):
             return self._from_upstream(data, hdr, src, now_ns)
+        if hdr.type == MsgType.RESULT:
+            return Verdict("pass")      # not ours: the daemon refuses it (bad_type)
         if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD):
             return self._drop(NO_JOB, DropReason.BAD_TYPE)
         held = (size - HEADER_SIZE) // 4
@@ -722,8 +723,11 @@ class AggregatorModel:
         state.count("rx_bytes", len(data))
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
+        if not self.userspace and len(data) - HEADER_SIZE != self.elements * 4:
+            state.count("to_userspace")
+            return Verdict("pass", job=cfg.job)
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
-        return self._relay(state, state.slots[hdr.chunk % cfg.slots], hdr, values)
+        return self._relay(state, state.slots[hdr.chunk % cfg.slots], hdr, values, data)
 
     def _slot_rules(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray, src: Addr,
                     now: int) -> Verdict:
@@ -924,20 +928,25 @@ class AggregatorModel:
         job.count("forwarded")
         return Verdict("tx", None, out + values.tobytes(), "upstream", (up.addr,), job.cfg.job)
 
-    def _relay(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray) -> Verdict:
+    def _relay(self, job: JobState, slot: Slot, hdr: Header, values: np.ndarray, data) -> Verdict:
         """The upper aggregator's result of a forwarded round: kept in its bank (the members' re-reads
         and retransmissions are answered from it) and sent to the rack's members; a second copy
         (the answer to a re-send) goes to them again."""
         bank = slot.bank_of((hdr.round, hdr.chunk))
         if bank is None or bank.state not in (BankState.FORWARDED, BankState.RELEASED):
             return self._drop(job.cfg.job, DropReason.STALE)
-        if bank.state == BankState.FORWARDED:
+        fresh = bank.state == BankState.FORWARDED
+        if fresh:
             self.arith.load(bank.values, values)
             bank.exponent, bank.n_contrib = hdr.exponent, hdr.n_contrib
             bank.flags |= hdr.flags & (Flag.OVERFLOW | Flag.CARRIED)
             self._release(job, bank, "complete")
         job.count("relayed")
-        return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job)))
+        out = self._result(job, bank, replace(hdr, job=job.cfg.job))
+        if not fresh:   # the upper result again (the answer to a re-send): its values go on as they came
+            out = out[:HEADER_SIZE] + bytes(data[HEADER_SIZE:HEADER_SIZE + 4 * len(bank.values)]).ljust(
+                4 * len(bank.values), b"\0")
+        return self._to_group(job, out)
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
         cfg = job.cfg

@@ -56,6 +56,9 @@ class Limits:
     max_job_memory: int = 256 << 20   #: most bytes of sums a job's slots may take ([jobs] max_job_memory)
     max_chunks: int = 1 << 24
     gso: bool = True                  #: workers may send with UDP GSO (false in generic mode)
+    #: the fast data plane forwards a rack job's rounds itself (XDP does; the P4 programs do not, so
+    #: there a rack job is served in user space)
+    forwards_in_kernel: bool = True
 
 
 @dataclass(frozen=True)
@@ -402,8 +405,7 @@ class Registry:
         job_id = free_ids[0]
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
-        # A rack job's rounds are forwarded by the user-space path (the XDP program does not forward).
-        same_size = elements == lim.elements and spec is None
+        same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel)
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)

@@ -44,6 +44,7 @@ from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
 from aggd.core.model import Upstream
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
+from aggd.daemon.shard_reports import ShardReports
 from aggd.daemon.upstream import UpstreamLinks
 
 log = logging.getLogger("aggd")
@@ -143,6 +144,7 @@ class Service:
         self.registry = Registry(self._limits(config))
         self.departures: dict[int, int] = {}   # job id -> members declared gone since start
         self.upstream = UpstreamLinks(self)    # rack jobs' links to their upper aggregators
+        self.shard_reports = ShardReports()    # sharded jobs' maps, as their members report them
         self.state_path = Path(config.state.dir) / STATE_FILE
 
     def _limits(self, cfg: Config) -> Limits:
@@ -154,7 +156,9 @@ class Service:
                       port=dp.port, userspace_port=dp.userspace_port, result_port=jobs.result_port,
                       group_base=jobs.group_base, default_slots=jobs.default_slots, max_slots=jobs.max_slots,
                       max_job_memory=jobs.max_job_memory, max_chunks=jobs.max_chunks,
-                      gso=dp.mode == "native")
+                      gso=dp.mode == "native",
+                      # the XDP program serves rack jobs up to native XDP's largest packet
+                      forwards_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +179,8 @@ class Service:
             self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
                                           extra_binds=((self.address, dpc.userspace_port),),
                                           handlers={int(proto.MsgType.JOIN): self._on_join,
-                                                    int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack},
+                                                    int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack,
+                                                    int(proto.MsgType.SHARDS): self._on_shards},
                                           keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
         self._restore()
         self.us.start()
@@ -347,6 +352,14 @@ class Service:
             self._set_awaited(job)
         if job.upstream is not None:
             self.upstream.want(job)
+
+    def _on_shards(self, data: memoryview, src: tuple[str, int]) -> None:
+        """A sharded job's member reports its map (runs on the user-space thread; never answered)."""
+        with self.lock:
+            changed = self.shard_reports.take(bytes(data), src, self.registry)
+        if changed is not None:
+            log.info("job %d: shard map version %d from call %d, weights %s: %s", *changed)
+        return None
 
     def listen_for(self, group: tuple[str, int]) -> None:
         """The user-space path also serves what arrives for ``group`` (a rack job's upper results)."""
@@ -591,6 +604,7 @@ class Service:
         j = self.registry.delete(job)
         self.departures.pop(j.id, None)
         self.upstream.drop(j.id)
+        self.shard_reports.forget(j.id)
         # its members' JOIN history: a job created later may get the same id
         self._rejoins.pop(j.id, None)
         for key in [k for k in self._answered_joins if k[0] == j.id]:
@@ -607,6 +621,7 @@ class Service:
         d["paths"] = self._paths(j)
         if j.upstream is not None:
             d["upstream"]["link"] = self.upstream.describe(j.id)
+        d["shards"] = self.shard_reports.describe(j.id)
         d["dataplane"] = self.config.dataplane.kind    # the "kernel" path is the switch's with "p4"
         top, _ = self._rounds(j)
         d["round"] = top

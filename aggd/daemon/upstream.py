@@ -21,6 +21,7 @@ from aggd_client.errors import ProtocolError
 
 from aggd.core.model import Upstream
 from aggd.core.registry import Job, UpstreamSpec
+from aggd.dataplane import DataPlaneError
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +151,24 @@ class UpstreamLinks:
             link.group = info.group
             link.state, link.reason, link.since = "linked", "", time.time()
             self._install(link)
-            log.info("job %s: linked to job %s (%d) at %s:%d as rank %d", job.name, info.name, info.job,
-                     link.spec.server[0], info.port, link.spec.rank)
+            if link.state == "linked":
+                log.info("job %s: linked to job %s (%d) at %s:%d as rank %d", job.name, info.name, info.job,
+                         link.spec.server[0], info.port, link.spec.rank)
         return None
 
     def _install(self, link: Link) -> None:
+        """Tell the data planes; a plane that cannot (the XDP program's interface does not reach
+        the upper aggregator, or its next hop is not known yet) refuses the link, tried again later."""
         svc = self.service
-        for plane in svc.planes:
-            plane.set_upstream(link.job, link.upstream)
+        try:
+            for plane in svc.planes:
+                plane.set_upstream(link.job, link.upstream)
+        except DataPlaneError as exc:
+            log.error("job %d: cannot link to its upper aggregator: %s", link.job, exc)
+            for plane in svc.planes:
+                plane.set_upstream(link.job, Upstream(link.spec.server))   # complete rounds wait
+            link.state, link.reason, link.upstream = "refused", str(exc), None
+            return
         if link.group is not None:
             svc.listen_for(link.group)
 

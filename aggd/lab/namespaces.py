@@ -6,6 +6,11 @@
     {name}-agg   agg0  10.77.0.1/24
     {name}-w{i}  eth0  10.77.0.{10+i}/24
 
+With ``racks`` (two racks behind a spine, docs/hierarchy.md) the switch namespace holds a bridge
+per rack (``rack0`` ..) besides the spine ``br0``, each joined to the spine by a veth pair
+(``up-r{r}`` in the rack's bridge, ``sp-r{r}`` in the spine's): rack r's workers and aggregator r
+hang off its bridge, the last aggregator off the spine. One subnet still: a rack is an L2 segment.
+
 Every lab lives entirely inside its own namespaces (veths are created with their peer placed
 straight into the target namespace), so labs share 10.77.0.0/24 and never touch the root
 namespace. ``aggctl lab up`` leaves a lab running and records it in /run/aggd/lab-NAME.json.
@@ -231,7 +236,7 @@ class Lab:
     """
 
     def __init__(self, name: str, workers: int, loss_percent: float = 0.0, mtu: int = 1500,
-                 aggregators: int = 1):
+                 aggregators: int = 1, racks: int = 0):
         if not _NAME_RE.match(name):
             raise ValueError(f"lab name {name!r}: use 1-12 letters, digits or underscores")
         if not 1 <= workers <= MAX_WORKERS:
@@ -239,6 +244,10 @@ class Lab:
         if not 1 <= aggregators <= MAX_AGGREGATORS:
             raise ValueError(f"aggregators must be 1..{MAX_AGGREGATORS}, got {aggregators}")
         self.aggregators = aggregators
+        if racks and not (2 <= racks <= min(workers, aggregators - 1)):
+            raise ValueError(f"racks must be 2 or more, with a worker each and an aggregator each besides the "
+                             f"spine's (aggregators = racks + 1 or more), not {racks}")
+        self.racks = racks
         if not 68 <= mtu <= JUMBO_MAX_MTU:
             raise ValueError(f"mtu must be 68..{JUMBO_MAX_MTU} (above {NATIVE_MAX_MTU}: generic-mode XDP "
                              f"only), got {mtu}")
@@ -297,6 +306,30 @@ class Lab:
         self._check_worker(i)
         return f"02:77:00:00:00:{10 + i:02x}"
 
+    # racks (``racks`` > 0): rack r has workers rack_workers(r), aggregator r and bridge rack_bridge(r);
+    # the spine aggregator is the last one
+    def rack_of(self, worker: int) -> int:
+        self._check_worker(worker)
+        return worker * self.racks // self.workers
+
+    def rack_workers(self, r: int) -> list[int]:
+        return [w for w in range(self.workers) if self.rack_of(w) == r]
+
+    @staticmethod
+    def rack_bridge(r: int) -> str:
+        return f"rack{r}"
+
+    @property
+    def spine_aggregator(self) -> int:
+        return self.aggregators - 1
+
+    def _bridge_of(self, aggregator: int | None = None, worker: int | None = None) -> str:
+        if not self.racks:
+            return BRIDGE
+        if worker is not None:
+            return self.rack_bridge(self.rack_of(worker))
+        return self.rack_bridge(aggregator) if aggregator < self.racks else BRIDGE
+
     @property
     def worker_namespaces(self) -> list[str]:
         return [self.worker_ns(i) for i in range(self.workers)]
@@ -348,16 +381,22 @@ class Lab:
                     # frame through the IP hooks too; the loss rules live in the bridge family
                     for family in ("iptables", "ip6tables", "arptables"):
                         _write_sysctl(f"net.bridge.bridge-nf-call-{family}", "0")
-        endpoints = [(self.agg_port_of(i), self.agg_ns_of(i), AGG_IFNAME, self.agg_ip_of(i), self.agg_mac_of(i))
-                     for i in range(self.aggregators)] + [
-            (f"sw-w{i}", self.worker_ns(i), WORKER_IFNAME, self.worker_ip(i), self.worker_mac(i))
-            for i in range(self.workers)
+        endpoints = [(self.agg_port_of(i), self.agg_ns_of(i), AGG_IFNAME, self.agg_ip_of(i), self.agg_mac_of(i),
+                      self._bridge_of(aggregator=i)) for i in range(self.aggregators)] + [
+            (f"sw-w{i}", self.worker_ns(i), WORKER_IFNAME, self.worker_ip(i), self.worker_mac(i),
+             self._bridge_of(worker=i)) for i in range(self.workers)
         ]
         with IPRoute(netns=self.switch_ns, flags=0) as ipr:
             ipr.link("set", ifname="lo", state="up")
-            ipr.link("add", ifname=BRIDGE, kind="bridge", br_mcast_snooping=0)
-            bridge = ipr.link_lookup(ifname=BRIDGE)[0]
-            for port, ns, ifname, _, mac in endpoints:
+            bridges = [BRIDGE, *(self.rack_bridge(r) for r in range(self.racks))]
+            for name in bridges:
+                ipr.link("add", ifname=name, kind="bridge", br_mcast_snooping=0)
+            index = {name: ipr.link_lookup(ifname=name)[0] for name in bridges}
+            for r in range(self.racks):     # the rack's uplink to the spine
+                ipr.link("add", ifname=f"up-r{r}", kind="veth", peer={"ifname": f"sp-r{r}", "mtu": self.mtu})
+                ipr.link("set", ifname=f"up-r{r}", master=index[self.rack_bridge(r)], mtu=self.mtu, state="up")
+                ipr.link("set", ifname=f"sp-r{r}", master=index[BRIDGE], mtu=self.mtu, state="up")
+            for port, ns, ifname, _, mac, bridge in endpoints:
                 # The peer is born in its namespace: nothing ever appears in the root namespace.
                 ipr.link(
                     "add",
@@ -365,9 +404,10 @@ class Lab:
                     kind="veth",
                     peer={"ifname": ifname, "net_ns_fd": ns, "address": mac, "mtu": self.mtu},
                 )
-                ipr.link("set", ifname=port, master=bridge, mtu=self.mtu, state="up")
-            ipr.link("set", index=bridge, mtu=self.mtu, state="up")
-        for _, ns, ifname, ip, _ in endpoints:
+                ipr.link("set", ifname=port, master=index[bridge], mtu=self.mtu, state="up")
+            for name in bridges:
+                ipr.link("set", index=index[name], mtu=self.mtu, state="up")
+        for _, ns, ifname, ip, _, _ in endpoints:
             with IPRoute(netns=ns, flags=0) as ipr:
                 ipr.link("set", ifname="lo", state="up")
                 idx = ipr.link_lookup(ifname=ifname)[0]
@@ -410,7 +450,7 @@ class Lab:
         try:
             data = json.loads(state.read_text())
             return cls(data["name"], data["workers"], data["loss_percent"], data["mtu"],
-                       data.get("aggregators", 1))
+                       data.get("aggregators", 1), data.get("racks", 0))
         except (OSError, ValueError, KeyError, TypeError):
             pass
         # No usable state file (removed, or a crash mid-write): infer it from the namespaces.
@@ -427,7 +467,8 @@ class Lab:
     def _save(self) -> None:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         data = {"name": self.name, "workers": self.workers,
-                "loss_percent": self.loss_percent, "mtu": self.mtu, "aggregators": self.aggregators}
+                "loss_percent": self.loss_percent, "mtu": self.mtu, "aggregators": self.aggregators,
+                "racks": self.racks}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.state_file)
@@ -491,6 +532,7 @@ class Lab:
             "loss_percent": self.loss_percent,
             "mtu": self.mtu,
             "aggregators": self.aggregators,
+            "racks": self.racks,
             "sw_agg_xdp_prog_id": xdp,
             "nodes": [asdict(n) for n in nodes],
         }
@@ -510,7 +552,7 @@ class Lab:
 
     def __repr__(self) -> str:
         return (f"Lab({self.name!r}, workers={self.workers}, loss_percent={self.loss_percent}, "
-                f"mtu={self.mtu}, aggregators={self.aggregators})")
+                f"mtu={self.mtu}, aggregators={self.aggregators}, racks={self.racks})")
 
 
 def _lab_namespaces(name: str) -> list[str]:

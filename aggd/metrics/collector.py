@@ -73,7 +73,7 @@ class AggdCollector:
         per_job = (F.DROPS, F.JOB_STRATEGY, F.JOB_STRATEGY_VERSION, F.JOB_STRATEGY_PARAM, F.JOB_STRATEGY_TIMEOUT,
                    F.STRATEGY_SWAPS, F.POLICY_DECISIONS, F.JOB_ROUNDS, F.JOB_MEMBERS, F.JOB_MEMBERS_JOINED,
                    F.JOB_SLOTS, F.JOB_SLOTS_BUSY, F.JOB_POLICY_SWITCHED, F.JOB_STRAGGLERS, F.JOB_DEPARTURES,
-                   F.WORKER_GONE,
+                   F.WORKER_GONE, F.SHARD_MAP_VERSION, F.SHARD_INDEX, F.SHARD_SHARE, F.SHARD_RATE, F.SHARD_MAP_CHANGES,
                    F.WORKER_CONTRIBUTIONS, F.WORKER_ARRIVAL_LAG, F.WORKER_LATE, F.WORKER_ROUNDS_BEHIND,
                    F.WORKER_BLOCKING, F.WORKER_LAG, F.WORKER_SLOWDOWN, F.WORKER_STRAGGLER, F.WORKER_WAIT)
         for family in (*F.COUNTERS.values(), *per_job):  # present (if empty) in every scrape
@@ -127,6 +127,15 @@ class AggdCollector:
             out(F.JOB_POLICY_SWITCHED).add_metric([name], int(pol.switched))
             out(F.JOB_STRAGGLERS).add_metric([name], pol.stragglers)
             out(F.JOB_DEPARTURES).add_metric([name], job.departures)
+            if job.shards is not None:
+                sh = job.shards
+                out(F.SHARD_MAP_VERSION).add_metric([name], sh["version"])
+                out(F.SHARD_INDEX).add_metric([name], sh["index"])
+                out(F.SHARD_MAP_CHANGES).add_metric([name], sh["changes_total"])
+                for i, share in enumerate(sh["shares"]):
+                    out(F.SHARD_SHARE).add_metric([name, str(i)], share)
+                    if sh["rates"][i] is not None:
+                        out(F.SHARD_RATE).add_metric([name, str(i)], sh["rates"][i])
             for rank in range(min(job.world, max_ranks)):
                 out(F.WORKER_GONE).add_metric([name, str(rank)], int(rank in job.gone))
             out(F.JOB_ROUNDS).add_metric([name], 0 if top is None else top + 1)

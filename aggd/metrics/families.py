@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 #: Every label any aggd metric carries (tests check this). ``aggd_job`` is the job's name: ``job``
 #: itself is the label Prometheus gives every scraped series, and an exported ``job`` would be
 #: renamed ``exported_job``.
-LABELS = ("aggd_job", "rank", "reason", "strategy", "path")
+LABELS = ("aggd_job", "rank", "reason", "strategy", "path", "aggregator")
 PATHS = ("kernel", "user")
 
 J, JP, W = ("aggd_job",), ("aggd_job", "path"), ("aggd_job", "rank")
@@ -95,6 +95,16 @@ JOB_POLICY_SWITCHED = gauge("aggd_job_policy_switched", "1 while the dynamic-hyb
 JOB_STRAGGLERS = gauge("aggd_job_stragglers", "Ranks the straggler detector flags now", J)
 JOB_DEPARTURES = counter("aggd_job_departures", "Members declared gone (silent while a round waited for "
                                                 "them, or removed by hand) since the daemon started", J)
+
+# -- a sharded job's map, as its members report it (docs/sharding.md) -------------------------------
+A = ("aggd_job", "aggregator")
+SHARD_MAP_VERSION = gauge("aggd_shard_map_version", "Version of the job's shard map the members last reported", J)
+SHARD_INDEX = gauge("aggd_shard_index", "Which aggregator of the job's shard map this host is", J)
+SHARD_SHARE = gauge("aggd_shard_share", "Share of every tensor each aggregator of the map sums (its weight over "
+                                        "the weights' total)", A)
+SHARD_RATE = gauge("aggd_shard_rate_values_per_second", "Each aggregator's service rate as the deciding member "
+                                                        "measured it (values a second; absent until measured)", A)
+SHARD_MAP_CHANGES = counter("aggd_shard_map_changes", "New shard map versions reported since the daemon started", J)
 
 # -- workers (ranks) ------------------------------------------------------------------------------
 WORKER_CONTRIBUTIONS = counter("aggd_worker_contributions", "Contributions of the rank added to a sum", W)

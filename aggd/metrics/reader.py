@@ -51,6 +51,8 @@ class JobInfo:
     created_at: float = 0.0
     gone: tuple[int, ...] = ()    #: ranks declared gone (rounds do not wait for them)
     departures: int = 0           #: members declared gone since the daemon started
+    #: a sharded job's newest shard report (aggd.daemon.shard_reports), None if none came
+    shards: dict | None = None
 
     @property
     def userspace_slots(self) -> int:
@@ -187,9 +189,10 @@ class ServiceReader:
         svc = self.service
         with svc.lock:  # the registry, and what the policy thread knows, as of one moment
             departures = getattr(svc, "departures", {})
+            reports = getattr(svc, "shard_reports", None)
             jobs = [JobInfo(j.id, j.name, j.world, len(j.members), j.slots, j.kernel_slots, j.kernel_base,
                             tuple(tuple(e) for e in j.strategies), j.created_at, tuple(sorted(j.gone)),
-                            departures.get(j.id, 0))
+                            departures.get(j.id, 0), reports.describe(j.id) if reports is not None else None)
                     for j in svc.registry.list()]
             self._detected, self._policy = {}, {}
             runner = getattr(svc, "policy", None)

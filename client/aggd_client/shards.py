@@ -24,6 +24,7 @@ import numpy as np
 from .client import AggClient, AllreduceHandle, WouldBlock
 from .errors import AggdError
 from .membership import client_for, join, request_join
+from .protocol import Header, MsgType
 from .shard_map import ShardMap
 from .shard_policy import RebalancePolicy
 from .strategy import StrategyInfo
@@ -223,6 +224,8 @@ class ShardedClient:
                 else:
                     time.sleep(0.005)
         doc = json.loads(self._store.get(key))
+        if self.rank == self._leader:
+            self._report(call, doc)
         for server in doc.get("add", []):
             self._join_new((str(server[0]), int(server[1])), call)
         for i in doc.get("revive", []):
@@ -236,6 +239,23 @@ class ShardedClient:
         self.shard_map = new
         self.history.append((call, new, doc["reason"]))
         log.info("shard map version %d from call %d: %s", new.version, call, doc["reason"])
+
+    def _report(self, call: int, doc: dict) -> None:
+        """Tell every live aggregator host's daemon the map agreed at ``call`` and each host's rate as
+        this member measures it (docs/protocol.md, "Shard reports": aggctl and the metrics show them).
+        Best effort: a lost report is replaced by the next one."""
+        rates = list(self.policy.rates) if self.policy is not None else []
+        rates = [None if r is None else float(r) for r in rates] + [None] * (len(doc["weights"]) - len(rates))
+        for i, c in enumerate(self.clients):
+            if i in self.dead or i >= len(doc["weights"]):
+                continue
+            body = {"version": doc["version"], "call": call, "weights": doc["weights"], "index": i,
+                    "rates": rates[:len(doc["weights"])], "reason": str(doc.get("reason", ""))[:256]}
+            msg = Header(type=MsgType.SHARDS, job=c._job, rank=c._rank, contributors=c._tag).pack()
+            try:
+                c._sock.sendto(msg + json.dumps(body).encode(), c._server)
+            except OSError:
+                pass
 
     # -- failover and back ---------------------------------------------------------------------------
     def _leader_request(self, what: str) -> None:

@@ -224,10 +224,10 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("kind", [MsgType.RESULT, MsgType.JOIN_ACK])
+@pytest.mark.parametrize("kind", [MsgType.RESULT, MsgType.JOIN_ACK, MsgType.SHARDS])
 def test_results_and_join_answers_are_passed_to_the_daemon(dp, kind):
-    """A rack job's upper results and the JOIN_ACK of its link come to the daemon (which refuses a
-    result from anyone but a rack job's upper aggregator, as bad_type)."""
+    """A rack job's upper results, the JOIN_ACK of its link and shard maps come to the daemon
+    (which refuses a result from anyone but a rack job's upper aggregator, as bad_type)."""
     before = dp.job_stats(None).drops
     res = run(dp, frame(_hdr(type=kind), elements=ELEMENTS))
     assert res.verdict_name == "pass"

@@ -7,7 +7,7 @@ import collections
 import socket
 import struct
 
-from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Verdict, member_rows
+from aggd.core.model import NO_JOB, AggregatorModel, JobConfig, TableEntry, Upstream, Verdict, member_rows
 from aggd.dataplane.xdp.bpf_syscall import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 from aggd.dataplane.xdp.loader import multicast_mac
 from aggd.testing.frames import AGG_IP
@@ -16,7 +16,8 @@ from aggd_client.protocol import Counter, DropReason
 from tests.bpf.conftest import ELEMENTS, job_config
 from tests.fixtures.scenarios import GROUP, JOB, tag
 from tests.fixtures.traffic import OTHER_JOB
-from tests.harness.equivalence import MACS, STRANGER_MAC, describe, frame, ip_checksum, mac_bytes, member
+from tests.harness.equivalence import (_AGG_MAC, MACS, STRANGER_MAC, describe, frame, ip_checksum, mac_bytes,
+                                      member)
 
 VERDICTS = {"drop": XDP_DROP, "tx": XDP_TX, "pass": XDP_PASS}
 _GROUP_MAC = multicast_mac(GROUP[0])
@@ -88,3 +89,62 @@ class Harness:
         assert {r.name.lower(): int(no_job[r]) for r in DropReason} == self.dp.job_stats(None).drops, where
         state = self.model.jobs[JOB]
         assert member_rows(state.members, state.cfg.world) == self.dp.member_stats(JOB, state.cfg.world), where
+
+
+#: The next hop to a rack job's upper aggregator, as the fixtures give it.
+UPPER_MAC = mac_bytes("02:00:00:00:09:01")
+
+
+class RackPair:
+    """A rack job (docs/protocol.md, "Two levels") on the model and the XDP program side by side:
+    ``process(data, src, now_ns)`` runs the packet through both, checks that they agree (verdict,
+    bytes, where it goes: the job's group, the sender, the upper aggregator) and returns the
+    model's verdict, so it can stand for a rack in tests/harness/tree_sim.py."""
+
+    def __init__(self, dp, cfg: JobConfig, upstream: Upstream, elements: int = ELEMENTS) -> None:
+        self.dp, self.cfg, self.upstream, self.elements = dp, cfg, upstream, elements
+        self.model = AggregatorModel(elements)
+        self.model.add_job(cfg)
+        self.dp.remove_job(cfg.job)
+        self.dp.install_job(job_config(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
+                                       group=cfg.group, members=cfg.members, tags=cfg.tags,
+                                       upstream=cfg.upstream))
+        self.dp._reset_stats(NO_JOB)
+        self.link(upstream)
+
+    def link(self, upstream: Upstream) -> None:
+        self.model.set_upstream(self.cfg.job, upstream)
+        self.dp.set_upstream(self.cfg.job, upstream, via=(AGG_IP, _AGG_MAC, UPPER_MAC))
+
+    def process(self, data: bytes, src: tuple[str, int], now_ns: int = 0) -> Verdict:
+        v = self.model.process(data, src, now_ns)
+        self.dp.set_clock(now_ns or 1)
+        pkt = frame(data, src)
+        res = prog_test_run(self.dp.prog_fd, pkt)
+        why = f"  in : {describe(data)} from {src}\n  model: {v.action} {v.reason} {v.dest} " \
+              f"{describe(v.out)}\n  xdp  : {res.verdict_name}"
+        if res.verdict == XDP_TX:
+            why += f" to {socket.inet_ntoa(res.packet[30:34])} {describe(res.packet[42:])}"
+        assert res.verdict == VERDICTS[v.action], why
+        if v.action != "tx":
+            return v
+        out = res.packet
+        udp_len = struct.unpack_from("!H", out, 38)[0]
+        assert out[42:34 + udp_len] == v.out, why
+        eth_dst, ip_dst, dport = out[0:6], socket.inet_ntoa(out[30:34]), struct.unpack_from("!H", out, 36)[0]
+        if v.dest == "group":
+            where = (multicast_mac(self.cfg.group[0]), self.cfg.group[0], self.cfg.group[1])
+        elif v.dest == "upstream":
+            where = (UPPER_MAC, *self.upstream.addr)
+        else:
+            where = (mac_bytes(MACS.get(src, STRANGER_MAC)), src[0], src[1])
+        assert (eth_dst, ip_dst, dport) == where, why
+        assert socket.inet_ntoa(out[26:30]) == AGG_IP and ip_checksum(out[14:34]) == 0, why
+        return v
+
+    def check_counters(self) -> None:
+        job = self.cfg.job
+        counters = self.model.counters(job)
+        assert {c.name.lower(): int(counters[c]) for c in Counter} == self.dp.job_stats(job).counters
+        drops = self.model.drops(job)
+        assert {r.name.lower(): int(drops[r]) for r in DropReason} == self.dp.job_stats(job).drops

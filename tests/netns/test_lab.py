@@ -261,6 +261,34 @@ def test_a_lab_with_several_aggregators():
         Lab(name, 1).down()
 
 
+def test_two_racks_behind_a_spine():
+    """`aggctl lab up --racks 2`: a bridge a rack (its half of the workers and aggregator r) joined
+    to the spine bridge (the last aggregator); everything reaches everything, the racks' ports are
+    on their own bridges, and the lab is found again by load."""
+    name = unique_lab_name()
+    runner = CliRunner()
+    try:
+        res = runner.invoke(aggctl, ["lab", "up", "--workers", "4", "--racks", "2", "--name", name])
+        assert res.exit_code == 0, res.output
+        lab = Lab.load(name)
+        assert (lab.racks, lab.aggregators, lab.spine_aggregator) == (2, 3, 2)
+        assert [lab.rack_workers(r) for r in range(2)] == [[0, 1], [2, 3]]
+        for w in range(4):
+            for i in range(3):
+                assert lab.ping(lab.worker_ns(w), lab.agg_ip_of(i)), (w, i)
+        links = json.loads(lab.check_output(lab.switch_ns, ["ip", "-j", "link", "show"]))
+        master = {link["ifname"]: link.get("master") for link in links}
+        assert master["sw-w0"] == master["sw-agg"] == master["up-r0"] == "rack0"
+        assert master["sw-w3"] == master["sw-agg1"] == master["up-r1"] == "rack1"
+        assert master["sw-agg2"] == master["sp-r0"] == master["sp-r1"] == "br0"
+        with pytest.raises(ValueError, match="racks"):
+            Lab("x", 4, aggregators=2, racks=2)
+        assert runner.invoke(aggctl, ["lab", "down", "--name", name]).exit_code == 0
+        assert lab_leftovers(name) == []
+    finally:
+        Lab(name, 1).down()
+
+
 def test_aggctl_binary_runs_lab_commands():
     aggctl_bin = os.path.join(os.path.dirname(sys.executable), "aggctl")  # .venv/bin/aggctl
     name = unique_lab_name()

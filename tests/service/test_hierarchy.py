@@ -1,7 +1,8 @@
 """Two levels of aggregation through real daemons (docs/hierarchy.md): two rack daemons, each with
 a job of two lab workers, forward every complete round to a third daemon's job, whose members are
 the racks, and relay its results; every worker checks that each result is the sum of all four
-workers' tensors. The racks serve their jobs in user space, the upper daemon in its XDP program."""
+workers' tensors. Every level runs in its daemon's XDP program: the racks forward and relay in the
+kernel, and a rack job with slots in user space too does the same there."""
 from __future__ import annotations
 
 import json
@@ -17,29 +18,34 @@ pytestmark = pytest.mark.root
 SIZES = [1, 256, 257, 9_000, 70_001]
 
 
-def tree(make_lab, make_daemon, loss: float = 0.0):
-    """A lab of 4 workers and 3 aggregators: the upper job "top" on the third daemon, rack jobs
-    "rack0" and "rack1" (made through aggctl) on the first two."""
-    lab = make_lab(4, aggregators=3, loss_percent=loss)
+def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4):
+    """Two racks of ``per_rack`` lab workers behind a spine bridge (``Lab(racks=2)``): the upper job
+    "top" on the spine's daemon, rack jobs "rack0" and "rack1" (made through aggctl) on the racks'
+    daemons; rack 1's job has 4 of its 16 slots in the kernel, the rest in user space."""
+    lab = make_lab(2 * per_rack, aggregators=3, racks=2, loss_percent=loss)
     daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
                for i in range(3)]
-    top = daemons[2].call("jobs.create", name="top", world=2)
+    top = daemons[lab.spine_aggregator].call("jobs.create", name="top", world=2)
     racks = []
     for r in range(2):
-        made = daemons[r].aggctl("jobs", "create", f"rack{r}", "--world", "2", "--json",
-                                 "--upstream", f"{lab.agg_ip_of(2)}:{DEFAULT_PORT}/top",
-                                 "--upstream-token", top["token"], "--upstream-rank", str(r), "--span", "4")
+        made = daemons[r].aggctl("jobs", "create", f"rack{r}", "--world", str(per_rack), "--json",
+                                 "--upstream", f"{lab.agg_ip_of(lab.spine_aggregator)}:{DEFAULT_PORT}/top",
+                                 "--upstream-token", top["token"], "--upstream-rank", str(r),
+                                 "--span", str(2 * per_rack),
+                                 *(["--slots", "16", "--kernel-slots", "4"] if r == 1 else []))
         assert made.exit_code == 0, made.output
         racks.append(json.loads(made.output))
     return lab, daemons, top, racks
 
 
 def run_racks(lab, racks, extra, timeout=300):
+    """Each rack's workers join their rack's job and check every sum against all workers' tensors."""
     runs: dict[int, list] = {}
 
     def rack(r):
-        runs[r] = run_workers(lab, LabJob(job=racks[r]["id"], workers=[2 * r, 2 * r + 1], name=f"rack{r}",
-                                          token=racks[r]["token"], aggregator=r, tensor_rank_base=2 * r),
+        workers = lab.rack_workers(r)
+        runs[r] = run_workers(lab, LabJob(job=racks[r]["id"], workers=workers, name=f"rack{r}",
+                                          token=racks[r]["token"], aggregator=r, tensor_rank_base=workers[0]),
                               timeout=timeout, extra=extra)
 
     threads = [threading.Thread(target=rack, args=(r,)) for r in range(2)]
@@ -50,7 +56,13 @@ def run_racks(lab, racks, extra, timeout=300):
     return [run for r in range(2) for run in runs[r]]
 
 
-def test_two_racks_sum_through_an_upper_aggregator(make_lab, make_daemon):
+def counted(paths: dict, *names: str) -> dict:
+    """Counters of both paths added."""
+    return {k: paths["kernel"]["counters"][k] + paths["userspace"]["counters"][k] for k in names}
+
+
+def test_two_racks_sum_through_a_spine_aggregator(make_lab, make_daemon):
+    """Every sum right, and each rack sends the spine one contribution a chunk."""
     lab, daemons, top, racks = tree(make_lab, make_daemon)
     runs = run_racks(lab, racks, ["--sizes", ",".join(map(str, SIZES)), "--rounds", "2", "--interleave"])
     for run in runs:
@@ -63,26 +75,35 @@ def test_two_racks_sum_through_an_upper_aggregator(make_lab, make_daemon):
         assert shown["upstream"]["link"]["state"] == "linked"
         assert shown["upstream"]["link"]["upper_job_id"] == top["id"]
         assert "token" not in shown["upstream"]
-        us = shown["paths"]["userspace"]["counters"]
-        assert us["released"] == chunks and us["forwarded"] == chunks and us["relayed"] == chunks, us
+        paths = shown["paths"]
+        c = counted(paths, "released", "forwarded", "relayed", "retransmits")
+        # once each, and again only for a worker's retransmission (a start-up wait can cause one)
+        assert c["released"] == chunks and chunks <= c["forwarded"] <= chunks + c["retransmits"], paths
+        assert c["relayed"] >= chunks, paths
+        assert paths["kernel"]["counters"]["forwarded"] > 0
+        if r == 1:                         # 4 kernel slots of 16: the rest forwarded from user space
+            assert paths["userspace"]["counters"]["forwarded"] > 0
         assert daemons[r].aggctl("jobs", "show", f"rack{r}").output.count("link linked") == 1
-    upper = daemons[2].call("jobs.show", job="top")
+    spine = daemons[lab.spine_aggregator]
+    upper = spine.call("jobs.show", job="top")
     assert upper["joined"] == 2
-    assert upper["paths"]["kernel"]["counters"]["released"] == chunks    # the racks' sums, in XDP
+    assert upper["paths"]["kernel"]["counters"]["released"] == chunks       # the racks' sums, in XDP
+    sent = upper["paths"]["kernel"]["counters"]
+    assert sent["rx_packets"] - sent["retransmits"] == 2 * chunks    # one a chunk a rack, re-sends aside
 
 
-def test_loss_is_recovered_at_both_levels(make_lab, make_daemon):
-    """3% of packets lost on every lab link: a worker's contribution, a rack's forwarded sum, the
-    upper result and the relayed one. Every worker's every sum is still right."""
-    lab, daemons, top, racks = tree(make_lab, make_daemon, loss=3.0)
+def test_loss_on_every_link_is_recovered_at_both_levels(make_lab, make_daemon):
+    """2% of packets lost on every bridge (a worker's contribution, a rack's forwarded sum, the
+    upper result, the relayed one; crossing the spine is two bridges). Every sum still right."""
+    lab, daemons, top, racks = tree(make_lab, make_daemon, loss=2.0)
     runs = run_racks(lab, racks, ["--sizes", "256,9000,70001", "--rounds", "4", "--interleave",
                                   "--give-up-after", "30"])
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
         assert all(rec["within_bound"] and rec["shape_ok"] for rec in run.records), run.records
     for r in range(2):
-        us = daemons[r].call("jobs.show", job=f"rack{r}")["paths"]["userspace"]["counters"]
-        assert us["forwarded"] > us["released"] and us["retransmits"] > 0, us    # re-sent upwards
+        c = counted(daemons[r].call("jobs.show", job=f"rack{r}")["paths"], "forwarded", "released", "retransmits")
+        assert c["forwarded"] > c["released"] and c["retransmits"] > 0, c    # re-sent upwards
 
 
 def test_a_rack_job_refuses_what_it_cannot_serve(make_lab, make_daemon):
@@ -101,4 +122,4 @@ def test_a_rack_job_refuses_what_it_cannot_serve(make_lab, make_daemon):
     with pytest.raises(Exception, match="sync only"):
         d.call("strategy.set", job="r", strategy="ssp:1")
     shown = d.call("jobs.show", job="r")
-    assert shown["kernel_slots"] == 0 and shown["upstream"]["link"]["state"] == "joining"
+    assert shown["upstream"]["link"]["state"] == "joining"

@@ -116,3 +116,17 @@ def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
     assert per_call[0][:12] == [2] * 12 and per_call[0][16:] == [3] * 14, per_call[0]
     shown = daemons[2].call("jobs.show", job="grow")
     assert shown["joined"] == 4 and shown["paths"]["kernel"]["counters"]["released"] > 0
+    # every host got the leader's reports of the map (docs/sharding.md, "Watching it")
+    for i, d in enumerate(daemons):
+        sh = d.call("jobs.show", job="grow")["shards"]
+        assert sh is not None and sh["index"] == i and sh["from_rank"] == 0, sh
+        assert len(sh["weights"]) == 3 and sh["call"] == 28 and sh["share"] > 0
+        assert any("added" in ch["reason"] for ch in sh["changes"]) or i == 2, sh
+        assert len(sh["rates"]) == 3
+    assert "this host is aggregator 2 of 3" in daemons[2].aggctl("jobs", "show", "grow").output
+    import urllib.request
+    from aggd.lab.namespaces import in_netns
+    with in_netns(lab.agg_ns_of(2)), urllib.request.urlopen("http://127.0.0.1:9477/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert 'aggd_shard_index{aggd_job="grow"} 2.0' in text
+    assert 'aggd_shard_share{aggd_job="grow",aggregator="2"}' in text

@@ -108,7 +108,7 @@ def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_
     assert info["round_answered"] == first[0] + len(run.ranks[0]["sent"]) - 1, (first, info)
 
 
-@pytest.mark.parametrize("fault", [None, "second aggregator dies"])
+@pytest.mark.parametrize("fault", [None, "second aggregator's link goes down", "second daemon killed"])
 def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, gloo, tmp_path, fault):
     """The job on two aggregator hosts (two daemons in two aggregator namespaces, one token):
     AGGD_SERVER names both, AGGD_WEIGHTS cuts each bucket 1:2 and AGGD_REBALANCE_EVERY makes the
@@ -116,6 +116,7 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
     the bound; both hosts released rounds in the kernel. With a fault, the second host's link goes
     down mid-training: the members fail over to the first (AGGD_FAILOVER_AFTER) and training
     still equals gloo within the bound."""
+    import signal
     import threading
     import time
 
@@ -134,13 +135,17 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
         settings = {"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"}
         cut = threading.Event()
         if fault:
-            settings["AGGD_FAILOVER_AFTER"] = "2"
+            settings.update(AGGD_FAILOVER_AFTER="1", STEP_DELAY="0.2")   # the fault lands mid-training
 
             def kill_second():
                 deadline = time.monotonic() + 200
                 while time.monotonic() < deadline and released(daemons[1], job)["kernel"] < 3:
                     time.sleep(0.01)   # an allreduce or two in
-                lab.set_aggregator_link(1, up=False)
+                if fault == "second daemon killed":   # the host dies: no daemon, no XDP program
+                    daemons[1].stop(signal.SIGKILL, 10)
+                    lab.check_output(lab.agg_ns_of(1), ["ip", "link", "set", "dev", lab.agg_ifname, "xdp", "off"])
+                else:
+                    lab.set_aggregator_link(1, up=False)
                 cut.set()
             killer = threading.Thread(target=kill_second, daemon=True)
             killer.start()
@@ -152,6 +157,10 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
             assert paths["kernel"] > 0 and paths["userspace"] == 0, paths
         if fault:
             assert cut.is_set() and "stopped answering" in run.output and "failed over" in run.output
+            # the stall: the slowest step over the usual one, on every rank
+            for r in run.ranks:
+                steps = np.asarray(r["step_seconds"])
+                assert steps.max() - np.median(steps) < 2.0, steps
     finally:
         for d in daemons:
             d.close()

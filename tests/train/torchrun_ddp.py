@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,11 @@ def main() -> int:
     ddp = DDP(ddp_run.net(0, dtype), bucket_cap_mb=ddp_run.BUCKET_CAP_MB)
     opt = torch.optim.SGD(ddp.parameters(), lr=ddp_run.LR)
     crash = tuple(int(v) for v in a.crash.split(":")) if a.crash else None
+    step_seconds = []     # how long each step took (a stall shows)
+    compute = float(os.environ.get("STEP_DELAY", "0"))   # seconds of "compute" a step: faults land mid-run
     for step, (x, y) in enumerate(data):
+        t0 = time.perf_counter()
+        time.sleep(compute)
         if crash and attempt == 0 and rank == crash[0] and step == crash[1]:
             print(f"rank {rank}: crashing before step {step} (attempt {attempt})", flush=True)
             os._exit(3)
@@ -69,6 +74,7 @@ def main() -> int:
         out = ddp(torch.from_numpy(x).to(dtype))
         torch.nn.functional.cross_entropy(out.float(), torch.from_numpy(y)).backward()
         opt.step()
+        step_seconds.append(time.perf_counter() - t0)
     params = torch.cat([p.detach().to(torch.float64).reshape(-1) for p in ddp.module.parameters()]).numpy()
     extra = {}
     if a.backend == "aggd":
@@ -76,7 +82,7 @@ def main() -> int:
         extra = {"first_round": pg.first_round, "info": json.dumps(at.last_round_info()),
                  "job": pg.job_info.name}
     np.savez(Path(a.out) / f"rank{rank}.npz", params=params, attempt=attempt, world=world,
-             sent=np.array(sent, dtype=object), **extra)
+             sent=np.array(sent, dtype=object), step_seconds=np.array(step_seconds), **extra)
     dist.destroy_process_group()
     print(json.dumps({"rank": rank, "attempt": attempt, "done": True}), flush=True)
     # (gloo's threads once aborted the interpreter's teardown, "terminate called without an active

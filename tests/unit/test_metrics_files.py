@@ -177,7 +177,8 @@ def test_dashboard_is_a_grafana_dashboard():
 
 def exported_names() -> set[str]:
     """Every sample name the collector exports when every family has something to say."""
-    j = m.JobInfo(1, "train", 2, 2, 16, 8, 0, ((0, 0, "sync"),))
+    shards = {"version": 2, "index": 0, "shares": [0.5, 0.5], "rates": [1e6, 2e6], "changes_total": 2}
+    j = m.JobInfo(1, "train", 2, 2, 16, 8, 0, ((0, 0, "sync"),), shards=shards)
     reader = types_reader(j)
     text = generate_latest(server.registry_for(reader)).decode()
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}

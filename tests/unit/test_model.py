@@ -260,7 +260,7 @@ MALFORMED = [
 def test_results_and_join_answers_go_to_the_daemon_in_the_kernel_and_are_refused_in_user_space():
     """An aggregator takes results only from a rack job's upper aggregator (docs/protocol.md, "Two
     levels"), which the daemon serves; in user space a result from anywhere else is bad_type."""
-    for t in (MsgType.RESULT, MsgType.JOIN_ACK, MsgType.JOIN):
+    for t in (MsgType.RESULT, MsgType.JOIN_ACK, MsgType.JOIN, MsgType.SHARDS):
         assert model().process(_with(type=t), addr(0)).action == "pass"
     us = model(userspace=True)
     v = us.process(_with(type=MsgType.RESULT), addr(0))

@@ -199,6 +199,53 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
         click.echo(f"plot: {png_path}")
 
 
+@bench.command("shards")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--size", default="4M", show_default=True, help="bytes of the float32 tensor, e.g. 1M, 4M")
+@click.option("--calls", default=40, show_default=True, help="allreduces a run")
+@click.option("--steady", default=12, show_default=True, help="last calls a run's time is the median of")
+@click.option("--rates", default="400,400,100", show_default=True,
+              help="Mbit/s of the link towards each aggregator (one an aggregator)")
+@click.option("--rebalance-every", default=4, show_default=True, help="calls between the agreed maps")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per run")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG of each call's time in both runs")
+def bench_shards(workers, size, calls, steady, rates, rebalance_every, as_json, plot_path):
+    """A job sharded over aggregators behind links of different rates: the even split against the
+    rebalanced one, in labs alike."""
+    from aggd.bench import shards as sb
+
+    try:
+        rate_list = tuple(float(r) for r in rates.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{rates!r} is not a comma-separated list of Mbit/s", param_hint="--rates") from None
+    if len(rate_list) < 2 or any(not r > 0 for r in rate_list):
+        raise click.BadParameter("two or more positive rates", param_hint="--rates")
+    nbytes = parse_size(size)
+    if nbytes < 4 or workers < 1 or not 1 <= steady <= calls or rebalance_every < 1:
+        raise click.BadParameter("--size of a value at least, --workers and --rebalance-every positive, "
+                                 "--steady in 1..--calls")
+    cfg = sb.Config(workers=workers, elements_total=nbytes // 4, calls=calls, steady=steady, rates=rate_list,
+                    rebalance_every=rebalance_every)
+
+    def show(row):
+        if as_json:
+            click.echo(json.dumps(row))
+            return
+        extra = f"  {row['speedup_over_even']:.2f}x the even split" if "speedup_over_even" in row else ""
+        click.echo(f"{row['mode']:<10} workers={row['workers']} bytes={row['bytes']} rates={row['rates_mbit']}  "
+                   f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  weights={row['final_weights']}{extra}")
+
+    try:
+        rows = sb.run(cfg, "s" + uuid.uuid4().hex[:6], on_row=show)
+    except sb.BenchError as e:
+        raise click.ClickException(str(e)) from None
+    if plot_path:
+        sb.plot(rows, plot_path)
+        if not as_json:
+            click.echo(f"plot: {plot_path}")
+
+
 @bench.command("xdp")
 @click.option("--elements", "elements_list", default=f"64,256,512,{proto.NATIVE_MAX_ELEMENTS}", show_default=True,
               help="packet sizes (int32 values a packet) to compile and time")

@@ -113,6 +113,15 @@ def show(job, as_json):
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
                f"{j['elements']} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")
+    sh = j.get("shards")
+    if sh:
+        rates = ", ".join("-" if r is None else f"{r / 1e6:.1f}M/s" for r in sh["rates"])
+        click.echo(f"shards:    map version {sh['version']} (call {sh['call']}), this host is aggregator "
+                   f"{sh['index']} of {len(sh['weights'])} with {sh['share']:.1%} of every tensor; weights "
+                   f"{', '.join(f'{w:g}' for w in sh['weights'])}; rates {rates} values")
+        for ch in sh["changes"][-5:]:
+            click.echo(f"  version {ch['version']} from call {ch['call']}: "
+                       f"{', '.join(f'{w:g}' for w in ch['weights'])} ({ch['reason']})")
     up = j.get("upstream")
     if up:
         link = up.get("link") or {}

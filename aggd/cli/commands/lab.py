@@ -47,11 +47,16 @@ def lab():
               help=f"above {NATIVE_MAX_MTU} (native XDP's limit) the aggregator must run generic mode")
 @click.option("--aggregators", type=click.IntRange(1, MAX_AGGREGATORS), default=1, show_default=True,
               help="Aggregator namespaces (10.77.0.1 onwards): a job sharded over several.")
+@click.option("--racks", type=click.IntRange(0, MAX_AGGREGATORS - 1), default=0, show_default=True,
+              help="Racks behind a spine bridge (docs/hierarchy.md): a bridge a rack with its share of the "
+                   "workers and an aggregator each; the last aggregator on the spine.")
 @name_option
-def up(workers, loss, mtu, aggregators, name):
+def up(workers, loss, mtu, aggregators, racks, name):
     """Build a lab and leave it running."""
+    if racks and aggregators < racks + 1:
+        aggregators = racks + 1          # one a rack and the spine's
     try:
-        made = Lab(name, workers, loss_percent=loss, mtu=mtu, aggregators=aggregators).up()
+        made = Lab(name, workers, loss_percent=loss, mtu=mtu, aggregators=aggregators, racks=racks).up()
     except (LabError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"lab {name} is up: {workers} worker(s), loss {loss:g}%, mtu {mtu}")

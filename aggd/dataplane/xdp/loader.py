@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 XDP_DIR = Path(__file__).resolve().parents[3] / "xdp"
 PROGRAM = XDP_DIR / "aggd_xdp.c"
 FUNCTION = "aggd_xdp"
-MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats", "self_addr")
+MAP_NAMES = ("jobs", "members", "slots", "stats", "clock", "member_stats", "self_addr", "upstreams")
 
 # XDP attach flags (include/uapi/linux/if_link.h)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
@@ -150,6 +150,8 @@ class XdpDataPlane(DataPlane):
         self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
         # A native frame larger than a page arrives in several buffers (XDP multi-buffer).
         self.frags = (mode == "native" and elements > proto.PAGE_MAX_ELEMENTS) if frags is None else frags
+        #: the program relays a rack job's upper results itself (not in a jumbo build: aggd_xdp.c)
+        self.relays = elements <= proto.NATIVE_MAX_ELEMENTS
         self.netns = netns  # attach inside this network namespace (the lab's aggregator)
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
@@ -227,6 +229,7 @@ class XdpDataPlane(DataPlane):
         self.stats = self.bpf[b"stats"]
         self.clock = self.bpf[b"clock"]
         self.self_addr = self.bpf[b"self_addr"]
+        self.upstreams = self.bpf[b"upstreams"]
         self._member_stats_map = self.bpf[b"member_stats"]
 
     @property
@@ -313,6 +316,7 @@ class XdpDataPlane(DataPlane):
         j.result_port = _be16_of(int(group_port))
         ctypes.memmove(ctypes.addressof(j) + type(j).group_mac.offset, multicast_mac(group_ip), 6)
         j.all_members = (1 << world) - 1
+        j.upstream = 1 if getattr(cfg, "upstream", None) is not None else 0   # linked by set_upstream
         self._write_ring(j, [to_entry(getattr(cfg, "strategy", None) or SYNC, 0, 0)])
         j.active = 1
         self.jobs[ctypes.c_uint32(job)] = j
@@ -348,6 +352,67 @@ class XdpDataPlane(DataPlane):
         except ValueError as exc:
             raise XdpError(f"job {job}: {exc}") from None
         self.jobs[key] = j
+
+    def set_upstream(self, job: int, upstream, via: tuple[str, bytes, bytes] | None = None) -> None:
+        """A rack job's link (aggd.core.model.Upstream): its complete rounds go from this interface
+        to the upper aggregator, whose results the program relays to the job's group. ``via``:
+        (this host's address, its MAC, the next hop's MAC), found from the routing and neighbour
+        tables when not given. XdpError if the upper aggregator is not reached through this
+        interface, or its next hop is not known yet."""
+        key = ctypes.c_uint32(job)
+        j = self.jobs[key]
+        if not j.active:
+            raise XdpError(f"job {job} is not installed")
+        self._unroute(job, j)
+        if not self.relays and j.kernel_slots:
+            raise XdpError(f"job {job}: a program built for {self.elements}-value packets does not serve a "
+                           f"rack job's kernel slots (at most {proto.NATIVE_MAX_ELEMENTS})")
+        if upstream is None or not upstream.linked:
+            j.upstream = 1 if upstream is not None else 0
+            self.jobs[key] = j
+            return
+        ip, port = upstream.addr
+        self_ip, self_mac, hop_mac = via if via is not None else self._route_to(ip)
+        j.up_job, j.up_rank, j.up_tag = int(upstream.job), int(upstream.rank), check_tag(upstream.tag)
+        j.up_ip, j.up_port, j.self_ip = _be32_of(ip), _be16_of(int(port)), _be32_of(self_ip)
+        for field, mac in (("up_mac", hop_mac), ("self_mac", self_mac)):
+            ctypes.memmove(ctypes.addressof(j) + getattr(type(j), field).offset, bytes(mac), 6)
+        j.upstream = 2
+        self.jobs[key] = j
+        k = self.upstreams.Key()
+        k.ip, k.port, k.job = _be32_of(ip), _be16_of(int(port)), int(upstream.job)
+        self.upstreams[k] = ctypes.c_uint32(job)
+
+    def _unroute(self, job: int, j) -> None:
+        """Forget the upper results route of ``job`` (its upstream entry), if it has one."""
+        if j.upstream == 2:
+            k = self.upstreams.Key()
+            k.ip, k.port, k.job = j.up_ip, j.up_port, j.up_job
+            try:
+                del self.upstreams[k]
+            except KeyError:
+                pass
+
+    def _route_to(self, ip: str) -> tuple[str, bytes, bytes]:
+        """(this interface's address, its MAC, the next hop's MAC) towards ``ip``."""
+        from pyroute2 import IPRoute
+        with IPRoute(netns=self.netns, flags=0) if self.netns else IPRoute() as ipr:
+            link = ipr.get_links(ifname=self.ifname)[0]
+            try:
+                route = ipr.route("get", dst=ip)[0]
+            except Exception as exc:
+                raise XdpError(f"no route to the upper aggregator {ip}: {exc}") from None
+            if route.get_attr("RTA_OIF") != link["index"]:
+                raise XdpError(f"the upper aggregator {ip} is reached through another interface than "
+                               f"{self.ifname}, where the XDP program is")
+            hop = route.get_attr("RTA_GATEWAY") or ip
+            source = route.get_attr("RTA_PREFSRC")
+            neighbours = [n for n in ipr.get_neighbours(ifindex=link["index"]) if n.get_attr("NDA_DST") == hop
+                          and n.get_attr("NDA_LLADDR")]
+        if not neighbours or not source:
+            raise XdpError(f"the next hop to the upper aggregator {ip} ({hop}) is not known yet")
+        mac = lambda text: bytes.fromhex(text.replace(":", ""))   # noqa: E731
+        return source, mac(link.get_attr("IFLA_ADDRESS")), mac(neighbours[0].get_attr("NDA_LLADDR"))
 
     def set_member(self, job: int, rank: int, addr: tuple[str, int] | None, tag: int = 0) -> None:
         """Register (None: clear) the member address and tag of ``rank``: from then on the program
@@ -452,6 +517,7 @@ class XdpDataPlane(DataPlane):
         self.clock[ctypes.c_uint32(0)] = ctypes.c_uint64(ns)
 
     def remove_job(self, job: int) -> None:
+        self._unroute(job, self.jobs[ctypes.c_uint32(job)])
         self.jobs[ctypes.c_uint32(job)] = self.jobs.Leaf()
         empty = self.members.Leaf()
         for rank in range(proto.MAX_MEMBERS):

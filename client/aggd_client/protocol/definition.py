@@ -57,6 +57,7 @@ class MsgType(enum.IntEnum):
     NACK = 4     #: aggregator -> worker: refused; ``code`` says why
     JOIN = 5     #: worker -> daemon: rank + job token in the payload; always handled in user space
     JOIN_ACK = 6 #: daemon -> worker: accepted (job parameters in the payload) or refused (``code``)
+    SHARDS = 7   #: member -> daemon: a sharded job's agreed shard map (JSON payload), never answered
 
 
 class Flag(enum.IntFlag):

@@ -24,6 +24,7 @@ const bit<8> AGGD_MSG_TYPE_REREAD = 3;
 const bit<8> AGGD_MSG_TYPE_NACK = 4;
 const bit<8> AGGD_MSG_TYPE_JOIN = 5;
 const bit<8> AGGD_MSG_TYPE_JOIN_ACK = 6;
+const bit<8> AGGD_MSG_TYPE_SHARDS = 7;
 
 const bit<8> AGGD_FLAG_RETRANSMIT = 1;
 const bit<8> AGGD_FLAG_OVERFLOW = 2;

@@ -380,8 +380,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     return;
                 }
                 if (hdr.aggd.type == AGGD_MSG_TYPE_JOIN || hdr.aggd.type == AGGD_MSG_TYPE_JOIN_ACK ||
-                    hdr.aggd.type == AGGD_MSG_TYPE_RESULT) {
-                    meta.fwd = 1;      /* membership, and a rack job's upper results, are the daemon's */
+                    hdr.aggd.type == AGGD_MSG_TYPE_RESULT || hdr.aggd.type == AGGD_MSG_TYPE_SHARDS) {
+                    meta.fwd = 1;      /* membership, shard maps and a rack job's upper results: the daemon's */
                     return;
                 }
                 if (hdr.aggd.type != AGGD_MSG_TYPE_CONTRIB && hdr.aggd.type != AGGD_MSG_TYPE_REREAD) {
