@@ -3,8 +3,9 @@ link, cut evenly and rebalanced (docs/sharding.md).
 
 Every run builds the same lab (``workers`` workers, three aggregator namespaces with the XDP program
 on their interfaces), limits the bridge's link towards each aggregator (a token bucket:
-``rates`` Mbit/s, the slow one a quarter of the others by default), and reduces one float32 tensor
-``calls`` times:
+``rates`` Mbit/s, the slow one a quarter of the others by default; the bridge does not flood the
+other aggregators' result multicast onto it, as a switch with IGMP snooping would not), and reduces
+one float32 tensor ``calls`` times:
 
 * ``even``: the shard map's weights fixed at 1, 1, 1;
 * ``rebalanced``: from 1, 1, 1, the members' rebalancing policy (``aggd_client.shard_policy``)
@@ -46,6 +47,7 @@ def run_mode(cfg: Config, mode: str, lab_name: str) -> dict:
     """One run: a fresh lab, the rates set, the job cut ``mode``'s way."""
     k = len(cfg.rates)
     with Lab(lab_name, cfg.workers, mtu=1500, aggregators=k) as lab, contextlib.ExitStack() as stack:
+        lab.keep_multicast_from_aggregators()      # each link carries its own aggregator's traffic
         for i, rate in enumerate(cfg.rates):
             lab.set_aggregator_rate(i, rate)
         planes = [stack.enter_context(xdp_aggregator(lab, aggregator=i, elements=cfg.elements, total_slots=cfg.slots))

@@ -47,6 +47,7 @@ WORKER_IFNAME = "eth0"
 BRIDGE = "br0"
 MULTICAST_NET = "224.0.0.0/4"
 LOSS_TABLE = "aggd_loss"
+MCAST_TABLE = "aggd_mcast"
 MAX_WORKERS = 64
 # Aggregator hosts of a lab (a job sharded over several: aggd_client.shards): 10.77.0.1 onwards,
 # below the workers' 10.77.0.10.
@@ -499,6 +500,22 @@ class Lab:
             raise ValueError(f"rate must be above 0 Mbit/s, not {mbit}")
         self.check_output(self.switch_ns, ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate",
                                            f"{mbit}mbit", "burst", "256kb", "latency", "200ms"])
+
+    def keep_multicast_from_aggregators(self, keep: bool = True) -> None:
+        """Stop (or, ``keep=False``, restore) the bridge flooding IPv4 multicast to the aggregators'
+        ports, as a switch with IGMP snooping would: the lab's bridge floods every job's results to
+        every port, which on a rate-limited aggregator link takes its bandwidth from its own job
+        (``aggctl bench shards``). Not for a spine lab, whose racks listen on the upper group."""
+        script = f"table bridge {MCAST_TABLE} {{}}\ndelete table bridge {MCAST_TABLE}\n"
+        if keep:
+            ports = ", ".join(f'"{self.agg_port_of(i)}"' for i in range(self.aggregators))
+            script += (f"table bridge {MCAST_TABLE} {{\n"
+                       f"  chain forward {{\n"
+                       f"    type filter hook forward priority 0; policy accept;\n"
+                       f"    oifname {{ {ports} }} ether type ip ip daddr {MULTICAST_NET} drop\n"
+                       f"  }}\n"
+                       f"}}\n")
+        self.check_output(self.switch_ns, ["nft", "-f", "-"], input=script)
 
     # processes
     def run(self, ns: str, argv: list[str], **popen_kwargs) -> subprocess.Popen:
