@@ -154,6 +154,54 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 		steps[i] = 0;
 }
 
+/* The kernel slot of `chunk`, or NULL and *action: dropped bad_chunk, or passed up (a slot beyond
+ * the job's kernel slots, or a payload of another size: the daemon's user-space path serves it). */
+static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_stats *jst, __u32 chunk,
+						__u32 payload_len, int *action)
+{
+	if (chunk >= cfg->max_chunks || cfg->n_slots == 0) {
+		*action = drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
+		return 0;
+	}
+	__u32 slot_idx = chunk % cfg->n_slots;
+	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
+		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
+		*action = XDP_PASS;
+		return 0;
+	}
+	__u32 gidx = cfg->slot_base + slot_idx;
+	struct slot *s = slots.lookup(&gidx);
+	if (!s)
+		*action = drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
+	return s;
+}
+
+/* The payload the loops work on (ELEMS values): the packet's own in a frame of one page, else a
+ * per-CPU copy of it (`load`: filled from the frame); NULL and *action if the frame is short. */
+static __always_inline __u32 *payload_of(struct xdp_md *ctx, struct aggd_hdr *h, void *data_end, int load,
+					 struct job_stats *jst, int *action)
+{
+#ifdef AGGD_FRAGS
+	__u32 zero_key = 0;
+	__u32 *payload = (void *)payload_copy.lookup(&zero_key);
+	if (!payload) {
+		*action = XDP_ABORTED;
+		return 0;
+	}
+	if (load && bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4)) {
+		*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+		return 0;
+	}
+#else
+	__u32 *payload = (void *)(h + 1);
+	if ((void *)(payload + ELEMS) > data_end) {
+		*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+		return 0;
+	}
+#endif
+	return payload;
+}
+
 /* A rack job's upper results (docs/protocol.md, "Two levels") are relayed here up to native XDP's
  * largest packet: in a jumbo build (generic mode only) the relay's payload loop would take the
  * program past the verifier's million instructions, so there they go to the daemon, which gives
@@ -189,29 +237,13 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 	jst->counter[AGGD_COUNTER_RX_PACKETS] += 1;
 	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
-	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
-		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
-	__u32 slot_idx = chunk % cfg->n_slots;
-	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
-		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
-		return XDP_PASS;
-	}
-	__u32 gidx = cfg->slot_base + slot_idx;
-	struct slot *s = slots.lookup(&gidx);
+	int action = XDP_PASS;
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
 	if (!s)
-		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
-#ifdef AGGD_FRAGS
-	__u32 zero_key = 0;
-	__u32 *payload = (void *)payload_copy.lookup(&zero_key);
+		return action;
+	__u32 *payload = payload_of(ctx, h, data_end, 1, jst, &action);
 	if (!payload)
-		return XDP_ABORTED;
-	if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
-		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-#else
-	__u32 *payload = (void *)(h + 1);
-	if ((void *)(payload + ELEMS) > data_end)
-		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-#endif
+		return action;
 	__u64 key = ((__u64)ntohl(HDR(h, __be32, round)) << 32) | chunk;
 	__u16 n_in = ntohs(HDR(h, __be16, n_contrib));
 	__s16 exp_in = (__s16)ntohs(HDR(h, __be16, exponent));
@@ -365,30 +397,14 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (__builtin_bswap64(HDR(h, __be64, contributors)) != m->tag)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_TAG);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
-	if (chunk >= cfg->max_chunks || cfg->n_slots == 0)
-		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
-	__u32 slot_idx = chunk % cfg->n_slots;
-	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
-		/* The kernel cannot hold it: the daemon's user-space path serves it. */
-		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
-		return XDP_PASS;
-	}
-	__u32 gidx = cfg->slot_base + slot_idx;
-	struct slot *s = slots.lookup(&gidx);
+	int action = XDP_PASS;
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
 	if (!s)
-		return drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
-#ifdef AGGD_FRAGS
-	__s32 *payload = (void *)payload_copy.lookup(&zero_key);
-	if (!payload)
-		return XDP_ABORTED;
+		return action;
 	/* a re-read's payload is only room for the result */
-	if (type != AGGD_MSG_TYPE_REREAD && bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
-		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-#else
-	__s32 *payload = (void *)(h + 1);
-	if ((void *)(payload + ELEMS) > data_end)
-		return drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-#endif
+	__s32 *payload = (__s32 *)payload_of(ctx, h, data_end, type != AGGD_MSG_TYPE_REREAD, jst, &action);
+	if (!payload)
+		return action;
 
 	__u32 round = ntohl(HDR(h, __be32, round));
 	if ((__u64)round + 1 > jst->max_round)

@@ -160,6 +160,8 @@ def main(argv=None) -> int:
                     help="drop an aggregator that answers nothing for this many seconds (needs --store)")
     ap.add_argument("--revive", metavar="CALL:AGGREGATOR",
                     help="(rank 0, with --token) bring a failed aggregator back from about that call")
+    ap.add_argument("--set-weights", metavar="CALL:W,W,..",
+                    help="rank 0 asks for these weights at this call (a 0 drains that aggregator: scale in)")
     ap.add_argument("--add", metavar="CALL:HOST:PORT",
                     help="(rank 0, with --token) add that aggregator (the job registered there) from about that call")
     ap.add_argument("--store", type=host_port,
@@ -246,6 +248,10 @@ def main(argv=None) -> int:
                                                          failover_after=args.failover_after, rejoin=rejoin)
     revive = None if args.revive is None else tuple(int(t) for t in args.revive.split(":"))
     add = None if args.add is None else args.add.split(":")
+    asked = None
+    if args.set_weights is not None:
+        at, _, ws = args.set_weights.partition(":")
+        asked = (int(at), weights(ws))
     status = 0
     with client:
         if args.prime:
@@ -271,6 +277,8 @@ def main(argv=None) -> int:
                     client.revive(revive[1])
                 if add is not None and args.rank == 0 and i == int(add[0]):
                     client.add_aggregator((add[1], int(add[2])))
+                if asked is not None and args.rank == 0 and i == asked[0]:
+                    client.set_weights(asked[1])
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer

@@ -36,6 +36,19 @@ log = logging.getLogger(__name__)
 POLL_SLICE = 0.002
 
 
+def send_report(client: AggClient, *, version: int, call: int, weights: Sequence[float], index: int,
+                rates: Sequence[float | None], reason: str = "") -> None:
+    """One shard report (docs/protocol.md, "Shard reports") from ``client``'s member address to its
+    aggregator's daemon, which is aggregator ``index`` of the map. Best effort: never answered."""
+    body = {"version": int(version), "call": int(call), "weights": list(weights), "index": int(index),
+            "rates": list(rates), "reason": reason[:256]}
+    msg = Header(type=MsgType.SHARDS, job=client._job, rank=client._rank, contributors=client._tag).pack()
+    try:
+        client._sock.sendto(msg + json.dumps(body).encode(), client._server)
+    except OSError:
+        pass
+
+
 class ShardedClient:
     """``AggClient``'s API over several aggregators: ``allreduce``, ``allreduce_async``, ``close``.
 
@@ -247,15 +260,9 @@ class ShardedClient:
         rates = list(self.policy.rates) if self.policy is not None else []
         rates = [None if r is None else float(r) for r in rates] + [None] * (len(doc["weights"]) - len(rates))
         for i, c in enumerate(self.clients):
-            if i in self.dead or i >= len(doc["weights"]):
-                continue
-            body = {"version": doc["version"], "call": call, "weights": doc["weights"], "index": i,
-                    "rates": rates[:len(doc["weights"])], "reason": str(doc.get("reason", ""))[:256]}
-            msg = Header(type=MsgType.SHARDS, job=c._job, rank=c._rank, contributors=c._tag).pack()
-            try:
-                c._sock.sendto(msg + json.dumps(body).encode(), c._server)
-            except OSError:
-                pass
+            if i not in self.dead and i < len(doc["weights"]):
+                send_report(c, version=doc["version"], call=call, weights=doc["weights"], index=i,
+                            rates=rates[:len(doc["weights"])], reason=str(doc.get("reason", "")))
 
     # -- failover and back ---------------------------------------------------------------------------
     def _leader_request(self, what: str) -> None:

@@ -3,6 +3,7 @@ against real user-space aggregators (aggd.dataplane.userspace.server) on 127.0.0
 and real daemons: tests/netns/test_sharded.py."""
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -126,3 +127,62 @@ def test_sharded_client_refuses_mismatched_aggregators(aggs):
     finally:
         for x in (a, b, c):
             x.close()
+
+
+# -- every strategy -------------------------------------------------------------------------------
+
+STRATEGIES = ["sync", "ssp:2", "wbsp", "quorum:6:50ms", "async"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_over_three_aggregators_loses_and_doubles_nothing(strategy):
+    """8 members, three real user-space aggregators cut 1:2:1, tensors that shrink and grow, under
+    each strategy. Small integer values, so quantisation is exact: every aggregator's released sums
+    plus what it still holds (a quorum's carried contributions, async's rounds in progress) equal,
+    exactly, the sum of every member's part of every tensor the map gave it, as one aggregator's
+    would; and where every result holds every member (sync, ssp, wbsp) each is the exact sum."""
+    from aggd.core.model import BankState, JobConfig
+    from aggd.core.strategy import parse, to_entry
+
+    # 64 slots: more than any part has chunks (a quorum over more chunks than slots is docs/protocol.md's
+    # known limit, not the cut's)
+    world, weights, sizes = 8, (1, 2, 1), [1, E - 1, E, E + 1, 5 * E + 3, 3, 20_003]
+    calls = [n for _ in range(3) for n in sizes]
+    rng = np.random.default_rng(11)
+    tensors = [[rng.integers(-8, 9, n).astype(np.float32) for n in calls] for _ in range(world)]
+    with userspace_aggregators(3, E) as aggs:
+        released = [0.0] * 3
+
+        def observe(i):
+            def on_release(job, bank, cause):
+                released[i] += float(np.ldexp(bank.values.astype(np.float64), -bank.exponent).sum())
+            return on_release
+
+        per_rank = [[AggClient(a.address, JOB, r, world, bind=("127.0.0.1", 0), slots=64, give_up_after=20,
+                               strategy=strategy, catch_up=False) for a in aggs] for r in range(world)]
+        for i, a in enumerate(aggs):
+            a.add_job(JobConfig(job=JOB, world=world, slots=64, max_chunks=1 << 20,
+                                members={r: per_rank[r][i].address for r in range(world)}, elements=E,
+                                strategy=parse(strategy)))
+            a.model.on_release = observe(i)
+        clients = [ShardedClient(cs, shard_map=ShardMap(weights)) for cs in per_rank]
+        results = run_and_close(clients, lambda r, c: [c.allreduce(t) for t in tensors[r]], timeout=300)
+        deadline = time.monotonic() + 5.0   # the last contributions may still be on their way
+        m = ShardMap(weights)
+        for i, a in enumerate(aggs):
+            want = sum(float(tensors[r][k][m.cuts(n, E)[i]:m.cuts(n, E)[i + 1]].astype(np.float64).sum())
+                       for r in range(world) for k, n in enumerate(calls))
+            while True:
+                with a._lock:
+                    held = sum(float(np.ldexp(b.values.astype(np.float64), -b.exponent).sum())
+                               for s in a.model.jobs[JOB].slots for b in s.banks if b.state == BankState.OPEN)
+                    total = released[i] + held
+                if total == want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert total == want, (strategy, i, released[i], held, want)
+    if strategy in ("sync", "ssp:2", "wbsp"):
+        for k, n in enumerate(calls):
+            exact = np.sum([tensors[r][k].astype(np.float64) for r in range(world)], axis=0)
+            for r in range(world):
+                assert np.array_equal(results[r][k], exact), (strategy, r, k)

@@ -28,3 +28,18 @@ def test_bench_shards_emits_both_runs(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "shards", "--rates", "100"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--rates" in bad.stderr
+
+
+def test_bench_shards_scale_out_and_in_through_daemons():
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli.main", "bench", "shards", "--workers", "2", "--size", "256K",
+         "--calls", "14", "--rebalance-every", "2", "--rates", "200,200,200", "--scale", "4:8", "--json"],
+        capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    weights = row["weights_per_call"]
+    assert len(weights[0]) == 2 and len(weights[-1]) == 3 and weights[-1][2] == 0, weights
+    assert all(t is not None for t in row["seconds_by_phase"].values()), row["seconds_by_phase"]
+    bad = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "shards", "--scale", "8:4"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--scale" in bad.stderr

@@ -1,6 +1,7 @@
 """The namespace lab: connectivity, multicast flooding, XDP_TX through the bridge, loss, teardown."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -237,15 +238,27 @@ def test_aggctl_lab_up_status_down():
         Lab(name, 1).down()
 
 
-def test_a_lab_with_several_aggregators():
-    """`aggctl lab up --aggregators 3`: three aggregator namespaces (10.77.0.1-3), each reachable
-    from every worker, listed by status, found again by load, removed by down."""
+@contextlib.contextmanager
+def aggctl_lab(*options: str):
+    """`aggctl lab up` with ``options`` under a fresh name: (the CLI runner, the lab as loaded); the
+    test ends with `aggctl lab down` and nothing left, and the lab is removed even on failure."""
     name = unique_lab_name()
     runner = CliRunner()
     try:
-        res = runner.invoke(aggctl, ["lab", "up", "--workers", "2", "--aggregators", "3", "--name", name])
+        res = runner.invoke(aggctl, ["lab", "up", *options, "--name", name])
         assert res.exit_code == 0, res.output
-        lab = Lab.load(name)
+        yield runner, Lab.load(name)
+        assert runner.invoke(aggctl, ["lab", "down", "--name", name]).exit_code == 0
+        assert lab_leftovers(name) == []
+    finally:
+        Lab(name, 1).down()
+
+
+def test_a_lab_with_several_aggregators():
+    """`aggctl lab up --aggregators 3`: three aggregator namespaces (10.77.0.1-3), each reachable
+    from every worker, listed by status, found again by load, removed by down."""
+    with aggctl_lab("--workers", "2", "--aggregators", "3") as (runner, lab):
+        name = lab.name
         assert lab.aggregators == 3 and lab.agg_ns_of(2) == f"{name}-agg2"
         for i in range(3):
             assert lab.ping(lab.worker_ns(1), lab.agg_ip_of(i)), i
@@ -255,22 +268,14 @@ def test_a_lab_with_several_aggregators():
             ["10.77.0.1/24", "10.77.0.2/24", "10.77.0.3/24"]
         with pytest.raises(IndexError, match="aggregators 0..2"):
             lab.agg_ip_of(3)
-        assert runner.invoke(aggctl, ["lab", "down", "--name", name]).exit_code == 0
-        assert lab_leftovers(name) == []
-    finally:
-        Lab(name, 1).down()
 
 
 def test_two_racks_behind_a_spine():
     """`aggctl lab up --racks 2`: a bridge a rack (its half of the workers and aggregator r) joined
     to the spine bridge (the last aggregator); everything reaches everything, the racks' ports are
     on their own bridges, and the lab is found again by load."""
-    name = unique_lab_name()
-    runner = CliRunner()
-    try:
-        res = runner.invoke(aggctl, ["lab", "up", "--workers", "4", "--racks", "2", "--name", name])
-        assert res.exit_code == 0, res.output
-        lab = Lab.load(name)
+    with aggctl_lab("--workers", "4", "--racks", "2") as (runner, lab):
+        name = lab.name
         assert (lab.racks, lab.aggregators, lab.spine_aggregator) == (2, 3, 2)
         assert [lab.rack_workers(r) for r in range(2)] == [[0, 1], [2, 3]]
         for w in range(4):
@@ -281,12 +286,19 @@ def test_two_racks_behind_a_spine():
         assert master["sw-w0"] == master["sw-agg"] == master["up-r0"] == "rack0"
         assert master["sw-w3"] == master["sw-agg1"] == master["up-r1"] == "rack1"
         assert master["sw-agg2"] == master["sp-r0"] == master["sp-r1"] == "br0"
+        # a slower link, then one that is gone, and back
+        assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--rate", "50"]).exit_code == 0
+        assert "tbf" in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg1"])
+        assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--rate", "off",
+                                      "--state", "down"]).exit_code == 0
+        assert "tbf" not in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg1"])
+        assert not lab.ping(lab.worker_ns(3), lab.agg_ip_of(1), timeout=0.3)
+        assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--state", "up"]).exit_code == 0
+        assert lab.ping(lab.worker_ns(3), lab.agg_ip_of(1))
+        bad = runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "7", "--rate", "5"])
+        assert bad.exit_code != 0 and "aggregators 0..2" in bad.output
         with pytest.raises(ValueError, match="racks"):
             Lab("x", 4, aggregators=2, racks=2)
-        assert runner.invoke(aggctl, ["lab", "down", "--name", name]).exit_code == 0
-        assert lab_leftovers(name) == []
-    finally:
-        Lab(name, 1).down()
 
 
 def test_aggctl_binary_runs_lab_commands():

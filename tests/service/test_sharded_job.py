@@ -95,9 +95,10 @@ def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon):
 
 
 def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
-    """Scale out: the job is registered on three daemons with one token; the workers start on the
-    first two, and rank 0 adds the third at call 12. From one agreed call on every member cuts its
-    tensors in three and the third host releases rounds; every sum right."""
+    """Scale out, then in: the job is registered on three daemons with one token; the workers start
+    on the first two, rank 0 adds the third at call 12 and drains it again at call 20. From one
+    agreed call on every member cuts its tensors in three, then in two; every sum right, and each
+    host released exactly the rounds of the parts the maps gave it: nothing lost or counted twice."""
     lab = make_lab(4, aggregators=3)
     daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
                for i in range(3)]
@@ -107,21 +108,33 @@ def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
     runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="grow", token=job["token"],
                                    weights=(1, 1), rebalance_every=4),
                        timeout=300, extra=["--sizes", str(1 << 16), "--rounds", "30", "--give-up-after", "30",
-                                           "--add", f"12:{lab.agg_ip_of(2)}:{job['port']}"])
+                                           "--add", f"12:{lab.agg_ip_of(2)}:{job['port']}",
+                                           "--set-weights", "20:1,1,0"])
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
         assert len(r.records) == 30 and all(rec["within_bound"] for rec in r.records)
     per_call = [[len(rec["shard_weights"]) for rec in r.records] for r in runs]
     assert all(calls == per_call[0] for calls in per_call)
     assert per_call[0][:12] == [2] * 12 and per_call[0][16:] == [3] * 14, per_call[0]
+    maps = [tuple(rec["shard_weights"]) for rec in runs[0].records]
+    drained = next(i for i, w in enumerate(maps) if i >= 20 and w[2] == 0)   # from an agreed call on
+    assert drained in (20, 24) and all(w[2] == 0 for w in maps[drained:]), maps
+    expected = [0, 0, 0]
+    for weights in maps:
+        cuts = ShardMap(weights).cuts(1 << 16, 256)
+        for i in range(len(weights)):
+            expected[i] += -(-(cuts[i + 1] - cuts[i]) // 256)
+    assert [d.call("jobs.show", job="grow")["paths"]["kernel"]["counters"]["released"] for d in daemons] == \
+        expected, maps
     shown = daemons[2].call("jobs.show", job="grow")
     assert shown["joined"] == 4 and shown["paths"]["kernel"]["counters"]["released"] > 0
     # every host got the leader's reports of the map (docs/sharding.md, "Watching it")
     for i, d in enumerate(daemons):
         sh = d.call("jobs.show", job="grow")["shards"]
         assert sh is not None and sh["index"] == i and sh["from_rank"] == 0, sh
-        assert len(sh["weights"]) == 3 and sh["call"] == 28 and sh["share"] > 0
+        assert len(sh["weights"]) == 3 and sh["call"] == 28 and (sh["share"] > 0) == (i < 2)   # 2: drained
         assert any("added" in ch["reason"] for ch in sh["changes"]) or i == 2, sh
+        assert any("asked for" in ch["reason"] for ch in sh["changes"]), sh          # the drain
         assert len(sh["rates"]) == 3
     assert "this host is aggregator 2 of 3" in daemons[2].aggctl("jobs", "show", "grow").output
     import urllib.request

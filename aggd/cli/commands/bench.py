@@ -207,12 +207,15 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
 @click.option("--rates", default="400,400,100", show_default=True,
               help="Mbit/s of the link towards each aggregator (one an aggregator)")
 @click.option("--rebalance-every", default=4, show_default=True, help="calls between the agreed maps")
+@click.option("--scale", metavar="ADD_AT:DRAIN_AT", default=None,
+              help="instead: through daemons, the members start on all aggregators but the last, the leader "
+                   "adds it at call ADD_AT and drains it at DRAIN_AT (scale out, then in); each phase's time")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per run")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of each call's time in both runs")
-def bench_shards(workers, size, calls, steady, rates, rebalance_every, as_json, plot_path):
+def bench_shards(workers, size, calls, steady, rates, rebalance_every, scale, as_json, plot_path):
     """A job sharded over aggregators behind links of different rates: the even split against the
-    rebalanced one, in labs alike."""
+    rebalanced one, in labs alike; or (--scale) an aggregator added and drained while it runs."""
     from aggd.bench import shards as sb
 
     try:
@@ -236,6 +239,25 @@ def bench_shards(workers, size, calls, steady, rates, rebalance_every, as_json, 
         click.echo(f"{row['mode']:<10} workers={row['workers']} bytes={row['bytes']} rates={row['rates_mbit']}  "
                    f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  weights={row['final_weights']}{extra}")
 
+    if scale is not None:
+        try:
+            add_at, drain_at = (int(v) for v in scale.split(":"))
+        except ValueError:
+            raise click.BadParameter(f"{scale!r} is not ADD_AT:DRAIN_AT", param_hint="--scale") from None
+        if not 0 < add_at < drain_at < calls:
+            raise click.BadParameter("0 < ADD_AT < DRAIN_AT < --calls", param_hint="--scale")
+        try:
+            row = sb.run_scale(cfg, "s" + uuid.uuid4().hex[:6], add_at, drain_at)
+        except sb.BenchError as e:
+            raise click.ClickException(str(e)) from None
+        if as_json:
+            click.echo(json.dumps(row))
+        else:
+            click.echo("  ".join(f"{phase}: {'-' if t is None else f'{t * 1e3:.1f} ms'}"
+                                 for phase, t in row["seconds_by_phase"].items()))
+        if plot_path:
+            sb.plot([row], plot_path)
+        return
     try:
         rows = sb.run(cfg, "s" + uuid.uuid4().hex[:6], on_row=show)
     except sb.BenchError as e:

@@ -96,6 +96,30 @@ def status(name, as_json):
     _print_table(info)
 
 
+@lab.command()
+@name_option
+@click.option("--aggregator", "-a", type=click.IntRange(0, MAX_AGGREGATORS - 1), default=0, show_default=True,
+              help="Which aggregator's link (the bridge's port towards it).")
+@click.option("--rate", help="Limit it to this many Mbit/s towards the aggregator (a token bucket), or `off`.")
+@click.option("--state", type=click.Choice(["up", "down"]), help="Take the link down (the host is gone) or up.")
+def link(name, aggregator, rate, state):
+    """Shape or cut the link to an aggregator: a host behind a slower link, or one that is gone.
+    (XDP_TX skips the aggregator's own veth qdisc, so the shaping is on the bridge's side.)"""
+    if rate is None and state is None:
+        raise click.UsageError("give --rate and/or --state")
+    try:
+        made = Lab.load(name)
+        if rate is not None:
+            mbit = None if rate == "off" else float(rate)
+            made.set_aggregator_rate(aggregator, mbit)
+        if state is not None:
+            made.set_aggregator_link(aggregator, up=state == "up")
+    except (LabError, ValueError, IndexError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"lab {name}: link to aggregator {aggregator}" + (f" rate {rate}" if rate else "")
+               + (f" {state}" if state else ""))
+
+
 def _print_table(info: dict) -> None:
     header = ("ROLE", "NAMESPACE", "IFACE", "ADDRESS", "MAC", "STATE")
     keys = ("role", "namespace", "ifname", "address", "mac", "state")
