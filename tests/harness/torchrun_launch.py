@@ -72,13 +72,13 @@ def gloo_reference(out: Path, world: int = 2, timeout: float = 180) -> Launch:
     return Launch(codes, text, load(out, world))
 
 
-def lab_launch(lab, server: str, job: dict, out: Path, *, nodes: int, nproc_per_node: int,
+def lab_launch(lab, server: str | list[str], job: dict, out: Path, *, nodes: int, nproc_per_node: int,
                max_restarts: int = 0, crash: str | None = None, timeout: float = 300,
                settings: dict[str, str] | None = None) -> Launch:
     """torchrun on ``nodes`` worker namespaces of ``lab`` (``nproc_per_node`` workers each) training
     with ``init_process_group("aggd")`` in ``job`` (the daemon's ``jobs.create`` answer) at
-    ``server`` (host:port; several, comma-separated: a sharded job); ``settings``: more AGGD_*
-    variables."""
+    ``server`` (host:port; several, comma-separated: a sharded job; a list: each node's own, a rack
+    job's aggregator); ``settings``: more AGGD_* variables."""
     out.mkdir(parents=True, exist_ok=True)
     world = nodes * nproc_per_node
     endpoint = f"{lab.worker_ip(0)}:{RDZV_PORT}"
@@ -93,7 +93,7 @@ def lab_launch(lab, server: str, job: dict, out: Path, *, nodes: int, nproc_per_
                 SCRIPT, "--backend", "aggd", "--out", str(out)]
         if crash:
             argv += ["--crash", crash]
-        env = _env({"AGGD_SERVER": server, "AGGD_JOB": job["name"], "AGGD_TOKEN": job["token"],
+        env = _env({"AGGD_SERVER": server if isinstance(server, str) else server[node], "AGGD_JOB": job["name"], "AGGD_TOKEN": job["token"],
                     "AGGD_BIND": ip, "AGGD_GIVE_UP_AFTER": "40", "GLOO_SOCKET_IFNAME": lab.worker_ifname,
                     "PG_TIMEOUT": "120", **(settings or {})})
         procs.append(lab.run(lab.worker_ns(node), argv, env=env, stdout=subprocess.PIPE,

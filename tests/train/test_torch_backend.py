@@ -185,6 +185,20 @@ def test_settings_from_the_environment():
                                                  "AGGD_BIND": "10.0.0.9"}).bind == ("10.0.0.9", 0)
 
 
+def test_the_member_rank_setting():
+    """AGGD_RANK: a rack job's member rank is not the group's (docs/hierarchy.md)."""
+    env = {"AGGD_SERVER": "10.0.0.1:47000", "AGGD_JOB": "rk", "AGGD_TOKEN": "t"}
+    assert Settings.resolve(None, env).member_rank(5) == 5
+    assert Settings.resolve(None, {**env, "AGGD_RANK": "3"}).member_rank(5) == 3
+    local = Settings.resolve(None, {**env, "AGGD_RANK": "local"})
+    assert local.member_rank(5, {"LOCAL_RANK": "1"}) == 1
+    with pytest.raises(SettingsError, match="needs LOCAL_RANK"):
+        local.member_rank(5, {})
+    for bad in ("x", "64", "-1"):
+        with pytest.raises(SettingsError, match="AGGD_RANK must be `local` or a rank"):
+            Settings.resolve(None, {**env, "AGGD_RANK": bad})
+
+
 def test_sharded_settings():
     env = {"AGGD_SERVER": "10.0.0.1:47000,10.0.0.2:47000", "AGGD_JOB": "j", "AGGD_TOKEN": "t",
            "AGGD_WEIGHTS": "1,2.5", "AGGD_REBALANCE_EVERY": "50"}

@@ -54,11 +54,12 @@ def check_against_gloo(run, gloo, job: dict) -> dict:
     """Every rank finished, the replicas agree, and they are within the bound of gloo's."""
     assert run.returncodes and all(c == 0 for c in run.returncodes), run.output[-6000:]
     ranks = run.ranks
+    world = len(ranks)
     assert all(r for r in ranks), run.output[-6000:]
     params = [r["params"] for r in ranks]
-    assert np.array_equal(params[0], params[1])
+    assert all(np.array_equal(params[0], p) for p in params)
     sent = [list(r["sent"]) for r in ranks]
-    assert len(sent[0]) == len(sent[1]) >= ddp_run.STEPS
+    assert all(len(s) == len(sent[0]) for s in sent) and len(sent[0]) >= ddp_run.STEPS
     bound = ddp_bound(sent, job["elements"], ddp_run.STEPS, ddp_run.LR, params[0])
     ref = gloo.ranks[0]["params"]
     diff = float(np.abs(params[0] - ref).max())
@@ -67,7 +68,7 @@ def check_against_gloo(run, gloo, job: dict) -> dict:
     assert diff <= bound, (diff, bound)
     assert moved > 10 * bound
     info = json.loads(str(ranks[0]["info"]))
-    assert info["strategy"] == "sync" and info["n_contrib"]["min"] == WORLD, info
+    assert info["strategy"] == "sync" and info["n_contrib"]["min"] == world, info
     return info
 
 
@@ -161,6 +162,39 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
             for r in run.ranks:
                 steps = np.asarray(r["step_seconds"])
                 assert steps.max() - np.median(steps) < 2.0, steps
+    finally:
+        for d in daemons:
+            d.close()
+
+
+def test_ddp_over_two_racks_under_a_spine_equals_gloo_within_the_bound(make_lab, tmp_path):
+    """Two racks behind a spine (docs/hierarchy.md): a node a rack, 2 workers each under torchrun,
+    every worker's AGGD_SERVER its rack's daemon and AGGD_RANK=local (its rank in the rack's job);
+    the rack jobs forward to the spine daemon's job. Training equals gloo on 4 workers within the
+    bound, and every result counts all four."""
+    from aggd.lab.daemon import LabDaemon
+
+    lab = make_lab(2, aggregators=3, racks=2)
+    daemons = [LabDaemon(lab, prefix="aggdrk-", call_timeout=10,
+                         jobs={"default_slots": 64, "group_base": f"239.77.{i}.0"},
+                         dataplane={"netns": lab.agg_ns_of(i)}) for i in range(3)]
+    try:
+        for d in daemons:
+            d.start()
+        top = daemons[2].call("jobs.create", name="top", world=2)
+        up = {"server": f"{lab.agg_ip_of(2)}:{top['port']}", "job": "top", "token": top["token"], "span": 4}
+        job = daemons[0].call("jobs.create", name="rk", world=2, upstream={**up, "rank": 0})
+        daemons[1].call("jobs.create", name="rk", world=2, token=job["token"], upstream={**up, "rank": 1})
+        servers = [f"{lab.agg_ip_of(r)}:{job['port']}" for r in range(2)]
+        run = lab_launch(lab, servers, job, tmp_path / "aggd", nodes=2, nproc_per_node=2,
+                         settings={"AGGD_RANK": "local"})
+        gloo4 = gloo_reference(tmp_path / "gloo", 4)
+        assert gloo4.returncodes == [0], gloo4.output[-3000:]
+        check_against_gloo(run, gloo4, job)
+        for r in range(2):
+            paths = daemons[r].call("jobs.show", job="rk")["paths"]
+            assert paths["kernel"]["counters"]["forwarded"] > 0, paths
+        assert released(daemons[2], top)["kernel"] > 0
     finally:
         for d in daemons:
             d.close()

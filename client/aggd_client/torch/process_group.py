@@ -83,14 +83,17 @@ class AggdProcessGroup(dist.ProcessGroup):
             self._gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"aggd/{attempt}/", store), rank, size, timeout)
             joined = []   # (info, address) per server; with several, each from its own port
             host, port = settings.bind
+            member = settings.member_rank(rank)   # a rack job's member is not the group's rank
             for i, server in enumerate(settings.servers):
                 bind = (host, port + i if port else 0)
-                info, address = request_join(server, settings.job, rank, settings.token,
+                info, address = request_join(server, settings.job, member, settings.token,
                                              bind=bind, timeout=settings.join_timeout)
-                if info.world != size:
+                if (info.span or info.world) != size:
                     where = f" of {server[0]}:{server[1]}" if len(settings.servers) > 1 else ""
-                    raise ValueError(f"job {info.name!r}{where} has {info.world} members but the process group "
-                                     f"has {size} ranks (create the job with --world {size})")
+                    span = f" (its sums hold {info.span} workers)" if info.span and info.span != info.world else ""
+                    raise ValueError(f"job {info.name!r}{where} has {info.world} members{span} but the process "
+                                     f"group has {size} ranks (create the job with --world {size}, or a rack "
+                                     f"job with --span {size})")
                 joined.append((info, address))
             # every member starts each server's rounds where the furthest of them says
             first = torch.tensor([info.round for info, _ in joined], dtype=torch.int64)
@@ -100,7 +103,7 @@ class AggdProcessGroup(dist.ProcessGroup):
             clients = []
             try:
                 for server, (info, address), start in zip(settings.servers, joined, first.tolist()):
-                    clients.append(client_for(server, info, address, rank, first_round=int(start),
+                    clients.append(client_for(server, info, address, member, first_round=int(start),
                                               give_up_after=settings.give_up_after, catch_up=False,
                                               strategy=info.strategy))
                 if len(clients) == 1:

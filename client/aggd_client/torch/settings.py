@@ -24,6 +24,10 @@ option             environment             meaning
 ``failover_after``   ``AGGD_FAILOVER_AFTER``  with several servers: drop one that answers nothing for
                                            this many seconds, agreed through the group's store
                                            (default: never; sync jobs)
+``rank``             ``AGGD_RANK``          this worker's rank in the aggd job, when that is not its
+                                           group rank: ``local`` (torchrun's LOCAL_RANK: a rack
+                                           job a node, docs/hierarchy.md) or a number (default:
+                                           the group rank)
 =================  ======================  =========================================================
 """
 from __future__ import annotations
@@ -93,6 +97,19 @@ class Settings:
     weights: tuple[float, ...] | None = None
     rebalance_every: int | None = None
     failover_after: float | None = None
+    #: the member's rank in the job: None (the group rank), "local" (LOCAL_RANK) or a number
+    rank: int | str | None = None
+
+    def member_rank(self, group_rank: int, environ: Mapping[str, str] | None = None) -> int:
+        """The rank this worker joins the job as."""
+        if self.rank is None:
+            return group_rank
+        if self.rank == "local":
+            env = os.environ if environ is None else environ
+            if "LOCAL_RANK" not in env:
+                raise SettingsError(f"{ENV_PREFIX}RANK=local needs LOCAL_RANK (torchrun sets it)")
+            return int(env["LOCAL_RANK"])
+        return int(self.rank)
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -179,4 +196,10 @@ class Settings:
         value, where = raw("accept_newer")
         if value is not None:
             kw["accept_newer"] = _flag(value, where)
+        value, where = raw("rank")
+        if value is not None:
+            text = str(value).strip()
+            if text != "local" and not (text.isdigit() and int(text) < 64):
+                raise SettingsError(f"{where} must be `local` or a rank 0..63, not {value!r}")
+            kw["rank"] = text if text == "local" else int(text)
         return cls(**kw)
