@@ -24,7 +24,7 @@ import contextlib
 import statistics
 from dataclasses import dataclass
 
-from aggd.lab.daemon import LabDaemon
+from aggd.lab.daemon import daemons_on
 from aggd.lab.namespaces import Lab
 from aggd.lab.runner import LabJob, run_workers, xdp_aggregator
 
@@ -93,12 +93,7 @@ def run_scale(cfg: Config, lab_name: str, add_at: int, drain_at: int) -> dict:
         lab.keep_multicast_from_aggregators()
         for i, rate in enumerate(cfg.rates):
             lab.set_aggregator_rate(i, rate)
-        daemons = [LabDaemon(lab, prefix=f"aggdb{i}-", dataplane={"netns": lab.agg_ns_of(i)},
-                             jobs={"group_base": f"239.77.{i}.0", "default_slots": cfg.slots})
-                   for i in range(k)]
-        try:
-            for d in daemons:
-                d.start()
+        with daemons_on(lab, prefix="aggdb-", jobs={"default_slots": cfg.slots}) as daemons:
             job = daemons[0].call("jobs.create", name="scale", world=cfg.workers)
             for d in daemons[1:]:
                 d.call("jobs.create", name="scale", world=cfg.workers, token=job["token"])
@@ -109,9 +104,6 @@ def run_scale(cfg: Config, lab_name: str, add_at: int, drain_at: int) -> dict:
                                                    "--check", "last", "--give-up-after", "60",
                                                    "--add", f"{add_at}:{lab.agg_ip_of(k - 1)}:{job['port']}",
                                                    "--set-weights", f"{drain_at}:{','.join(['1'] * (k - 1) + ['0'])}"])
-        finally:
-            for d in daemons:
-                d.close()
     per_call, maps = _call_seconds(runs, cfg.calls, "scale")
     phase = ["before" if len(w) < k else "out" if w[-1] else "in" for w in maps]
     medians = {p: statistics.median([t for t, q in zip(per_call, phase) if q == p])

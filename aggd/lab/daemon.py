@@ -5,6 +5,7 @@ and the service tests' are this one.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -125,3 +126,22 @@ class LabDaemon:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def daemons_on(lab: Lab, prefix: str = "aggdl-", call_timeout: float = 30.0, **sections):
+    """A started LabDaemon on each of the lab's aggregators (one result group base each, so a
+    member's results from each come apart), all closed on exit. ``sections``: more config."""
+    daemons = []
+    try:
+        for i in range(lab.aggregators):
+            jobs = {"group_base": f"239.77.{i}.0", **sections.get("jobs", {})}
+            d = LabDaemon(lab, prefix=prefix, call_timeout=call_timeout,
+                          **{**sections, "jobs": jobs, "dataplane": {"netns": lab.agg_ns_of(i),
+                                                                     **sections.get("dataplane", {})}})
+            daemons.append(d)
+            d.start()
+        yield daemons
+    finally:
+        for d in daemons:
+            d.close()

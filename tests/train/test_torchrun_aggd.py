@@ -121,15 +121,10 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
     import threading
     import time
 
-    from aggd.lab.daemon import LabDaemon
+    from aggd.lab.daemon import daemons_on
 
     lab = make_lab(WORLD, aggregators=2)
-    daemons = [LabDaemon(lab, prefix="aggdsh-", call_timeout=10,
-                         jobs={"default_slots": 64, "group_base": f"239.77.{i}.0"},
-                         dataplane={"netns": lab.agg_ns_of(i)}) for i in range(2)]
-    try:
-        for d in daemons:
-            d.start()
+    with daemons_on(lab, prefix="aggdsh-", call_timeout=10, jobs={"default_slots": 64}) as daemons:
         job = create_job(daemons[0], "tr-shard")
         daemons[1].call("jobs.create", name="tr-shard", world=WORLD, strategy="sync", token=job["token"])
         servers = ",".join(f"{lab.agg_ip_of(i)}:{job['port']}" for i in range(2))
@@ -162,9 +157,6 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
             for r in run.ranks:
                 steps = np.asarray(r["step_seconds"])
                 assert steps.max() - np.median(steps) < 2.0, steps
-    finally:
-        for d in daemons:
-            d.close()
 
 
 def test_ddp_over_two_racks_under_a_spine_equals_gloo_within_the_bound(make_lab, tmp_path):
@@ -172,15 +164,10 @@ def test_ddp_over_two_racks_under_a_spine_equals_gloo_within_the_bound(make_lab,
     every worker's AGGD_SERVER its rack's daemon and AGGD_RANK=local (its rank in the rack's job);
     the rack jobs forward to the spine daemon's job. Training equals gloo on 4 workers within the
     bound, and every result counts all four."""
-    from aggd.lab.daemon import LabDaemon
+    from aggd.lab.daemon import daemons_on
 
     lab = make_lab(2, aggregators=3, racks=2)
-    daemons = [LabDaemon(lab, prefix="aggdrk-", call_timeout=10,
-                         jobs={"default_slots": 64, "group_base": f"239.77.{i}.0"},
-                         dataplane={"netns": lab.agg_ns_of(i)}) for i in range(3)]
-    try:
-        for d in daemons:
-            d.start()
+    with daemons_on(lab, prefix="aggdrk-", call_timeout=10, jobs={"default_slots": 64}) as daemons:
         top = daemons[2].call("jobs.create", name="top", world=2)
         up = {"server": f"{lab.agg_ip_of(2)}:{top['port']}", "job": "top", "token": top["token"], "span": 4}
         job = daemons[0].call("jobs.create", name="rk", world=2, upstream={**up, "rank": 0})
@@ -195,6 +182,3 @@ def test_ddp_over_two_racks_under_a_spine_equals_gloo_within_the_bound(make_lab,
             paths = daemons[r].call("jobs.show", job="rk")["paths"]
             assert paths["kernel"]["counters"]["forwarded"] > 0, paths
         assert released(daemons[2], top)["kernel"] > 0
-    finally:
-        for d in daemons:
-            d.close()
