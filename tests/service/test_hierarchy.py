@@ -123,3 +123,40 @@ def test_a_rack_job_refuses_what_it_cannot_serve(make_lab, make_daemon):
         d.call("strategy.set", job="r", strategy="ssp:1")
     shown = d.call("jobs.show", job="r")
     assert shown["upstream"]["link"]["state"] == "joining"
+
+
+def test_a_rack_daemon_killed_and_restarted_while_the_racks_run(make_lab, make_daemon):
+    """Rack 0's daemon is SIGKILLed mid-run and started again: its XDP program goes on forwarding
+    and relaying from the pinned maps meanwhile, the restarted daemon links to the upper job again
+    (as a restarted member), and every worker's every sum is still right."""
+    import signal
+    import time
+
+    lab, daemons, top, racks = tree(make_lab, make_daemon)
+    restarted = {}
+
+    def restart():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and \
+                counted(daemons[0].call("jobs.show", job="rack0")["paths"], "released")["released"] < 400:
+            time.sleep(0.05)
+        restarted["at"] = counted(daemons[0].call("jobs.show", job="rack0")["paths"], "released")["released"]
+        daemons[0].stop(signal.SIGKILL, 10)
+        time.sleep(0.5)
+        daemons[0].start()
+        restarted["link"] = daemons[0].call("jobs.show", job="rack0")["upstream"]["link"]
+
+    t = threading.Thread(target=restart, daemon=True)
+    t.start()
+    runs = run_racks(lab, racks, ["--sizes", "256,9000,70001", "--rounds", "12", "--interleave",
+                                  "--give-up-after", "30"])
+    t.join(60)
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert all(rec["within_bound"] and rec["shape_ok"] for rec in run.records), run.records
+    assert "link" in restarted, "the daemon was not restarted"
+    assert restarted["at"] < 12 * sum(-(-n // 256) for n in (256, 9000, 70001)) / 2, restarted   # mid-run
+    deadline = time.monotonic() + 10
+    while daemons[0].call("jobs.show", job="rack0")["upstream"]["link"]["state"] != "linked":
+        assert time.monotonic() < deadline, daemons[0].call("jobs.show", job="rack0")["upstream"]
+        time.sleep(0.1)
