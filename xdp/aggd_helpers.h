@@ -51,35 +51,40 @@ static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *i
 	udp->check = 0; /* optional for IPv4; recomputing it would cost a pass over the payload */
 }
 
-/* From this host (a rack job's address) to the job's group: an upper result relayed, which may
- * have come to another group. */
-static __always_inline void address_self_to_group(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
-						  struct job_cfg *cfg)
+/* From a rack job's own address (the packet may have come to another group) to `mac`, `daddr`,
+ * `dport`: its group (an upper result relayed) or its upper aggregator (a sum going up). */
+static __always_inline void address_from_rack(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
+					      struct job_cfg *cfg, const __u8 *mac, __be32 daddr, __be16 dport)
 {
 	mac_copy(eth->h_source, cfg->self_mac);
-	mac_copy(eth->h_dest, cfg->group_mac);
+	mac_copy(eth->h_dest, mac);
 	ip->saddr = cfg->self_ip;
-	ip->daddr = cfg->group_ip;
+	ip->daddr = daddr;
 	ip->ttl = 64;
 	ip->check = ip_checksum(ip);
 	udp->source = htons(AGGD_PORT);
-	udp->dest = cfg->result_port;
+	udp->dest = dport;
 	udp->check = 0;
 }
 
-/* From this host to a rack job's upper aggregator: a complete round's sum going up. */
-static __always_inline void address_to_upstream(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
-						struct job_cfg *cfg)
+/* Make the header a result of round `key` with its bank's fields (job and count stay). */
+static __always_inline void write_result(struct aggd_hdr *h, __u64 key, __u16 version, __s16 exponent,
+					 __u8 flags, __u64 bitmap, __u16 n_contrib, __u8 kind, __u8 param)
 {
-	mac_copy(eth->h_source, cfg->self_mac);
-	mac_copy(eth->h_dest, cfg->up_mac);
-	ip->saddr = cfg->self_ip;
-	ip->daddr = cfg->up_ip;
-	ip->ttl = 64;
-	ip->check = ip_checksum(ip);
-	udp->source = htons(AGGD_PORT);
-	udp->dest = cfg->up_port;
-	udp->check = 0;
+	h->type = AGGD_MSG_TYPE_RESULT;
+	HDR(h, __be16, rank) = htons(0xffff);
+	HDR(h, __be32, round) = htonl((__u32)(key >> 32));
+	HDR(h, __be32, chunk) = htonl((__u32)key);
+	HDR(h, __be16, strategy_version) = htons(version);
+	HDR(h, __be16, exponent) = htons((__u16)exponent);
+	h->flags = flags;
+	h->code = 0;
+	HDR(h, __be64, contributors) = __builtin_bswap64(bitmap);
+	HDR(h, __be16, n_contrib) = htons(n_contrib);
+	HDR(h, __be16, step) = 0;
+	h->strategy = kind;
+	h->param = param;
+	HDR(h, __be16, skip) = 0;
 }
 
 /* Send a packet back where it came from. */

@@ -293,18 +293,8 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 	if (flags_out & AGGD_FLAG_OVERFLOW)
 		jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 	HDR(h, __be16, job) = htons((__u16)job);
-	HDR(h, __be16, rank) = htons(0xffff);
-	HDR(h, __be16, strategy_version) = htons(version);
-	HDR(h, __be16, exponent) = htons((__u16)exp_out);
-	h->flags = flags_out;
-	h->code = 0;
-	HDR(h, __be64, contributors) = __builtin_bswap64(bitmap);
-	HDR(h, __be16, n_contrib) = htons(n_out);
-	HDR(h, __be16, step) = 0;
-	h->strategy = kind;
-	h->param = param;
-	HDR(h, __be16, skip) = 0;
-	address_self_to_group(eth, ip, udp, cfg);
+	write_result(h, key, version, exp_out, flags_out, bitmap, n_out, kind, param);
+	address_from_rack(eth, ip, udp, cfg, cfg->group_mac, cfg->group_ip, cfg->result_port);
 	return XDP_TX;
 }
 
@@ -820,7 +810,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		h->strategy = 0;
 		h->param = 0;
 		HDR(h, __be16, skip) = htons(out_skip);
-		address_to_upstream(eth, ip, udp, cfg);
+		address_from_rack(eth, ip, udp, cfg, cfg->up_mac, cfg->up_ip, cfg->up_port);
 		return XDP_TX;
 	}
 	if (out_flags & AGGD_FLAG_OVERFLOW)
@@ -833,20 +823,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
 		return XDP_ABORTED;
 #endif
-	h->type = AGGD_MSG_TYPE_RESULT;
-	HDR(h, __be16, rank) = htons(0xffff);
-	HDR(h, __be32, round) = htonl((__u32)(out_key >> 32));
-	HDR(h, __be32, chunk) = htonl((__u32)out_key);
-	HDR(h, __be16, exponent) = htons((__u16)out_exp);
-	h->flags = out_flags;
-	h->code = 0;
-	HDR(h, __be16, strategy_version) = htons(out_version);
-	h->strategy = out_kind;
-	h->param = out_param;
-	HDR(h, __be16, skip) = 0;
-	HDR(h, __be64, contributors) = __builtin_bswap64(out_bitmap);
-	HDR(h, __be16, n_contrib) = htons(out_n);
-	HDR(h, __be16, step) = 0;
+	write_result(h, out_key, out_version, out_exp, out_flags, out_bitmap, out_n, out_kind, out_param);
 	if (out_group)
 		address_to_group(eth, ip, udp, cfg);
 	else

@@ -48,13 +48,21 @@ class Config:
     slots: int = 256
 
 
+@contextlib.contextmanager
+def _shaped_lab(cfg: Config, lab_name: str):
+    """A fresh lab, an aggregator a rate, each link towards one limited to its rate and carrying its
+    own aggregator's traffic only."""
+    with Lab(lab_name, cfg.workers, mtu=1500, aggregators=len(cfg.rates)) as lab:
+        lab.keep_multicast_from_aggregators()
+        for i, rate in enumerate(cfg.rates):
+            lab.set_aggregator_rate(i, rate)
+        yield lab
+
+
 def run_mode(cfg: Config, mode: str, lab_name: str) -> dict:
     """One run: a fresh lab, the rates set, the job cut ``mode``'s way."""
     k = len(cfg.rates)
-    with Lab(lab_name, cfg.workers, mtu=1500, aggregators=k) as lab, contextlib.ExitStack() as stack:
-        lab.keep_multicast_from_aggregators()      # each link carries its own aggregator's traffic
-        for i, rate in enumerate(cfg.rates):
-            lab.set_aggregator_rate(i, rate)
+    with _shaped_lab(cfg, lab_name) as lab, contextlib.ExitStack() as stack:
         planes = [stack.enter_context(xdp_aggregator(lab, aggregator=i, elements=cfg.elements, total_slots=cfg.slots))
                   for i in range(k)]
         job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, weights=(1,) * k,
@@ -89,10 +97,7 @@ def _call_seconds(runs, calls: int, what: str) -> tuple[list[float], list]:
 def run_scale(cfg: Config, lab_name: str, add_at: int, drain_at: int) -> dict:
     """Two aggregators, a third added at call ``add_at`` and drained at ``drain_at``, through daemons."""
     k = len(cfg.rates)
-    with Lab(lab_name, cfg.workers, mtu=1500, aggregators=k) as lab:
-        lab.keep_multicast_from_aggregators()
-        for i, rate in enumerate(cfg.rates):
-            lab.set_aggregator_rate(i, rate)
+    with _shaped_lab(cfg, lab_name) as lab:
         with daemons_on(lab, prefix="aggdb-", jobs={"default_slots": cfg.slots}) as daemons:
             job = daemons[0].call("jobs.create", name="scale", world=cfg.workers)
             for d in daemons[1:]:

@@ -676,15 +676,16 @@ class AggregatorModel:
             return self._drop(NO_JOB, DropReason.BAD_VERSION)
         if hdr.type in (MsgType.JOIN, MsgType.JOIN_ACK, MsgType.SHARDS) and not self.userspace:
             return Verdict("pass")      # membership and shard maps are the daemon's business
-        if hdr.type == MsgType.RESULT and (self.userspace or self.relays(hdr.job, src)):
-            return self._from_upstream(data, hdr, src, now_ns)
-        if hdr.type == MsgType.RESULT:
+        rack = self._downstream.get((hdr.job, _addr(src))) if hdr.type == MsgType.RESULT else None
+        if hdr.type == MsgType.RESULT and rack is None and not self.userspace:
             return Verdict("pass")      # not ours: the daemon refuses it (bad_type)
-        if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD):
-            return self._drop(NO_JOB, DropReason.BAD_TYPE)
+        if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD) and rack is None:
+            return self._drop(NO_JOB, DropReason.BAD_TYPE)    # aggregators take results only from above
         held = (size - HEADER_SIZE) // 4
         if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
             return self._drop(NO_JOB, DropReason.BAD_COUNT)
+        if rack is not None:
+            return self._from_upstream(self.jobs[rack], data, hdr, held)
 
         job = self.jobs.get(hdr.job)
         if job is None:
@@ -709,15 +710,9 @@ class AggregatorModel:
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
-    def _from_upstream(self, data, hdr: Header, src: Addr, now: int) -> Verdict:
-        """A result of the upper aggregator for one of our rack jobs (docs/protocol.md, "Two
-        levels"): a result from anywhere else is ``bad_type``, as aggregators take no results."""
-        state = self.jobs.get(self._downstream.get((hdr.job, _addr(src)), NO_JOB))
-        if state is None:
-            return self._drop(NO_JOB, DropReason.BAD_TYPE)
-        held = (len(data) - HEADER_SIZE) // 4
-        if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
-            return self._drop(NO_JOB, DropReason.BAD_COUNT)
+    def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
+        """A result of the upper aggregator for the rack job ``state`` (docs/protocol.md, "Two
+        levels"), its count checked."""
         cfg = state.cfg
         state.count("rx_packets")
         state.count("rx_bytes", len(data))
@@ -738,7 +733,7 @@ class AggregatorModel:
                 bank.unannounced = True
                 self._release(job, bank, "timeout")
             elif bank.settled(job.awaited) and job.cfg.upstream is not None:
-                bank.state = BankState.FORWARDED   # sent up by the next retransmission to it
+                bank.state = BankState.FORWARDED   # sent up by the next retransmission into it
             elif bank.settled(job.awaited):
                 bank.unannounced = True
                 self._release(job, bank, "complete")
@@ -756,9 +751,9 @@ class AggregatorModel:
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
             return self._contribute(job, bank, hdr, values, src, fresh=False, now=now)
         if bank is not None:                                                     # rule 2
-            if bank.counted(hdr.rank, hdr.step) and bank.state == BankState.FORWARDED:
-                return self._forward(job, bank, hdr, retransmit=True)   # the upper lost it, or we its answer
             if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
+                if bank.state == BankState.FORWARDED:   # the upper lost it, or we its answer
+                    return self._forward(job, bank, hdr, retransmit=True)
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
         if newest is None or key > newest:                                       # rule 3
@@ -812,10 +807,10 @@ class AggregatorModel:
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
             bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
-        if bank.complete(job.awaited) and job.cfg.upstream is not None:
-            bank.state = BankState.FORWARDED
-            return self._forward(job, bank, hdr, retransmit=False)
         if bank.complete(job.awaited):
+            if job.cfg.upstream is not None:      # a rack job's sum goes up, not out
+                bank.state = BankState.FORWARDED
+                return self._forward(job, bank, hdr, retransmit=False)
             self._release(job, bank, "complete")
             return self._to_group(job, self._result(job, bank, hdr))
         if bank.kind == StrategyKind.ASYNC:
@@ -900,10 +895,15 @@ class AggregatorModel:
                      flags=self.served_flags, code=code).pack()
         return Verdict("tx", reason, out, "sender", (_addr(src),), bucket)
 
-    def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0) -> bytes:
-        values, overflow = self.arith.narrow(bank.values)
-        if overflow:
-            extra_flags |= Flag.OVERFLOW
+    def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0,
+                payload: bytes | None = None) -> bytes:
+        """A result of ``bank`` answering ``hdr``; ``payload``: its values as given (int32 bytes),
+        not the bank's narrowed."""
+        if payload is None:
+            values, overflow = self.arith.narrow(bank.values)
+            payload = values.tobytes()
+            if overflow:
+                extra_flags |= Flag.OVERFLOW
         if (bank.flags | extra_flags) & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
             job.count("overflows")
         out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
@@ -911,7 +911,7 @@ class AggregatorModel:
                      exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
                      contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
                      param=bank.param)
-        return out.pack() + values.tobytes()
+        return out.pack() + payload
 
     def _forward(self, job: JobState, bank: Bank, hdr: Header, retransmit: bool) -> Verdict:
         """A rack job's complete round, up to its upper aggregator as one contribution that holds
@@ -942,11 +942,10 @@ class AggregatorModel:
             bank.flags |= hdr.flags & (Flag.OVERFLOW | Flag.CARRIED)
             self._release(job, bank, "complete")
         job.count("relayed")
-        out = self._result(job, bank, replace(hdr, job=job.cfg.job))
-        if not fresh:   # the upper result again (the answer to a re-send): its values go on as they came
-            out = out[:HEADER_SIZE] + bytes(data[HEADER_SIZE:HEADER_SIZE + 4 * len(bank.values)]).ljust(
-                4 * len(bank.values), b"\0")
-        return self._to_group(job, out)
+        # the upper result again (the answer to a re-send): its values go on as they came
+        again = None if fresh else bytes(data[HEADER_SIZE:HEADER_SIZE + 4 * len(bank.values)]).ljust(
+            4 * len(bank.values), b"\0")
+        return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job), payload=again))
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
         cfg = job.cfg

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
-from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_TERMS
+from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_SPAN
 
 from aggd.core import strategy as strat
 
@@ -267,10 +267,6 @@ class JoinOutcome:
     changed: bool = False
     #: the rank had joined before: a restarted worker (a live client never joins twice)
     rejoined: bool = False
-
-
-#: Most workers one result may sum (a rack job's ``span``): what quantisation leaves room for.
-MAX_SPAN = MAX_TERMS // MAX_HEADROOM
 
 
 def _is_int(value) -> bool:

@@ -246,12 +246,8 @@ def main(argv=None) -> int:
         client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k), store=store,
                                                          rebalance_every=args.rebalance_every,
                                                          failover_after=args.failover_after, rejoin=rejoin)
-    revive = None if args.revive is None else tuple(int(t) for t in args.revive.split(":"))
-    add = None if args.add is None else args.add.split(":")
-    asked = None
-    if args.set_weights is not None:
-        at, _, ws = args.set_weights.partition(":")
-        asked = (int(at), weights(ws))
+    requests = _leader_requests(args, client)   # parsed on every rank, made by rank 0
+    my_tensors = args.rank if args.tensor_rank is None else args.tensor_rank
     status = 0
     with client:
         if args.prime:
@@ -261,8 +257,8 @@ def main(argv=None) -> int:
             for n, (size, i) in enumerate(steps):
                 out = None  # the previous result is not held through this round
                 if x is None or not args.reuse or x.shape != (size,):
-                    x = tensor(args.seed, args.rank if args.tensor_rank is None else args.tensor_rank, size, dtype,
-                               0 if args.reuse else i, args.pattern, args.elements)
+                    x = tensor(args.seed, my_tensors, size, dtype, 0 if args.reuse else i, args.pattern,
+                               args.elements)
                 if args.gloo is not None:
                     client.load(x)  # gloo reduces in place
                 elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
@@ -273,12 +269,8 @@ def main(argv=None) -> int:
                     held, held_files = rss(), mapped_file_rss()
                 if i == args.warmup and host0 is None:
                     host0 = hostcpu.snapshot()
-                if revive is not None and args.rank == 0 and i == revive[0] and revive[1] in client.dead:
-                    client.revive(revive[1])
-                if add is not None and args.rank == 0 and i == int(add[0]):
-                    client.add_aggregator((add[1], int(add[2])))
-                if asked is not None and args.rank == 0 and i == asked[0]:
-                    client.set_weights(asked[1])
+                for request in requests.get(i, ()) if args.rank == 0 else ():
+                    request()
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer
@@ -316,6 +308,23 @@ def main(argv=None) -> int:
                         status = 1
                 print(json.dumps(rec), flush=True)
     return status
+
+
+def _leader_requests(args, client) -> dict:
+    """Rank 0's requests to its sharded client (--revive, --add, --set-weights), by the call before
+    which each is made: {call: [functions]}."""
+    requests: dict = {}
+    if args.revive is not None:
+        at, agg = (int(t) for t in args.revive.split(":"))
+        requests.setdefault(at, []).append(lambda: agg in client.dead and client.revive(agg))
+    if args.add is not None:
+        at, host, port = args.add.split(":")
+        requests.setdefault(int(at), []).append(lambda: client.add_aggregator((host, int(port))))
+    if args.set_weights is not None:
+        at, _, ws = args.set_weights.partition(":")
+        asked = weights(ws)
+        requests.setdefault(int(at), []).append(lambda: client.set_weights(asked))
+    return requests
 
 
 def _blocks(args):

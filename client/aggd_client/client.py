@@ -155,8 +155,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError("tag must be a u64 (the JOIN_ACK's)")
         if headroom is not None and not 1 <= int(headroom) <= quant.MAX_HEADROOM:
             raise ValueError(f"headroom must be in 1..{quant.MAX_HEADROOM}, got {headroom}")
-        if span is not None and not int(world) <= int(span) <= quant.MAX_TERMS // quant.MAX_HEADROOM:
-            raise ValueError(f"span must be in {int(world)}..{quant.MAX_TERMS // quant.MAX_HEADROOM}, got {span}")
+        if span is not None and not int(world) <= int(span) <= quant.MAX_SPAN:
+            raise ValueError(f"span must be in {int(world)}..{quant.MAX_SPAN}, got {span}")
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")

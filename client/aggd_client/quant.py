@@ -45,6 +45,8 @@ HEADROOM = {StrategyKind.QUORUM: 2, StrategyKind.WBSP: 4}
 MAX_HEADROOM = max(HEADROOM.values())
 #: ``n_contrib`` is a u16 in the header: no result holds more terms.
 MAX_TERMS = 0xFFFF
+#: Most workers one result may sum (a rack job's ``span``): what the headroom leaves room for.
+MAX_SPAN = MAX_TERMS // MAX_HEADROOM
 
 
 def terms_for(world: int, kind: StrategyKind | int = StrategyKind.SYNC) -> int:

@@ -59,6 +59,11 @@ def _be16_of(port: int) -> int:
     return int.from_bytes(port.to_bytes(2, "big"), "little")
 
 
+def _mac_of(text: str) -> bytes:
+    """``aa:bb:..`` (a link's or a neighbour's address as the kernel gives it) as 6 bytes."""
+    return bytes.fromhex(text.replace(":", ""))
+
+
 def layout_file(pin_dir: Path) -> Path:
     # bpffs holds only BPF objects; /run is as volatile as bpffs, so the two stay in step.
     return LAYOUT_DIR / (str(pin_dir).strip("/").replace("/", "_") + ".layout.json")
@@ -259,7 +264,7 @@ class XdpDataPlane(DataPlane):
             links = ipr.get_links(ifname=self.ifname)
         if not links:
             raise XdpError(f"no interface {self.ifname}")
-        return bytes.fromhex(links[0].get_attr("IFLA_ADDRESS").replace(":", ""))
+        return _mac_of(links[0].get_attr("IFLA_ADDRESS"))
 
     def set_own_mac(self, mac: bytes | None) -> None:
         """The MAC unicast frames must be sent to for the program to take them (None: any; the
@@ -363,7 +368,7 @@ class XdpDataPlane(DataPlane):
         j = self.jobs[key]
         if not j.active:
             raise XdpError(f"job {job} is not installed")
-        self._unroute(job, j)
+        self._unroute(j)
         if not self.relays and j.kernel_slots:
             raise XdpError(f"job {job}: a program built for {self.elements}-value packets does not serve a "
                            f"rack job's kernel slots (at most {proto.NATIVE_MAX_ELEMENTS})")
@@ -379,17 +384,19 @@ class XdpDataPlane(DataPlane):
             ctypes.memmove(ctypes.addressof(j) + getattr(type(j), field).offset, bytes(mac), 6)
         j.upstream = 2
         self.jobs[key] = j
-        k = self.upstreams.Key()
-        k.ip, k.port, k.job = _be32_of(ip), _be16_of(int(port)), int(upstream.job)
-        self.upstreams[k] = ctypes.c_uint32(job)
+        self.upstreams[self._upstream_key(j)] = ctypes.c_uint32(job)
 
-    def _unroute(self, job: int, j) -> None:
-        """Forget the upper results route of ``job`` (its upstream entry), if it has one."""
+    def _upstream_key(self, j):
+        """The ``upstreams`` key of a linked job's upper results: its upper aggregator and job."""
+        k = self.upstreams.Key()
+        k.ip, k.port, k.job = j.up_ip, j.up_port, j.up_job
+        return k
+
+    def _unroute(self, j) -> None:
+        """Forget the upper results route of job entry ``j``, if it has one."""
         if j.upstream == 2:
-            k = self.upstreams.Key()
-            k.ip, k.port, k.job = j.up_ip, j.up_port, j.up_job
             try:
-                del self.upstreams[k]
+                del self.upstreams[self._upstream_key(j)]
             except KeyError:
                 pass
 
@@ -411,8 +418,7 @@ class XdpDataPlane(DataPlane):
                           and n.get_attr("NDA_LLADDR")]
         if not neighbours or not source:
             raise XdpError(f"the next hop to the upper aggregator {ip} ({hop}) is not known yet")
-        mac = lambda text: bytes.fromhex(text.replace(":", ""))   # noqa: E731
-        return source, mac(link.get_attr("IFLA_ADDRESS")), mac(neighbours[0].get_attr("NDA_LLADDR"))
+        return source, _mac_of(link.get_attr("IFLA_ADDRESS")), _mac_of(neighbours[0].get_attr("NDA_LLADDR"))
 
     def set_member(self, job: int, rank: int, addr: tuple[str, int] | None, tag: int = 0) -> None:
         """Register (None: clear) the member address and tag of ``rank``: from then on the program
@@ -517,7 +523,7 @@ class XdpDataPlane(DataPlane):
         self.clock[ctypes.c_uint32(0)] = ctypes.c_uint64(ns)
 
     def remove_job(self, job: int) -> None:
-        self._unroute(job, self.jobs[ctypes.c_uint32(job)])
+        self._unroute(self.jobs[ctypes.c_uint32(job)])
         self.jobs[ctypes.c_uint32(job)] = self.jobs.Leaf()
         empty = self.members.Leaf()
         for rank in range(proto.MAX_MEMBERS):
