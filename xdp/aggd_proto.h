@@ -47,6 +47,13 @@ enum aggd_nack_code {
 	AGGD_NACK_CODE__COUNT = 7,
 };
 
+enum aggd_precision {
+	AGGD_PRECISION_INT32 = 0,
+	AGGD_PRECISION_INT16 = 1,
+	AGGD_PRECISION_INT8 = 2,
+	AGGD_PRECISION__COUNT = 3,
+};
+
 enum aggd_strategy_kind {
 	AGGD_STRATEGY_KIND_SYNC = 0,
 	AGGD_STRATEGY_KIND_QUORUM = 1,
@@ -71,7 +78,8 @@ enum aggd_drop_reason {
 	AGGD_DROP_REASON_BUSY = 11,
 	AGGD_DROP_REASON_NOT_READY = 12,
 	AGGD_DROP_REASON_BAD_TAG = 13,
-	AGGD_DROP_REASON__COUNT = 14,
+	AGGD_DROP_REASON_BAD_PRECISION = 14,
+	AGGD_DROP_REASON__COUNT = 15,
 };
 
 enum aggd_counter {
@@ -105,7 +113,7 @@ struct aggd_hdr {
 	__be16 strategy_version;	/* strategy-table version that governs this round (results) */
 	__be16 exponent;	/* values are int32 * 2**-exponent; the sum uses the smallest */
 	__u8 flags;	/* Flag bits */
-	__u8 code;	/* NackCode in NACKs, 0 otherwise */
+	__u8 code;	/* NACKs: NackCode; contributions, re-reads and results: the payload's Precision (0 int32 in and out, 1 int16 in / int32 out, 2 int8 in / int16 out) */
 	__be64 contributors;	/* results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none */
 	__be16 n_contrib;	/* results: contributions summed (may exceed popcount under wbsp); contributions: how many one holds (a rack aggregator's partial sum), 0 from a worker (counts as 1) */
 	__be16 step;	/* local step within the round (wbsp); 0 otherwise */

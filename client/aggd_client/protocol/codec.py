@@ -20,9 +20,16 @@ assert HEADER_SIZE == sum(d.SIZES[f.ctype] for f in d.HEADER) == HEADER_DTYPE.it
 assert HEADER_SIZE % 8 == 0, "keep the payload 8-byte aligned relative to the header"
 
 
-def packet_dtype(elements: int) -> np.dtype:
-    """One whole aggd message (header + payload) as a numpy record, for vectorised building."""
-    return np.dtype([("hdr", HEADER_DTYPE), ("payload", PAYLOAD_DTYPE, (elements,))])
+def payload_dtype(precision: int = d.Precision.INT32, result: bool = False) -> np.dtype:
+    """The payload's value type: a contribution's (or re-read's) of ``precision``, or its result's."""
+    lanes = d.LANES[d.Precision(precision)]
+    return np.dtype(lanes.result if result else lanes.contrib)
+
+
+def packet_dtype(elements: int, precision: int = d.Precision.INT32, result: bool = False) -> np.dtype:
+    """One whole aggd message (header + payload) as a numpy record, for vectorised building: a
+    contribution of ``precision`` (or its result, ``result=True``)."""
+    return np.dtype([("hdr", HEADER_DTYPE), ("payload", payload_dtype(precision, result), (elements,))])
 
 
 _DEFAULTS = {"magic": d.MAGIC, "version": d.VERSION, "type": int(d.MsgType.CONTRIB)}
@@ -47,12 +54,22 @@ Header = make_dataclass(
 
 
 def encode(header: Header, payload: np.ndarray | None = None) -> bytes:
-    body = b"" if payload is None else np.ascontiguousarray(payload, dtype=PAYLOAD_DTYPE).tobytes()
-    return header.pack() + body
+    """The message's bytes; the payload is written in the type ``header.code`` says (a NACK's code
+    is not a precision: NACKs carry no payload)."""
+    if payload is None:
+        return header.pack()
+    kind = header.type in (d.MsgType.CONTRIB, d.MsgType.REREAD, d.MsgType.RESULT)
+    dtype = payload_dtype(header.code, header.type == d.MsgType.RESULT) if kind else PAYLOAD_DTYPE
+    return header.pack() + np.ascontiguousarray(payload, dtype=dtype).tobytes()
 
 
 def decode(data: bytes | memoryview) -> tuple[Header, np.ndarray]:
+    """Header and payload values, read in the type the header's ``code`` says for contributions,
+    re-reads and results (int32 when it names no precision)."""
     hdr = Header.unpack(data)
-    payload = np.frombuffer(data, dtype=PAYLOAD_DTYPE, offset=HEADER_SIZE,
-                            count=(len(data) - HEADER_SIZE) // 4)
+    dtype = PAYLOAD_DTYPE
+    if hdr.type in (d.MsgType.CONTRIB, d.MsgType.REREAD, d.MsgType.RESULT) and hdr.code in d.LANES:
+        dtype = payload_dtype(hdr.code, hdr.type == d.MsgType.RESULT)
+    payload = np.frombuffer(data, dtype=dtype, offset=HEADER_SIZE,
+                            count=(len(data) - HEADER_SIZE) // dtype.itemsize)
     return hdr, payload

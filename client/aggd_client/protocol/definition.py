@@ -78,6 +78,52 @@ class NackCode(enum.IntEnum):
     BAD_REQUEST = 6      #: a malformed JOIN: answered, with the reason, rather than ignored
 
 
+class Precision(enum.IntEnum):
+    """A job's contribution width, carried in the ``code`` byte of contributions, re-reads and results.
+
+    b-bit contributions are summed exactly into 2b-bit results (a sum of n b-bit values fits
+    b + ceil(log2 n) bits, so 8-bit contributions of up to 258 terms fit 16 bits): the aggregator adds
+    narrow values into wide lanes and never rescales. INT32 is the original format (32-bit results).
+    """
+    INT32 = 0   #: int32 contributions, int32 results
+    INT16 = 1   #: int16 contributions, int32 results
+    INT8 = 2    #: int8 contributions, int16 results
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """The payload types of one precision (little-endian numpy type strings)."""
+    bits: int           #: bits of a contribution value
+    contrib: str        #: numpy dtype of a contribution (and re-read) payload value
+    result: str         #: numpy dtype of a result payload value
+
+    @property
+    def contrib_bytes(self) -> int:
+        return int(self.contrib[-1])
+
+    @property
+    def result_bytes(self) -> int:
+        return int(self.result[-1])
+
+    @property
+    def contrib_max(self) -> int:
+        """Largest magnitude a contribution value may have (symmetric range)."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def result_max(self) -> int:
+        return (1 << (8 * self.result_bytes - 1)) - 1
+
+
+LANES: dict[Precision, Lanes] = {
+    Precision.INT32: Lanes(32, "<i4", "<i4"),
+    Precision.INT16: Lanes(16, "<i2", "<i4"),
+    Precision.INT8: Lanes(8, "<i1", "<i2"),
+}
+#: ``bits`` (what users and configs say: 32, 16, 8) to the wire's Precision
+PRECISION_OF_BITS: dict[int, Precision] = {lanes.bits: p for p, lanes in LANES.items()}
+
+
 class StrategyKind(enum.IntEnum):
     SYNC = 0
     QUORUM = 1
@@ -102,6 +148,7 @@ class DropReason(enum.IntEnum):
     BUSY = 11            #: the slot still holds an unreleased earlier round
     NOT_READY = 12       #: a re-read of a result not released yet
     BAD_TAG = 13         #: the member tag is not the one its JOIN was given (forged or stale): never NACKed
+    BAD_PRECISION = 14   #: the ``code`` byte is not the job's Precision (a worker of another build or job)
 
 
 class Counter(enum.IntEnum):
@@ -142,7 +189,8 @@ HEADER: tuple[Field, ...] = (
     Field("strategy_version", "u16", "strategy-table version that governs this round (results)"),
     Field("exponent", "i16", "values are int32 * 2**-exponent; the sum uses the smallest"),
     Field("flags", "u8", "Flag bits"),
-    Field("code", "u8", "NackCode in NACKs, 0 otherwise"),
+    Field("code", "u8", "NACKs: NackCode; contributions, re-reads and results: the payload's "
+                        "Precision (0 int32 in and out, 1 int16 in / int32 out, 2 int8 in / int16 out)"),
     Field("contributors", "u64", "results: bitmap of ranks summed (bit i = rank i); contributions and "
                                  "re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none"),
     Field("n_contrib", "u16", "results: contributions summed (may exceed popcount under wbsp); "

@@ -40,6 +40,10 @@ const bit<8> AGGD_NACK_CODE_STALE = 4;
 const bit<8> AGGD_NACK_CODE_BAD_TOKEN = 5;
 const bit<8> AGGD_NACK_CODE_BAD_REQUEST = 6;
 
+const bit<8> AGGD_PRECISION_INT32 = 0;
+const bit<8> AGGD_PRECISION_INT16 = 1;
+const bit<8> AGGD_PRECISION_INT8 = 2;
+
 const bit<8> AGGD_STRATEGY_KIND_SYNC = 0;
 const bit<8> AGGD_STRATEGY_KIND_QUORUM = 1;
 const bit<8> AGGD_STRATEGY_KIND_SSP = 2;
@@ -60,6 +64,7 @@ const bit<8> AGGD_DROP_REASON_STALE = 10;
 const bit<8> AGGD_DROP_REASON_BUSY = 11;
 const bit<8> AGGD_DROP_REASON_NOT_READY = 12;
 const bit<8> AGGD_DROP_REASON_BAD_TAG = 13;
+const bit<8> AGGD_DROP_REASON_BAD_PRECISION = 14;
 
 const bit<8> AGGD_COUNTER_RX_PACKETS = 0;
 const bit<8> AGGD_COUNTER_RX_BYTES = 1;
@@ -88,7 +93,7 @@ header aggd_h {
     bit<16> strategy_version;  // strategy-table version that governs this round (results)
     bit<16> exponent;  // values are int32 * 2**-exponent; the sum uses the smallest
     bit<8> flags;  // Flag bits
-    bit<8> code;  // NackCode in NACKs, 0 otherwise
+    bit<8> code;  // NACKs: NackCode; contributions, re-reads and results: the payload's Precision (0 int32 in and out, 1 int16 in / int32 out, 2 int8 in / int16 out)
     bit<64> contributors;  // results: bitmap of ranks summed (bit i = rank i); contributions and re-reads: the sender's member tag (JOIN_ACK ``tag``), 0 if it has none
     bit<16> n_contrib;  // results: contributions summed (may exceed popcount under wbsp); contributions: how many one holds (a rack aggregator's partial sum), 0 from a worker (counts as 1)
     bit<16> step;  // local step within the round (wbsp); 0 otherwise
