@@ -87,6 +87,18 @@ static __always_inline void write_result(struct aggd_hdr *h, __u64 key, __u16 ve
 	HDR(h, __be16, skip) = 0;
 }
 
+/* Bytes of a value in a contribution's (or re-read's) payload, and in a result's, by the header's
+ * `code` (Precision; int32 when it names none). */
+static __always_inline __u32 contrib_width(__u8 code)
+{
+	return code == AGGD_PRECISION_INT8 ? 1 : code == AGGD_PRECISION_INT16 ? 2 : 4;
+}
+
+static __always_inline __u32 result_width(__u8 code)
+{
+	return code == AGGD_PRECISION_INT8 ? 2 : 4;
+}
+
 /* Send a packet back where it came from. */
 static __always_inline void address_to_sender(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp)
 {

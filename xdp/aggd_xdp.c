@@ -155,16 +155,17 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 }
 
 /* The kernel slot of `chunk`, or NULL and *action: dropped bad_chunk, or passed up (a slot beyond
- * the job's kernel slots, or a payload of another size: the daemon's user-space path serves it). */
+ * the job's kernel slots, a payload of another size or of int8/int16 values: the daemon's user-space
+ * path serves it, and checks the precision against the job's). */
 static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_stats *jst, __u32 chunk,
-						__u32 payload_len, int *action)
+						__u32 payload_len, __u8 code, int *action)
 {
 	if (chunk >= cfg->max_chunks || cfg->n_slots == 0) {
 		*action = drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 		return 0;
 	}
 	__u32 slot_idx = chunk % cfg->n_slots;
-	if (payload_len != ELEMS * 4 || slot_idx >= cfg->kernel_slots) {
+	if (payload_len != ELEMS * 4 || code != AGGD_PRECISION_INT32 || slot_idx >= cfg->kernel_slots) {
 		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 		*action = XDP_PASS;
 		return 0;
@@ -226,7 +227,7 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 		return count_drop(NO_JOB, AGGD_DROP_REASON_TOO_SHORT);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
 	__u32 n = ntohs(HDR(h, __be16, count));
-	if (n == 0 || n > ELEMS || n * 4 > payload_len)
+	if (n == 0 || n > ELEMS || n * result_width(h->code) > payload_len)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
 	struct job_cfg *cfg = job < AGGD_MAX_JOBS ? jobs.lookup(&job) : 0;
 	if (!cfg || !cfg->active || cfg->upstream != 2)
@@ -238,7 +239,7 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	int action = XDP_PASS;
-	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, h->code, &action);
 	if (!s)
 		return action;
 	__u32 *payload = payload_of(ctx, h, data_end, 1, jst, &action);
@@ -355,7 +356,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
 	__u32 n = ntohs(HDR(h, __be16, count));
-	if (n == 0 || n > ELEMS || n * 4 > payload_len)
+	if (n == 0 || n > ELEMS || n * contrib_width(h->code) > payload_len)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
 
 	__u32 job = ntohs(HDR(h, __be16, job));
@@ -388,7 +389,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_TAG);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	int action = XDP_PASS;
-	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, h->code, &action);
 	if (!s)
 		return action;
 	/* a re-read's payload is only room for the result */

@@ -13,9 +13,13 @@ Header checks and counters
 * Order: too_short, bad_magic, bad_version, JOIN (passed up uncounted, kernel mode only), bad_type,
   bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_tag
   (the ``contributors`` field is not the rank's member tag: silent, so a forger cannot make the real
-  member's client give up by a NACK sent to its address), bad_chunk,
+  member's client give up by a NACK sent to its address), bad_precision (user space only: ``code`` is
+  not the job's Precision), bad_chunk,
   then the hand-off to user space of a payload that is not exactly ``elements`` int32 (``pass``,
-  Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are refused by the kernel.
+  Counter.TO_USERSPACE; a ``code`` other than int32 is passed too: the kernel and the switch add int32
+  lanes only, for now), then the slot rules. Malformed or foreign packets are refused by the kernel.
+  ``bad_count`` counts the values' bytes in the precision the packet's ``code`` names (int32 if it
+  names none): a contribution's type for contributions and re-reads, a result's for results.
 * Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
   RX_PACKETS, RX_BYTES (the UDP payload) and RETRANSMITS (Flag.RETRANSMIT) count every packet whose
   job is known, including those dropped later. CONTRIBUTIONS / ELEMENTS (``count``) count
@@ -36,7 +40,9 @@ Results
   ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
   ``n_contrib``, and flags ``bank.flags`` (CARRIED) | OVERFLOW when a value of the sum does not fit
   int32 | REREAD for re-sends | served_flags.
-  ``code``, ``step`` and ``reserved`` are 0. All ``elements`` values are sent (padding included).
+  ``code`` is the job's Precision, ``step`` and ``skip`` are 0. All ``elements`` values are sent
+  (padding included), in the precision's result type (int32; int16 for int8 contributions); a sum
+  that does not fit it goes out as its low bits with Flag.OVERFLOW.
 * The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
   A bank holds exact sums (int64; the kernel keeps them biased in u64 lanes), so the order of
   contributions never matters. Aligning to a smaller exponent shifts the sum right by at most 63 and
@@ -100,9 +106,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from aggd_client.protocol import (HEADER_SIZE, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
+from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
                                   SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
-                                  Flag, Header, MsgType, NackCode, StrategyKind)
+                                  Flag, Header, MsgType, NackCode, Precision, StrategyKind, payload_dtype)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from aggd.core.strategy import SYNC, Strategy, StrategyTable, TableEntry, governing, to_entry  # noqa: F401 (re-exported)
@@ -159,16 +165,18 @@ def np_accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) 
     return exp
 
 
-def np_narrow(values: np.ndarray) -> tuple[np.ndarray, bool]:
-    """The int32 values a result carries: the sums' low 32 bits, and whether any did not fit."""
-    overflow = bool(len(values)) and bool(values.min() < INT32_MIN or values.max() > INT32_MAX)
-    return values.astype(PAYLOAD_DTYPE), overflow
+def np_narrow(values: np.ndarray, dtype: np.dtype = PAYLOAD_DTYPE) -> tuple[np.ndarray, bool]:
+    """The values a result carries in ``dtype`` (int32, or int16 for int8 contributions): the sums'
+    low bits, and whether any did not fit."""
+    info = np.iinfo(dtype)
+    overflow = bool(len(values)) and bool(values.min() < info.min or values.max() > info.max)
+    return values.astype(dtype), overflow
 
 
 class Arithmetic(NamedTuple):
     load: Callable[[np.ndarray, np.ndarray], None]
     accumulate: Callable[[np.ndarray, int, np.ndarray, int], int]
-    narrow: Callable[[np.ndarray], tuple[np.ndarray, bool]]
+    narrow: Callable[[np.ndarray, np.dtype], tuple[np.ndarray, bool]]
 
 
 NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow)
@@ -196,6 +204,9 @@ class JobConfig:
     #: A rack job: complete rounds go up to this aggregator as one contribution, and its results
     #: come back down to the members (docs/protocol.md, "Two levels"). None: results are final here.
     upstream: Upstream | None = None
+    #: Contributions' width (docs/protocol.md, "Precision"): int8 and int16 are summed into wider
+    #: results. Every contribution and re-read must say this precision in ``code``.
+    precision: Precision = Precision.INT32
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < MAX_JOBS:
@@ -214,6 +225,13 @@ class JobConfig:
             self.group = _addr(self.group)
         if self.upstream is not None:
             self.upstream = replace(self.upstream, addr=_addr(self.upstream.addr))
+        self.precision = Precision(self.precision)
+        if self.upstream is not None and self.precision != Precision.INT32:
+            raise ValueError("a rack job forwards int32 sums: its precision must be int32")
+
+    @property
+    def result_dtype(self) -> np.dtype:
+        return payload_dtype(self.precision, result=True)
 
 
 def _addr(a: Addr) -> Addr:
@@ -681,7 +699,10 @@ class AggregatorModel:
             return Verdict("pass")      # not ours: the daemon refuses it (bad_type)
         if hdr.type not in (MsgType.CONTRIB, MsgType.REREAD) and rack is None:
             return self._drop(NO_JOB, DropReason.BAD_TYPE)    # aggregators take results only from above
-        held = (size - HEADER_SIZE) // 4
+        # values the payload holds, in the type its ``code`` names (int32 if it names none)
+        lanes = LANES.get(hdr.code, LANES[Precision.INT32])
+        width = lanes.result_bytes if hdr.type == MsgType.RESULT else lanes.contrib_bytes
+        held = (size - HEADER_SIZE) // width
         if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
             return self._drop(NO_JOB, DropReason.BAD_COUNT)
         if rack is not None:
@@ -701,13 +722,15 @@ class AggregatorModel:
             return self._nack(cfg.job, DropReason.NOT_MEMBER, NackCode.NOT_MEMBER, hdr, src)
         if hdr.contributors != cfg.tags.get(hdr.rank, 0):
             return self._drop(cfg.job, DropReason.BAD_TAG)
+        if self.userspace and hdr.code != cfg.precision:
+            return self._drop(cfg.job, DropReason.BAD_PRECISION)
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
-        if not self.userspace and size - HEADER_SIZE != self.elements * 4:
-            job.count("to_userspace")
+        if not self.userspace and (size - HEADER_SIZE != self.elements * 4 or hdr.code != Precision.INT32):
+            job.count("to_userspace")    # the kernel adds int32 lanes of its one packet size
             return Verdict("pass", job=cfg.job)
 
-        values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
+        values = np.frombuffer(data, lanes.contrib, count=min(held, self.elements), offset=HEADER_SIZE)
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
@@ -718,7 +741,9 @@ class AggregatorModel:
         state.count("rx_bytes", len(data))
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
-        if not self.userspace and len(data) - HEADER_SIZE != self.elements * 4:
+        if self.userspace and hdr.code != cfg.precision:
+            return self._drop(cfg.job, DropReason.BAD_PRECISION)
+        if not self.userspace and (len(data) - HEADER_SIZE != self.elements * 4 or hdr.code != Precision.INT32):
             state.count("to_userspace")
             return Verdict("pass", job=cfg.job)
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)
@@ -900,7 +925,7 @@ class AggregatorModel:
         """A result of ``bank`` answering ``hdr``; ``payload``: its values as given (int32 bytes),
         not the bank's narrowed."""
         if payload is None:
-            values, overflow = self.arith.narrow(bank.values)
+            values, overflow = self.arith.narrow(bank.values, job.cfg.result_dtype)
             payload = values.tobytes()
             if overflow:
                 extra_flags |= Flag.OVERFLOW
@@ -910,7 +935,7 @@ class AggregatorModel:
                      chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
                      exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
                      contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
-                     param=bank.param)
+                     param=bank.param, code=job.cfg.precision)
         return out.pack() + payload
 
     def _forward(self, job: JobState, bank: Bank, hdr: Header, retransmit: bool) -> Verdict:
@@ -919,7 +944,7 @@ class AggregatorModel:
         up = job.cfg.upstream
         if up is None or not up.linked:
             return Verdict("drop", job=job.cfg.job)      # kept: sent once the rack has joined
-        values, overflow = self.arith.narrow(bank.values)
+        values, overflow = self.arith.narrow(bank.values, PAYLOAD_DTYPE)
         if overflow:
             bank.flags |= Flag.OVERFLOW                  # the members learn it from the result
         out = Header(type=MsgType.CONTRIB, job=up.job, rank=up.rank, round=bank.key[0], chunk=bank.key[1],

@@ -9,7 +9,7 @@ Placement. A job's pool has ``slots`` slots; chunk ``c`` uses slot ``c % slots``
 within the memory budget), slots ``[kernel_slots, slots)`` in the daemon's user-space path. The
 XDP program passes packets for user-space slots up (Counter.TO_USERSPACE), so every chunk has
 exactly one home and no slot state is shared between the two paths. A job whose packet size differs
-from the kernel's is served wholly in user space.
+from the kernel's, and a job of int8 or int16 contributions, is served wholly in user space.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
-from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, NackCode
+from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, PRECISION_OF_BITS, NackCode, Precision
 from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_SPAN
 
 from aggd.core import strategy as strat
@@ -168,6 +168,12 @@ class Job:
     gone: dict[int, dict] = field(default_factory=dict)
     #: A rack job: its complete rounds go up to this aggregator (docs/hierarchy.md); None: a flat job.
     upstream: UpstreamSpec | None = None
+    #: Bits of a contribution value: 32, 16 or 8 (docs/protocol.md, "Precision"; JOIN_ACK ``precision``).
+    precision_bits: int = 32
+
+    @property
+    def precision(self) -> Precision:
+        return PRECISION_OF_BITS[self.precision_bits]
 
     # -- derived ---------------------------------------------------------------------------------
     @property
@@ -213,13 +219,14 @@ class Job:
                 "group": list(self.group) if self.group else None,
                 "port": self.port, "elements": self.elements, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
-                "strategy_version": self.strategy_version, "headroom": self.headroom, "span": self.span}
+                "strategy_version": self.strategy_version, "headroom": self.headroom, "span": self.span,
+                "precision": self.precision_bits}
 
     def describe(self, with_token: bool = True) -> dict:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
              "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
-             "headroom": self.headroom,
+             "headroom": self.headroom, "precision": self.precision_bits,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
@@ -248,7 +255,8 @@ class Job:
                   group=(str(d["group"][0]), int(d["group"][1])), port=int(d["port"]),
                   kernel_base=int(d["kernel_base"]), kernel_slots=int(d["kernel_slots"]),
                   strategies=[(int(v), int(r), str(t)) for v, r, t in d["strategies"]],
-                  created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)))
+                  created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)),
+                  precision_bits=int(d.get("precision", 32)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
         job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"])}
                     for r, g in d.get("gone", {}).items()}
@@ -356,12 +364,14 @@ class Registry:
     # -- jobs ------------------------------------------------------------------------------------
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
-               token: str | None = None, upstream: dict | None = None, now: float = 0.0) -> Job:
+               token: str | None = None, upstream: dict | None = None, precision: int | None = None,
+               now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
         strategy; less gives finer sums but refuses the strategies that need more); ``token``: the
         job's token (None: a new one), so a job sharded over several aggregator hosts has one;
-        ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span)."""
+        ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span);
+        ``precision``: bits of a contribution value, 32 (None), 16 or 8."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -389,7 +399,14 @@ class Registry:
         if not _is_int(headroom) or not 1 <= headroom <= MAX_HEADROOM:
             raise RegistryError(f"headroom must be 1..{MAX_HEADROOM}, not {headroom!r}", "bad_request")
         parsed = _valid_strategy(strategy, world, headroom)
+        precision = 32 if precision is None else precision
+        if not _is_int(precision) or precision not in PRECISION_OF_BITS:
+            raise RegistryError(f"precision must be one of 32, 16, 8 (bits of a contribution value), "
+                                f"not {precision!r}", "bad_request")
         spec = None if upstream is None else upstream_spec(upstream, world)
+        if spec is not None and precision != 32:
+            raise RegistryError(f"precision {precision}: a rack job (upstream) forwards int32 sums, so its "
+                                f"precision is 32", "bad_request")
         if spec is not None and parsed.kind != strat.StrategyKind.SYNC:
             raise RegistryError(f"strategy {str(parsed)!r}: a rack job (upstream) is sync only", "bad_strategy")
         if token is not None and not (isinstance(token, str) and _TOKEN.fullmatch(token)):
@@ -401,7 +418,7 @@ class Registry:
         job_id = free_ids[0]
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
-        same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel)
+        same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and precision == 32
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
@@ -409,7 +426,7 @@ class Registry:
                   max_chunks=lim.max_chunks, elements=elements, group=group,
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
-                  headroom=headroom, upstream=spec)
+                  headroom=headroom, upstream=spec, precision_bits=precision)
         self.jobs[job_id] = job
         return job
 

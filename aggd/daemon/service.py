@@ -330,7 +330,7 @@ class Service:
         tags = {r: m.tag for r, m in job.members.items()}
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
                                     members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
-                                    elements=job.elements,
+                                    elements=job.elements, precision=job.precision,
                                     upstream=Upstream(job.upstream.server) if job.upstream is not None else None,
                                     # the user-space path keeps this job's slots across restarts
                                     identity=f"{job.name}@{job.created_at!r}")
@@ -472,7 +472,7 @@ class Service:
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
                         "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?",
-                        "upstream": "object?"},
+                        "upstream": "object?", "precision": "int?"},
         "jobs.delete": {"job": "job"},
         "jobs.show": {"job": "job"},
         "workers": {"job": "job"},
@@ -578,16 +578,17 @@ class Service:
     def _summary(job: Job) -> dict:
         return {"name": job.name, "id": job.id, "world": job.world, "joined": len(job.members),
                 "strategy": str(job.strategy), "slots": job.slots, "kernel_slots": job.kernel_slots,
-                "userspace_slots": job.userspace_slots, "elements": job.elements}
+                "userspace_slots": job.userspace_slots, "elements": job.elements,
+                "precision": job.precision_bits}
 
     def cmd_jobs_list(self):
         return [self._summary(j) for j in self.registry.list()]
 
     def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
-                        headroom=None, token=None, upstream=None):
+                        headroom=None, token=None, upstream=None, precision=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
                                    kernel_slots=kernel_slots, headroom=headroom, token=token, upstream=upstream,
-                                   now=time.time())
+                                   precision=precision, now=time.time())
         try:
             self._apply(job)
         except BaseException:
@@ -596,8 +597,8 @@ class Service:
                 plane.remove_job(job.id)
             raise
         self._save()
-        log.info("job %s (%d) created: world %d, %s, %d slots (%d in the kernel)", job.name, job.id, job.world,
-                 job.strategy, job.slots, job.kernel_slots)
+        log.info("job %s (%d) created: world %d, %s, %d-bit contributions, %d slots (%d in the kernel)",
+                 job.name, job.id, job.world, job.strategy, job.precision_bits, job.slots, job.kernel_slots)
         return job.describe()
 
     def cmd_jobs_delete(self, job):

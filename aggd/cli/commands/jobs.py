@@ -42,6 +42,10 @@ def list_(as_json):
 @click.option("--headroom", type=click.IntRange(1, MAX_HEADROOM),
               help=f"Contributions per member a round is quantised for (default {MAX_HEADROOM}: room for every "
                    f"strategy; 1: two bits finer sums, sync/ssp/async only; 2: also quorum).")
+@click.option("--precision", type=click.Choice(["32", "16", "8"]),
+              help="Bits of a contribution value (default 32). 16 and 8 send half and a quarter of the "
+                   "bytes, summed exactly into 32- and 16-bit results; workers round stochastically and "
+                   "feed the rounding back (docs/precision.md). Served in user space for now.")
 @click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
                                 "hosts is created on each with the token the first one printed.")
 @click.option("--upstream", metavar="HOST:PORT/JOB",
@@ -52,12 +56,13 @@ def list_(as_json):
 @click.option("--span", type=click.IntRange(1), help="Workers under the upper aggregator, every rack's: the "
                                                      "members quantise for them.")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, headroom, token, upstream, upstream_token,
-           upstream_rank, span, as_json):
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, token, upstream,
+           upstream_token, upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
-                       ("headroom", headroom), ("token", token)):
+                       ("headroom", headroom), ("token", token),
+                       ("precision", None if precision is None else int(precision))):
         if value is not None:
             args[key] = value
     rack = {"--upstream-token": upstream_token, "--upstream-rank": upstream_rank, "--span": span}
@@ -78,7 +83,7 @@ def create(name, world, strategy, slots, elements, kernel_slots, headroom, token
         return
     p = j["placement"]
     click.echo(f"job {j['name']} created: id {j['id']}, world {j['world']}, {j['strategy']}, "
-               f"{j['slots']} slots (kernel {slot_range(p['kernel']['slots'])}, "
+               f"{j.get('precision', 32)}-bit contributions, {j['slots']} slots (kernel {slot_range(p['kernel']['slots'])}, "
                f"user space {slot_range(p['userspace']['slots'])})")
     click.echo(f"token: {j['token']}")
     click.echo(f"workers: aggd_client.join(server, {j['name']!r}, rank, token)")

@@ -28,7 +28,7 @@ from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
 from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
-    MAX_MEMBERS, Flag, MsgType, StrategyKind
+    MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
 
 from aggd.dataplane.userspace.kernels import accumulate, load, narrow
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
@@ -41,6 +41,7 @@ O_RANK, O_ROUND, O_CHUNK, O_COUNT = _OFF["rank"], _OFF["round"], _OFF["chunk"], 
 O_SVERSION, O_EXPONENT, O_FLAGS = _OFF["strategy_version"], _OFF["exponent"], _OFF["flags"]
 O_CONTRIBUTORS, O_NCONTRIB, O_STEP = _OFF["contributors"], _OFF["n_contrib"], _OFF["step"]
 O_STRATEGY, O_PARAM, O_SKIP = _OFF["strategy"], _OFF["param"], _OFF["skip"]
+O_CODE = _OFF["code"]
 HDR = HEADER_SIZE
 HDR32 = HEADER_SIZE // 4
 CONTRIB, RESULT = int(MsgType.CONTRIB), int(MsgType.RESULT)
@@ -174,8 +175,8 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
     while i < n:
         p = stage[i]
         if sizes[i] != size_ok or _be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION \
-                or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job:
-            break
+                or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job or p[O_CODE] != 0:
+            break                                            # (an int32 job's: the code byte is 0)
         count, rank, chunk, step = _be16(p, O_COUNT), _be16(p, O_RANK), _be32(p, O_CHUNK), _be16(p, O_STEP)
         if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS:
             break
@@ -532,7 +533,7 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
-                    and fj.state.cfg.upstream is None:
+                    and fj.state.cfg.upstream is None and fj.state.cfg.precision == Precision.INT32:
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
                           fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,

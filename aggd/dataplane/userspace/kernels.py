@@ -57,23 +57,37 @@ def narrow(values, out):
     return overflow
 
 
+@njit(cache=True, nogil=True)
+def narrow16(values, out):
+    """``narrow`` for int16 results (int8 contributions)."""
+    overflow = False
+    for i in range(values.shape[0]):
+        v = values[i]
+        if v > 32767 or v < -32768:
+            overflow = True
+        out[i] = np.int16(((v + 32768) & 0xFFFF) - 32768)
+    return overflow
+
+
 def _accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
     return int(accumulate(acc, acc_exp, src, src_exp))
 
 
-def _narrow(values: np.ndarray) -> tuple[np.ndarray, bool]:
-    out = np.empty(values.shape[0], np.dtype("<i4"))
-    return out, bool(narrow(values, out))
+def _narrow(values: np.ndarray, dtype: np.dtype = np.dtype("<i4")) -> tuple[np.ndarray, bool]:
+    out = np.empty(values.shape[0], dtype)
+    return out, bool((narrow16 if out.itemsize == 2 else narrow)(values, out))
 
 
 def warm_up() -> None:
     """Compile (or load from cache) for the array types the server passes, before traffic arrives."""
     acc = np.zeros(4, np.int64)
     for src in (np.zeros(4, np.int32), np.frombuffer(bytes(16), "<i4"),
-                np.frombuffer(bytearray(16), "<i4")):
+                np.frombuffer(bytearray(16), "<i4"), np.frombuffer(bytes(16), "<i2"),
+                np.frombuffer(bytes(16), "<i1")):
         load(acc, src)
         _accumulate(acc, 0, src, 0)
     _narrow(acc)
+    _narrow(acc, np.dtype("<i2"))
 
 
 KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow)

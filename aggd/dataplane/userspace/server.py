@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from aggd_client.mrecv import MultiReceiver, sockaddr_addr
-from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, Counter, DropReason, MsgType, StrategyKind
+from aggd_client.protocol import HEADER_SIZE, MAX_ELEMENTS, Counter, DropReason, MsgType, Precision, StrategyKind
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 from aggd_client.transport import grow_buffers
 
@@ -98,7 +98,8 @@ def _own_config(cfg) -> JobConfig:
     """A JobConfig of its own (members and tags copied) from any job description with its fields."""
     return JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
                      members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
-                     elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None))
+                     elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None),
+                     precision=getattr(cfg, "precision", Precision.INT32))
 
 
 class UserspaceAggregator(DataPlane):

@@ -392,7 +392,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             return;
         }
         bit<32> slot_idx = hdr.aggd.chunk & (meta.n_slots - 1);
-        if (!hdr.lanes.isValid() || slot_idx >= meta.switch_slots) {
+        if (!hdr.lanes.isValid() || hdr.aggd.code != AGGD_PRECISION_INT32 || slot_idx >= meta.switch_slots) {
             job_events.count((bit<32>)hdr.aggd.job * AGGD_COUNTER_STRIDE + (bit<32>)AGGD_COUNTER_TO_USERSPACE);
             meta.fwd = 1;
             return;

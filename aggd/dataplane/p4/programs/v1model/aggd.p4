@@ -390,8 +390,14 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     return;
                 }
                 payload_len = (bit<32>)hdr.udp.length - 48;
-                if (hdr.aggd.count == 0 || (bit<32>)hdr.aggd.count > AGGD_ELEMENTS ||
-                    (bit<32>)hdr.aggd.count * 4 > payload_len) {
+                /* the bytes `count` values take in the payload's Precision (int32 if it names none) */
+                bit<32> needed = (bit<32>)hdr.aggd.count * 4;
+                if (hdr.aggd.code == AGGD_PRECISION_INT16) {
+                    needed = (bit<32>)hdr.aggd.count * 2;
+                } else if (hdr.aggd.code == AGGD_PRECISION_INT8) {
+                    needed = (bit<32>)hdr.aggd.count;
+                }
+                if (hdr.aggd.count == 0 || (bit<32>)hdr.aggd.count > AGGD_ELEMENTS || needed > payload_len) {
                     COUNT_DROP(AGGD_NO_JOB, AGGD_DROP_REASON_BAD_COUNT)
                     drop();
                     return;
@@ -432,7 +438,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     return;
                 }
                 slot_idx = hdr.aggd.chunk % meta.n_slots;
-                if (payload_len != 4 * AGGD_ELEMENTS || slot_idx >= meta.switch_slots) {
+                if (payload_len != 4 * AGGD_ELEMENTS || hdr.aggd.code != AGGD_PRECISION_INT32 ||
+                    slot_idx >= meta.switch_slots) {   /* int8/int16 lanes: user space, for now */
                     BUMP(AGGD_COUNTER_TO_USERSPACE, 1)
                     meta.fwd = 1;      /* the daemon's user-space path serves it */
                     return;
