@@ -7,6 +7,9 @@ Both do in one pass what the numpy path does in a dozen, which matters when batc
 They give bit-identical results (tests/client/test_client_fast.py): the same exact power-of-two
 scaling, round-half-even and float64 dequantisation followed by one cast.
 
+Both are for int32 jobs only (``Precision.INT32``: int32 payloads, round half to even); narrow
+precisions take the numpy path, and ``scatter`` leaves a result whose ``code`` is not int32 to it.
+
 Used only when numba imports, the host is little-endian (the kernels write the big-endian header by
 bytes and the little-endian payload as native int32) and ``AGGD_CLIENT_NUMBA`` is not ``0``.
 Kernels are compiled (or loaded from numba's cache) by ``warm_up`` before a client sends anything,
@@ -40,6 +43,7 @@ _MAGIC, _VERSION, _TYPE, _JOB, _ROUND = _O["magic"], _O["version"], _O["type"], 
 _CHUNK, _COUNT, _EXP, _FLAGS, _NCONTRIB = (_O["chunk"], _O["count"], _O["exponent"], _O["flags"],
                                            _O["n_contrib"])
 _STRATEGY, _PARAM, _SVERSION = _O["strategy"], _O["param"], _O["strategy_version"]
+_CODE = _O["code"]
 assert [HEADER_DTYPE.fields[n][0].itemsize for n in
         ("magic", "version", "type", "job", "round", "chunk", "count", "exponent", "flags",
          "n_contrib", "strategy", "param", "strategy_version")] == [2, 1, 1, 2, 4, 4, 2, 2, 1, 2, 1, 1, 2]
@@ -154,7 +158,7 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, hav
             if not apply:
                 expect = last_count if c == n_chunks - 1 else E
                 if (st_u8[i, _FLAGS] & _OVERFLOW) or cnt != expect or sizes[i] < HEADER_SIZE + 4 * cnt \
-                        or (mean and ncon == 0):
+                        or (mean and ncon == 0) or st_u8[i, _CODE] != 0:  # int32 results only
                     return ANOMALY, 0, 0, 0
                 continue
             e = _be16(st_u8, i, _EXP)

@@ -6,6 +6,14 @@ values, each chunk is quantised to int32 with its own exponent (``quant``) and s
 contribution packet; the aggregator sums the contributions of a chunk and multicasts (or unicasts)
 the result.
 
+Precision: a job's contributions are int32 (the default), int16 or int8 (``precision=16`` / ``8``,
+the JOIN_ACK's ``precision``): narrow values are rounded stochastically (``seed`` seeds the client's
+generator) and summed exactly into results twice as wide (int32 / int16); the header ``code`` of
+every contribution and result says which. A result of another precision than the job's fails the
+round (``ProtocolError``). ``allreduce(..., residual=r)`` writes each value's rounding residual
+(what was meant minus what the aggregator summed of it) into ``r``: error feedback
+(``aggd_client.feedback``) builds on it.
+
 Strategies (docs/protocol.md, "What clients do"). Every result names the strategy that governed its
 round (``strategy``, ``param``, ``strategy_version``); the newest one seen is the strategy in force
 (``sync`` before the first result, unless the constructor's ``strategy`` says otherwise). A new
@@ -28,7 +36,7 @@ Transport, as docs/protocol.md asks:
   to the group's address and port and joined to the group (on the interface that routes to the server, with
   ``IP_MULTICAST_ALL`` off) receives the multicast results. Both are polled.
 * A round keeps its result state (chunks answered, their ``n_contrib``, the output array); each of
-  its steps is a *send* with its own ring of ``packet_dtype(elements)`` records indexed by
+  its steps is a *send* with its own ring of ``packet_dtype(elements, precision)`` records indexed by
   ``chunk % slots`` (the only copy of the quantised tensor: about ``slots`` packets per send in
   flight, whatever the tensor size) and per-chunk send state. One receive loop hands every batch of
   results to the rounds in flight by ``(round, chunk)``.
@@ -73,7 +81,7 @@ from .errors import AggdError
 from .flow import CongestionWindow, RtoEstimator, default_window
 from .progress import ProgressLoop
 from .protocol import packet_dtype
-from .protocol.definition import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, StrategyKind
+from .protocol.definition import LANES, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, Precision, StrategyKind
 from .results import ResultHandler
 from .rounds import RTO_CAP, RoundScheduler, _Round, _Send
 from .strategy import ASYNC_OUTSTANDING, WBSP_MAX_STEPS, StrategyInfo
@@ -127,6 +135,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     round (``quant.terms_for``), for an aggregator whose strategy never changes. ``span``: the
     workers whose contributions one result holds, when that is more than ``world`` (a rack job under
     an upper aggregator: the JOIN_ACK's ``span``, which ``join`` passes); None: ``world``.
+    ``precision``: the job's contribution width, a ``Precision`` or its bits (32, 16, 8; the
+    JOIN_ACK's ``precision``, which ``join`` passes); 32 is the original int32 format. ``seed``: the
+    seed of the generator that rounds narrow precisions stochastically (None: fresh entropy).
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -136,7 +147,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
                  catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
-                 span: int | None = None):
+                 span: int | None = None, precision: "Precision | int | str" = 32, seed=None):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -160,6 +171,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         if not retransmit_timeout > 0 or not give_up_after > 0 or not max_retransmit_interval > 0:
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
+        prec = quant.precision_of(precision)
         if strategy is None:
             info = StrategyInfo()
         elif isinstance(strategy, StrategyInfo):
@@ -175,7 +187,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._headroom = None if headroom is None else int(headroom)
         self._elements = int(elements)
         self._slots = int(slots)
-        self._dtype = packet_dtype(self._elements)
+        self._precision = prec
+        self._lanes = LANES[prec]
+        self._rng = np.random.default_rng(seed)  # stochastic rounding of narrow precisions
+        self._dtype = packet_dtype(self._elements, prec)   # a contribution (ring record)
         self._rec = self._dtype.itemsize
         # a window the caller does not set is bounded by bytes in flight too (flow.default_window)
         self._window = (min(int(window), self._slots) if window is not None
@@ -229,6 +244,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         """The round the next new allreduce gets: 0 at first, +1 per round started (a ``wbsp``
         step starts none), and at least the newest ``quorum`` result seen (catching up)."""
         return self._next_round
+
+    @property
+    def precision(self) -> Precision:
+        """The job's contribution precision (``Precision``; ``LANES[precision].bits`` its bits)."""
+        return self._precision
 
     @property
     def strategy(self) -> StrategyInfo:
@@ -289,21 +309,23 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         return (f"AggClient(server={self._server}, job={self._job}, rank={self._rank}, "
                 f"world={self._world}, round={self._next_round}, strategy={self._strategy})")
 
-    def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
+    def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None,
+                  residual: np.ndarray | None = None) -> np.ndarray:
         """Sum (``op="sum"``) or average (``op="mean"``) ``array`` over the job's members:
-        ``allreduce_async(array, op, out=out).wait()``.
+        ``allreduce_async(array, op, out=out, residual=residual).wait()``.
 
         Returns a new array of the same shape and dtype (float16, float32 or float64), or ``out``
         filled with the result (reusing a buffer spares the page faults of a new array). Every member
         must call ``allreduce`` with the same shape, in the same order. A mean divides each chunk by
         the number of contributions its result holds. Each element is within
-        ``quant.error_bound(world, exponent, n_contrib)`` of the exact sum of those contributions
-        (divided by the count for a mean), plus the rounding to the output dtype.
+        ``quant.error_bound(world, exponent, n_contrib, precision)`` of the exact sum of those
+        contributions (divided by the count for a mean), plus the rounding to the output dtype.
         """
-        return self.allreduce_async(array, op, out=out).wait()
+        return self.allreduce_async(array, op, out=out, residual=residual).wait()
 
     def allreduce_async(self, array, op: str = "sum", *, block: bool = True,
-                        out: np.ndarray | None = None) -> "AllreduceHandle":
+                        out: np.ndarray | None = None,
+                        residual: np.ndarray | None = None) -> "AllreduceHandle":
         """Start reducing ``array`` and return its handle (``wait()`` gives the result).
 
         The array is read until the handle is done: do not change it before. When the strategy in
@@ -313,6 +335,14 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         round's next step and its handle resolves with that round's result (``out`` is then
         ignored). ``out``: a C-contiguous, writable array of the same shape and dtype, not sharing
         memory with ``array``, that receives the result instead of a new one.
+
+        ``residual``: a C-contiguous, writable float64 array (or of ``array``'s dtype) of
+        ``array``'s size that receives, for every value, its rounding residual: the value minus the
+        dequantised contribution sent for it, corrected once the round's result comes for what the
+        aggregator's alignment of it to the result's exponent dropped (exact when the aggregator
+        floors each contribution on its own: see ``aggd_client.feedback``). Complete once the
+        handle is done; each call (each ``wbsp`` step) writes its own. Results then take the numpy
+        path (no numba scatter).
         """
         self._check_open()
         if op not in ("sum", "mean"):
@@ -322,9 +352,13 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise TypeError(f"aggd reduces float16, float32 and float64 arrays, got {a.dtype}")
         if out is not None:
             _check_out(out, a)
+        if residual is not None:
+            _check_residual(residual, a)
         mean = op == "mean"
         if a.size == 0:  # nothing to send: the round is used up and answered at once
             rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean, out)
+            if residual is not None:
+                residual[...] = 0
             self._next_round += 1
             self._own_next = self._next_round
             return AllreduceHandle(self, rnd, None)
@@ -365,7 +399,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         else:
             rnd = into
             self.stats["steps"] += 1
-        send = _Send(self, rnd, x, rnd.steps, self._strategy.kind)
+        if residual is not None:
+            rnd.fast = False  # the numpy result path corrects residuals for the alignment
+        send = _Send(self, rnd, x, rnd.steps, self._strategy.kind,
+                     None if residual is None else residual.reshape(-1))
         rnd.steps += 1
         rnd.sends.append(send)
         self._sends.append(send)
@@ -453,6 +490,18 @@ class AllreduceHandle:
     def __repr__(self) -> str:
         state = "failed" if self._round.error is not None else "done" if self._ready() else "pending"
         return f"<AllreduceHandle round {self._round.number} step {self.step} {state}>"
+
+
+def _check_residual(residual, a: np.ndarray) -> None:
+    if not isinstance(residual, np.ndarray):
+        raise TypeError(f"residual must be a numpy array, not {type(residual).__name__}")
+    if residual.size != a.size or residual.dtype not in (np.dtype(np.float64), a.dtype):
+        raise ValueError(f"residual must hold {a.size} float64 (or {a.dtype}) values, not {residual.size} "
+                         f"{residual.dtype}")
+    if not residual.flags.c_contiguous or not residual.flags.writeable:
+        raise ValueError("residual must be C-contiguous and writable")
+    if np.may_share_memory(residual, a):
+        raise ValueError("residual must not share memory with the input")
 
 
 def _check_out(out, a: np.ndarray) -> None:

@@ -54,6 +54,9 @@ class JobInfo:
     #: Workers whose contributions one result holds: ``world``, or for a rack job under an upper
     #: aggregator every worker under it (docs/protocol.md, "Two levels"); 0: not said (``world``).
     span: int = 0
+    #: Bits of a contribution value (32, 16 or 8: the job's ``Precision``; results are twice as wide
+    #: for 16 and 8); absent from the JOIN_ACK: 32.
+    precision: int = 32
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -65,7 +68,8 @@ class JobInfo:
                        strategy=str(d["strategy"]), strategy_version=int(d["strategy_version"]),
                        gso=bool(d.get("gso", True)), round=int(d.get("round", 0)),
                        tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)),
-                       span=int(d.get("span", 0)))
+                       span=int(d.get("span", 0)),
+                       precision=quant.LANES[quant.precision_of(int(d.get("precision", 32)))].bits)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
 
@@ -229,7 +233,7 @@ def client_for(server: tuple[str, int], info: JobInfo, address: tuple[str, int],
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
                        bind=address, elements=info.elements, slots=info.slots,
                        **{"first_round": info.round, "tag": info.tag, "headroom": info.headroom,
-                          "span": info.span or None,
+                          "span": info.span or None, "precision": info.precision,
                           **client_options})
     client.job_info = info
     return client

@@ -19,7 +19,8 @@ import numpy as np
 from . import _fast, quant
 from .errors import (AggregationOverflowError, NotMemberError, ProtocolError, UnknownJobError)
 from .protocol import HEADER_DTYPE, HEADER_SIZE
-from .protocol.definition import MAGIC, SKIP_MAX, VERSION, Flag, MsgType, NackCode, StrategyKind
+from .protocol.definition import (LANES, MAGIC, SKIP_MAX, VERSION, Flag, MsgType, NackCode, Precision,
+                                  StrategyKind)
 from .strategy import StrategyInfo, _kind
 
 if TYPE_CHECKING:
@@ -65,7 +66,9 @@ class ResultHandler:
         # Under quorum and wbsp a release seen on the group need not hold our packet (released
         # without us, or a later wbsp step): those rounds take the numpy path, which checks.
         checked = self._strategy.kind in (StrategyKind.QUORUM, StrategyKind.WBSP)
-        if self._fast and self._rounds and not checked and all(r.fast for r in self._rounds):
+        # the numba scatter reads int32 results: int32 jobs only
+        if (self._fast and self._precision == Precision.INT32 and self._rounds and not checked
+                and all(r.fast for r in self._rounds)):
             handled, matched, jobs = True, 0, 0
             for rnd in list(self._rounds):
                 status, nd, na, jobs = _fast.scatter(
@@ -192,6 +195,15 @@ class ResultHandler:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
+        code = h["code"]
+        if (code != int(self._precision)).any():
+            j = int(np.argmax(code != int(self._precision)))
+            self._fail_round(rnd, ProtocolError(
+                f"aggregator {self._server[0]}:{self._server[1]} sent a result of "
+                f"{_precision_name(int(code[j]))} for job {self._job}, round {rounds[j]}, chunk "
+                f"{chunks[j]}, whose precision is {_precision_name(int(self._precision))} (is the job "
+                f"created with another --precision than this client's?)"))
+            return 0, 0
         # What stops a packet's retransmission is proof that the aggregator holds it: an answer
         # sent to us alone (flag REREAD: a re-send, or the reply to a late contribution it
         # carried), or our own round's result listing our rank, which proves our first step
@@ -225,10 +237,11 @@ class ResultHandler:
             return 0, acked
         cnt = h["count"].astype(np.int64)
         expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
-        bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + 4 * cnt)
+        rb = self._lanes.result_bytes
+        bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + rb * cnt)
         if bad.any():
             j = int(np.argmax(bad))
-            if self._sizes[idx][j] >= HEADER_SIZE + 4 * cnt[j]:  # a whole packet: the members differ
+            if self._sizes[idx][j] >= HEADER_SIZE + rb * cnt[j]:  # a whole packet: the members differ
                 why = ("the members reduced tensors of different sizes in that round (every member "
                        "must make the same sequence of calls; under quorum a straggler that caught "
                        "up to a later round reduces a different tensor than the quorum did there)")
@@ -258,6 +271,10 @@ class ResultHandler:
                 rnd.out[rnd.n_full * E:] = vals[-1, :rnd.last_count]
         rnd.have[chunks] = 1
         rnd.n_contrib[chunks] = ncon
+        mine = rounds == rnd.r32  # our own round's results: our contributions are aligned in them
+        if mine.any():
+            for s in rnd.sends:
+                s.realign(chunks[mine], h["exponent"][mine])
         rnd.n_have += int(chunks.size)
         j = int(np.argmax(rounds))
         self._learn(rnd, int(rounds[j]), int(h["strategy"][j]), int(h["param"][j]),
@@ -325,3 +342,11 @@ class ResultHandler:
                         f"members call allreduce in lockstep?)"))
                 continue  # a late answer to an old retransmission, or a straggler's
             raise ProtocolError(f"{srv} refused {where} with unknown NACK code {code}")
+
+
+def _precision_name(code: int) -> str:
+    """``int8`` for a Precision's code; ``code N`` for a code that names none."""
+    try:
+        return f"int{LANES[Precision(code)].bits} (code {code})"
+    except ValueError:
+        return f"code {code} (no precision)"

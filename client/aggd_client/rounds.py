@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _fast, quant
 from .errors import AggdError
-from .protocol.definition import MAGIC, VERSION, Flag, MsgType, StrategyKind
+from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 if TYPE_CHECKING:
     from .client import AggClient
@@ -107,20 +107,23 @@ class _Ring:
         self.size = size
         self.pk = np.zeros(size, dtype)
         self.u8 = self.pk.view(np.uint8).reshape(size, dtype.itemsize)
-        self.i32 = self.u8.view(np.int32)
+        # the numba fill's int32 view (int32 jobs); a narrow packet need not be a whole number of words
+        self.i32 = self.u8.view(np.int32) if dtype.itemsize % 4 == 0 else None
         self.buf = memoryview(self.pk.view(np.uint8))
 
 
 class _Send:
     """One step of a round on its way: the input, a ring of packets, per-chunk send state."""
 
-    def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind):
+    def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind,
+                 residual: np.ndarray | None = None):
         self.c, self.rnd, self.x, self.step = c, rnd, x, step
         self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
         # headroom for what the result may hold: the job's, fixed, so that a round quantised under one
         # strategy and governed by another (a swap not yet seen) never holds more than that
         self.terms = (c._span * c._headroom if c._headroom is not None else quant.terms_for(c._span, kind))
-        self.fq, self.jq = quant._q_frexp(c._world, self.terms)
+        self.precision = c._precision
+        self.fq, self.jq = quant._q_frexp(c._world, self.terms, self.precision)
         self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
         self.ring: _Ring | None = c._take_ring(self.R)
         h = self.ring.pk[:self.R]["hdr"]
@@ -128,6 +131,7 @@ class _Send:
         h["magic"], h["version"], h["type"] = MAGIC, VERSION, _CONTRIB
         h["job"], h["rank"], h["round"], h["step"] = c._job, c._rank, rnd.r32, step
         h["contributors"] = c._tag  # contributions carry the member's tag there (docs/protocol.md)
+        h["code"] = int(self.precision)  # the payload's Precision
         h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
         self.state = np.zeros(self.n, np.uint8)
         self.sent_at = np.zeros(self.n, np.float64)
@@ -146,8 +150,16 @@ class _Send:
         self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
         self.dropped = False
         self.last_ack = time.monotonic()
-        self.fast_fill = c._fast
+        # the numba fill writes int32 payloads with round-half-even: int32 jobs only
+        self.fast_fill = c._fast and self.precision == Precision.INT32
         self.fill_args = None  # the numba fill's masks and scratch, for the input's dtype
+        # ``residual``: the caller's array receiving x - dequantised contribution; the values and
+        # exponents sent are kept to correct it for the aggregator's alignment (``realign``)
+        self.residual = residual
+        self.keep_q = self.keep_e = None
+        if residual is not None:
+            self.keep_q = np.zeros((self.n, self.E), c._lanes.contrib)
+            self.keep_e = np.zeros(self.n, np.int32)
 
     @property
     def finished(self) -> bool:
@@ -199,7 +211,59 @@ class _Send:
         return k, k == ADMIT_MAX and self.next < limit
 
     def _fill(self, c0: int, k: int, r0: int) -> None:
-        """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1``."""
+        """Quantise chunks ``c0 .. c0+k-1`` into ring entries ``r0 .. r0+k-1`` (and their residuals)."""
+        self._quantise(c0, k, r0)
+        if self.residual is not None:
+            self._keep(c0, k, r0)
+
+    def _keep(self, c0: int, k: int, r0: int) -> None:
+        """Keep what chunks ``c0 .. c0+k-1`` sent (ring entries ``r0 ..``) and write their residuals:
+        the value minus the dequantised contribution, in float64."""
+        E, x = self.E, self.x
+        pk = self.ring.pk[r0:r0 + k]
+        q = self.keep_q[c0:c0 + k]
+        q[...] = pk["payload"]
+        e = self.keep_e[c0:c0 + k]
+        e[...] = pk["hdr"]["exponent"]
+        sent = quant.dequantise(q, e)  # exact (float64) unless subnormal
+        lo, hi = c0 * E, min((c0 + k) * E, x.size)
+        r = self.residual[lo:hi]
+        r[...] = x[lo:hi].astype(np.float64) - sent.reshape(-1)[:hi - lo]
+
+    def realign(self, chunks: np.ndarray, e_result: np.ndarray) -> None:
+        """The round's results of ``chunks`` came with exponents ``e_result``: the aggregator
+        aligned our contributions of those chunks to them with an arithmetic right shift (a floor),
+        dropping ``q mod 2**shift`` units of our step; that is added to their residuals, which then
+        say what the result does not hold of the values (exactly when every contribution is
+        floored on its own; an aggregator flooring a partial sum loses up to a step more, which
+        no member can see). Chunks not sent yet are skipped."""
+        if self.residual is None or self.dropped or chunks.size == 0:
+            return
+        sent = self.state[chunks] != _PENDING
+        chunks, e_r = chunks[sent], np.asarray(e_result, np.int64)[sent]
+        e_s = self.keep_e[chunks].astype(np.int64)
+        shift = e_s - e_r
+        m = (shift > 0) & (e_s != ZERO_EXPONENT)
+        if not m.any():
+            return
+        chunks, e_r, e_s, shift = chunks[m], e_r[m], e_s[m], shift[m]
+        q = self.keep_q[chunks].astype(np.int64)
+        aligned = q >> np.minimum(shift, 62)[:, None]
+        # both exact in float64, and so is their difference ((q mod 2**shift) * 2**-e_s)
+        lost = np.ldexp(q.astype(np.float64), -e_s[:, None]) - np.ldexp(aligned.astype(np.float64),
+                                                                         -e_r[:, None])
+        E, res = self.E, self.residual
+        n_full = res.size // E
+        full = chunks < n_full
+        if full.any():
+            block = res[:n_full * E].reshape(n_full, E)
+            block[chunks[full]] += lost[full]  # chunks are distinct
+        if not full.all():
+            j = int(np.flatnonzero(~full)[0])
+            tail = res[n_full * E:]
+            tail += lost[j, :tail.size]
+
+    def _quantise(self, c0: int, k: int, r0: int) -> None:
         E, x, ring = self.E, self.x, self.ring
         if self.fast_fill:
             if x.dtype == np.float16:
@@ -220,7 +284,8 @@ class _Send:
             block.reshape(-1)[:src.size] = src
         pk = ring.pk[r0:r0 + k]
         h = pk["hdr"]
-        h["exponent"] = quant._quantise_rows(block, self.c._world, pk["payload"], self.terms)
+        h["exponent"] = quant._quantise_rows(block, self.c._world, pk["payload"], self.terms,
+                                             self.precision, self.c._rng)
         h["chunk"] = np.arange(c0, c0 + k, dtype=np.uint32)
         if self.flags_dirty:
             h["flags"] = 0

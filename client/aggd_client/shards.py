@@ -79,6 +79,9 @@ class ShardedClient:
                              f"{len(self.clients)} aggregators")
         first = self.clients[0]
         for c in self.clients[1:]:
+            if c.precision != first.precision:
+                raise ValueError(f"every aggregator's job must have one precision: int{first._lanes.bits} at "
+                                 f"{first.server}, int{c._lanes.bits} at {c.server}")
             if (c._rank, c._world, c._elements) != (first._rank, first._world, first._elements):
                 raise ValueError(f"every aggregator's client must be the same member with the same packet "
                                  f"size: rank/world/elements {first._rank}/{first._world}/{first._elements} "
@@ -134,6 +137,11 @@ class ShardedClient:
         return self.clients[0]._rank
 
     @property
+    def precision(self):
+        """The job's contribution precision (every aggregator's job has the same)."""
+        return self.clients[0].precision
+
+    @property
     def round(self) -> int:
         """The number the next call gets (calls so far): what ``ShardedHandle.round`` answers."""
         return self.calls
@@ -153,13 +161,23 @@ class ShardedClient:
     def must_wait(self) -> bool:
         return any(c.must_wait() for i, c in enumerate(self.clients) if i not in self.dead)
 
-    def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None) -> np.ndarray:
-        return self.allreduce_async(array, op, out=out).wait()
+    def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None,
+                  residual: np.ndarray | None = None) -> np.ndarray:
+        return self.allreduce_async(array, op, out=out, residual=residual).wait()
 
     def allreduce_async(self, array, op: str = "sum", *, block: bool = True,
-                        out: np.ndarray | None = None) -> "ShardedHandle":
-        """Start one call: each aggregator's partition goes through its client (see the module)."""
+                        out: np.ndarray | None = None, residual: np.ndarray | None = None) -> "ShardedHandle":
+        """Start one call: each aggregator's partition goes through its client (see the module).
+        ``residual``: as ``AggClient.allreduce_async``'s, each partition's part written by its
+        client (a failed-over part's by the replacement's)."""
         a = np.asarray(array)
+        if residual is not None and (not isinstance(residual, np.ndarray) or residual.size != a.size
+                                     or not residual.flags.c_contiguous):
+            raise ValueError(f"residual must be a C-contiguous array of {a.size} values")
+        res = None if residual is None else residual.reshape(-1)
+
+        def part(lo, hi):
+            return None if res is None else res[lo:hi]
         if not block and self.must_wait():
             raise WouldBlock("an aggregator's client cannot start a round yet")
         if self._every and self.calls and self.calls % self._every == 0:
@@ -173,7 +191,8 @@ class ShardedClient:
             self.history.append((call, new, reason))
         m = self.shard_map
         if len(self.clients) == 1:
-            return ShardedHandle(self, call, m, None, [(0, 0, a.size, self.clients[0].allreduce_async(a, op, out=out))])
+            return ShardedHandle(self, call, m, None, [(0, 0, a.size, self.clients[0].allreduce_async(
+                a, op, out=out, residual=residual))])
         flat = np.ascontiguousarray(a).reshape(-1)
         if out is not None and (out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous):
             raise ValueError(f"out must be C-contiguous with the input's shape {a.shape} and dtype {a.dtype}")
@@ -184,16 +203,20 @@ class ShardedClient:
         for i, c in enumerate(self.clients):
             lo, hi = cuts[i], cuts[i + 1]
             if hi > lo and i not in self.dead:
-                parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
+                parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi], residual=part(lo, hi))))
         for i in sorted(self.dead):  # a failed-over aggregator's part, while the map still has one:
             lo, hi = cuts[i], cuts[i + 1]    # one more round on the replacement, after its own part
             if hi > lo:
                 j = self._replacement()
-                parts.append((j, lo, hi, self.clients[j].allreduce_async(flat[lo:hi], op, out=dest[lo:hi])))
+                parts.append((j, lo, hi, self.clients[j].allreduce_async(flat[lo:hi], op, out=dest[lo:hi],
+                                                                         residual=part(lo, hi))))
         if not parts:  # an empty tensor: the first aggregator answers it as it would alone
             j = self._replacement() if 0 in self.dead else 0
-            return ShardedHandle(self, call, m, None, [(j, 0, 0, self.clients[j].allreduce_async(a, op, out=out))])
-        return ShardedHandle(self, call, m, result, parts, flat=flat, dest=dest, op=op)
+            return ShardedHandle(self, call, m, None, [(j, 0, 0, self.clients[j].allreduce_async(
+                a, op, out=out, residual=residual))])
+        h = ShardedHandle(self, call, m, result, parts, flat=flat, dest=dest, op=op)
+        h._residual = res
+        return h
 
     def _agree(self, call: int) -> None:
         """The map for calls from ``call`` on: the leader decides and publishes, everyone reads."""
@@ -497,8 +520,10 @@ class ShardedHandle:
         c = self._owner.clients[replacement]
         for j, (agg, lo, hi, h) in enumerate(self._parts):
             if agg in dead and j not in self._took:
+                res = getattr(self, "_residual", None)
                 self._parts[j] = (replacement, lo, hi,
-                                  c.allreduce_async(self._flat[lo:hi], self._op, out=self._dest[lo:hi]))
+                                  c.allreduce_async(self._flat[lo:hi], self._op, out=self._dest[lo:hi],
+                                                    residual=None if res is None else res[lo:hi]))
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
         deadline = None if timeout is None else time.monotonic() + timeout

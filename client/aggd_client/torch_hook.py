@@ -26,6 +26,11 @@ order DDP launches them, which is the same on every rank, and completes the futu
 computation of later buckets overlaps the reduction of earlier ones. ``threaded=False`` reduces
 inside the hook instead.
 
+Error feedback: when the client's job is narrow (``precision`` 8 or 16) each bucket's rounding
+residual is kept and added to its next reduction, and every ``reset_every`` (16) reductions of a
+bucket the residuals are reduced and applied too (``aggd_client.feedback``: CSER's error reset);
+the key is the bucket's index. ``error_feedback=False`` turns it off, ``True`` forces it on (int32).
+
 Strategies: every member must reduce the same sequence of buckets. Under ``quorum`` and ``async`` a
 straggler's round may be answered by a newer round; with one bucket per step (a large
 ``bucket_cap_mb``) that is simply a newer mean gradient and is used, with several buckets it is
@@ -38,28 +43,45 @@ import threading
 
 import numpy as np
 
+from .feedback import DEFAULT_RESET_EVERY, ErrorFeedback
+from .protocol.definition import Precision
 from .torch.convert import from_numpy, to_numpy as _to_numpy
 
 __all__ = ["AggdHookState", "aggd_hook", "register", "reduce_tensor"]
 
 
-def reduce_tensor(client, tensor, op: str = "mean"):
-    """Allreduce one tensor through ``client`` (an ``AggClient``); returns (tensor of the input's
-    dtype and shape, round that answered, round asked)."""
+def reduce_tensor(client, tensor, op: str = "mean", feedback: ErrorFeedback | None = None, key=None):
+    """Allreduce one tensor through ``client`` (an ``AggClient``), with error feedback under
+    ``key`` when ``feedback`` is given; returns (tensor of the input's dtype and shape, round that
+    answered, round asked)."""
     arr, dtype = _to_numpy(tensor)
     asked = client.round
-    h = client.allreduce_async(np.ascontiguousarray(arr).reshape(-1), op)
-    out = h.wait()
+    flat = np.ascontiguousarray(arr).reshape(-1)
+    if feedback is not None:
+        out = feedback.allreduce(flat, key, op)
+        h = feedback.last_handle
+    else:
+        h = client.allreduce_async(flat, op)
+        out = h.wait()
     return from_numpy(out, dtype, tensor.shape), h.round, asked
+
+
+def narrow(client) -> bool:
+    """Whether ``client``'s job is narrower than int32 (error feedback's default)."""
+    return getattr(client, "precision", Precision.INT32) != Precision.INT32
 
 
 class AggdHookState:
     """What ``aggd_hook`` needs: the ``AggClient`` of this rank and the reduction thread."""
 
-    def __init__(self, client, *, op: str = "mean", threaded: bool = True):
+    def __init__(self, client, *, op: str = "mean", threaded: bool = True,
+                 error_feedback: bool | None = None, reset_every: int | None = DEFAULT_RESET_EVERY):
         if op not in ("mean", "sum"):
             raise ValueError(f"op must be 'mean' or 'sum', not {op!r}")
         self.client = client
+        on = narrow(client) if error_feedback is None else bool(error_feedback)
+        #: the buckets' error feedback (None: off), keyed by bucket index
+        self.feedback = ErrorFeedback(client, reset_every) if on else None
         self.op = op
         self.threaded = threaded
         self.buckets_seen: set[int] = set()
@@ -69,7 +91,7 @@ class AggdHookState:
         self._lock = threading.Lock()
 
     def _reduce(self, index: int, tensor):
-        res, answered, asked = reduce_tensor(self.client, tensor, self.op)
+        res, answered, asked = reduce_tensor(self.client, tensor, self.op, self.feedback, index)
         if answered != asked:
             self.stats["newer_answers"] += 1
             if len(self.buckets_seen) > 1:
@@ -125,8 +147,11 @@ def aggd_hook(state: AggdHookState, bucket):
     return state.submit(bucket.index(), bucket.buffer())
 
 
-def register(ddp_model, client, *, op: str = "mean", threaded: bool = True) -> AggdHookState:
-    """Register ``aggd_hook`` on ``ddp_model`` with a new state for ``client``; returns the state."""
-    state = AggdHookState(client, op=op, threaded=threaded)
+def register(ddp_model, client, *, op: str = "mean", threaded: bool = True,
+             error_feedback: bool | None = None, reset_every: int | None = DEFAULT_RESET_EVERY) -> AggdHookState:
+    """Register ``aggd_hook`` on ``ddp_model`` with a new state for ``client``; returns the state.
+    ``error_feedback``: None (on for a narrow job), True or False; ``reset_every``: its ``H``."""
+    state = AggdHookState(client, op=op, threaded=threaded, error_feedback=error_feedback,
+                          reset_every=reset_every)
     ddp_model.register_comm_hook(state, aggd_hook)
     return state

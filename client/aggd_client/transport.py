@@ -18,6 +18,8 @@ import numpy as np
 
 from . import msend
 from .mrecv import MultiReceiver
+from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
+from .protocol.definition import Precision
 from .rounds import ADMIT_MAX
 
 log = logging.getLogger("aggd_client")  # one logger for the whole client, whatever the module
@@ -100,16 +102,26 @@ class UdpTransport:
 
     def _init_staging(self) -> None:
         """The receive staging array: a batch of messages lands in its records, their sizes in
-        ``_sizes``."""
-        stage = max(16, min(STAGE, STAGE_BYTES // self._rec))
-        self._stage = np.zeros(stage, self._dtype)  # receive staging
+        ``_sizes``. A record holds a header and ``elements`` values of the job's result type
+        (``payload``), and is as long as the longest result of ``elements`` values (int32), so a
+        result of another precision is received whole and refused by its ``code``."""
+        E = self._elements
+        if self._precision == Precision.INT32:
+            dtype = packet_dtype(E, Precision.INT32, result=True)
+        else:
+            dtype = np.dtype({"names": ["hdr", "payload"],
+                              "formats": [HEADER_DTYPE, (np.dtype(self._lanes.result), (E,))],
+                              "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * E})
+        self._stage_rec = rec = dtype.itemsize
+        stage = max(16, min(STAGE, STAGE_BYTES // rec))
+        self._stage = np.zeros(stage, dtype)  # receive staging
         # written once now: the client's fixed buffers are resident from the start, so an
         # allreduce's memory is what it adds (its ring of packets), whatever it is the first of
         self._stage.view(np.uint8).fill(0)
-        self._stage_u8 = self._stage.view(np.uint8).reshape(stage, self._rec)
-        self._stage_i32 = self._stage_u8.view(np.int32)
+        self._stage_u8 = self._stage.view(np.uint8).reshape(stage, rec)
+        self._stage_i32 = self._stage_u8.view(np.int32)  # the numba scatter's (int32 jobs)
         self._sizes = np.zeros(stage, np.int64)
-        self._receiver = MultiReceiver(self._stage, self._rec, self._sizes)
+        self._receiver = MultiReceiver(self._stage, rec, self._sizes)
 
     def _close_sockets(self) -> None:
         """Release the sockets (``close`` does, after its last progress)."""

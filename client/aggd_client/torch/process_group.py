@@ -12,7 +12,9 @@ DDP's reducer). At construction (inside ``init_process_group``) it:
    group's size;
 4. agrees with the other ranks (a MAX over gloo) on the first round: a job's new members start at 0,
    and members that rejoin (a torchrun restart) start where the job is, which the JOIN answer says;
-5. starts the reduction thread (``reducer.Reducer``) that owns the ``AggClient``.
+5. starts the reduction thread (``reducer.Reducer``) that owns the ``AggClient``, with error
+   feedback (``aggd_client.feedback``) when the settings ask for it (by default for a job of
+   precision 8 or 16).
 
 Gloo is used only by explicit delegation from the Python methods below: registering it as the
 group's backend for the other collectives deadlocked under load (the GIL held while waiting for
@@ -126,8 +128,12 @@ class AggdProcessGroup(dist.ProcessGroup):
         info = joined[0][0]
         self.job_info = info
         self.first_round = int(first[0].item())
+        feedback = None
+        if settings.feedback_for(info.precision):
+            from ..feedback import ErrorFeedback
+            feedback = ErrorFeedback(client, settings.error_reset or None)
         self._reducer = Reducer(client, timeout.total_seconds(), accept_newer=settings.accept_newer,
-                                name=f"aggd job {info.name} rank {rank}")
+                                name=f"aggd job {info.name} rank {rank}", feedback=feedback)
 
     # -- what torch asks of a process group --------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - the C++ name, overridden through pybind

@@ -28,6 +28,12 @@ option             environment             meaning
                                            group rank: ``local`` (torchrun's LOCAL_RANK: a rack
                                            job a node, docs/hierarchy.md) or a number (default:
                                            the group rank)
+``error_feedback``   ``AGGD_ERROR_FEEDBACK``  ``on`` or ``off``: keep each tensor's rounding residual
+                                           and add it to its next allreduce, resetting every
+                                           ``error_reset`` calls (``aggd_client.feedback``; default:
+                                           on when the job's precision is 8 or 16 bits)
+``error_reset``      ``AGGD_ERROR_RESET``   H: the residuals are allreduced and applied every H-th
+                                           allreduce of a tensor (CSER's error reset); 0: never (16)
 =================  ======================  =========================================================
 """
 from __future__ import annotations
@@ -83,6 +89,17 @@ def _flag(value, what: str) -> bool:
     raise SettingsError(f"{what} must be 0 or 1, not {value!r}")
 
 
+def _on_off(value, what: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{what} must be on or off, not {value!r}")
+
+
 @dataclass(frozen=True)
 class Settings:
     server: tuple[str, int]
@@ -99,6 +116,14 @@ class Settings:
     failover_after: float | None = None
     #: the member's rank in the job: None (the group rank), "local" (LOCAL_RANK) or a number
     rank: int | str | None = None
+    #: error feedback: None (on for a job of precision 8 or 16), True or False
+    error_feedback: bool | None = None
+    #: the error reset's period H in allreduces of one tensor (0: never)
+    error_reset: int = 16
+
+    def feedback_for(self, precision_bits: int) -> bool:
+        """Whether error feedback is on for a job of ``precision_bits``."""
+        return precision_bits < 32 if self.error_feedback is None else self.error_feedback
 
     def member_rank(self, group_rank: int, environ: Mapping[str, str] | None = None) -> int:
         """The rank this worker joins the job as."""
@@ -196,6 +221,19 @@ class Settings:
         value, where = raw("accept_newer")
         if value is not None:
             kw["accept_newer"] = _flag(value, where)
+        value, where = raw("error_feedback")
+        if value is not None:
+            kw["error_feedback"] = _on_off(value, where)
+        value, where = raw("error_reset")
+        if value is not None:
+            try:
+                h = int(str(value).strip())
+            except (TypeError, ValueError):
+                raise SettingsError(f"{where} must be a whole number of allreduces (0: never), not "
+                                    f"{value!r}") from None
+            if h < 0:
+                raise SettingsError(f"{where} must be 0 (never) or more, not {value!r}")
+            kw["error_reset"] = h
         value, where = raw("rank")
         if value is not None:
             text = str(value).strip()
