@@ -94,13 +94,14 @@ class RunResult:
     decisions: list[dict] = field(default_factory=list)
     workers: list[dict] = field(default_factory=list)
     killed_at: float | None = None               #: rank 0's seconds when ``kill`` struck
+    rounds_to_target: int | None = None          #: rank 0's first evaluated round at the target
 
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "strategy": self.strategy, "strategy_text": self.strategy_text,
                 "target_accuracy": self.target_accuracy, "time_to_target_s": self.time_to_target_s,
                 "final_accuracy": self.final_accuracy, "seconds": self.seconds, "rounds": self.rounds,
                 "curve": self.curve, "rounds_curve": self.rounds_curve, "strategies_seen": self.strategies_seen, "decisions": self.decisions,
-                "workers": self.workers}
+                "workers": self.workers, "rounds_to_target": self.rounds_to_target}
 
 
 def lab_daemon(lab: Lab, *, policy: dict | None = None, slots: int = 64, log_level: str = "info",
@@ -134,13 +135,16 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
 def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
         *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
         tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False,
-        kernel_slots: int | None = None) -> RunResult:
+        kernel_slots: int | None = None, precision: int | None = None, feedback: bool = True,
+        error_reset: int | None = None) -> RunResult:
     """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
     ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start.
     ``kill=(rank, round)``: SIGKILL that worker once rank 0 reports that round (a dead worker;
     the run goes on with the others); ``restart``: then start it again at once, as a supervisor
     would (it rejoins the job where the job is). ``kernel_slots``: the job's slots in the kernel
-    (0: every chunk in the daemon's user-space path; None: the daemon's choice)."""
+    (0: every chunk in the daemon's user-space path; None: the daemon's choice). ``precision``: the
+    job's bits a contribution value (None: 32); a narrow job's workers use error feedback with error
+    reset every ``error_reset`` rounds (None: the client's default) unless ``feedback`` is False."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -181,12 +185,15 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
             name = f"{DYNAMIC_PREFIX if strategy == 'dynamic' else 'st'}-{scenario.name}-{strategy}" \
                    f"{tag}-{secrets.token_hex(2)}"
             job = daemon.call("jobs.create", name=name, world=world, strategy=text,
-                              **({} if kernel_slots is None else {"kernel_slots": kernel_slots}))
+                              **({} if kernel_slots is None else {"kernel_slots": kernel_slots}),
+                              **({} if precision is None else {"precision": precision}))
             if on_job:
                 on_job(job)
+            narrow = ["--feedback", "on" if feedback else "off"] + \
+                ([] if error_reset is None else ["--error-reset", str(error_reset)])
             extra = lambda rank: ["--server", f"{lab.agg_ip}:{job['port']}",  # noqa: E731
                                   "--bind", f"{lab.worker_ip(rank)}:41000", "--job", job["name"],
-                                  "--token", job["token"]]
+                                  "--token", job["token"], *narrow]
         for rank in range(world):
             workers.start(lab.worker_ns(rank), worker_argv(params, rank, scenario, straggler) + extra(rank))
         # every worker done, or rank 0 done and the others given their time
@@ -223,5 +230,6 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                      s0["rounds"], curve, rounds_curve, seen, decisions,
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
                                              "drained", "params_sha")} for _, s in sorted(summaries.items())],
-                     next(iter(killed.values()), None))
+                     next(iter(killed.values()), None),
+                     next((r["round"] for r in evals if r["accuracy"] >= params.target), None))
 

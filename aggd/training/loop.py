@@ -124,6 +124,47 @@ class GlooExchange:
         self._dist.destroy_process_group()
 
 
+class FeedbackExchange:
+    """An aggd client of a narrow job (8 or 16 bits) with error feedback and error reset
+    (``aggd_client.feedback.ErrorFeedback``; ``reset_every=None``: plain stochastic rounding, no
+    feedback): one tensor, reduced synchronously, so ``sync`` jobs only. It sends the step ``U``
+    alone (``sends_model`` False), as gloo does: a model quantised to 8 bits at every resync would
+    lose what error feedback keeps, and under ``sync`` the replicas never need one."""
+
+    sends_model = False
+
+    def __init__(self, client, feedback: bool = True, reset_every: int | None = None):
+        from aggd_client.feedback import DEFAULT_RESET_EVERY, ErrorFeedback
+
+        self.client = client
+        self.feedback = ErrorFeedback(client, DEFAULT_RESET_EVERY if reset_every is None else reset_every) \
+            if feedback else None
+        self.round = 0
+
+    @property
+    def strategy(self):
+        return self.client.strategy
+
+    @property
+    def job_info(self):
+        return self.client.job_info
+
+    def allreduce_async(self, x: np.ndarray, op: str = "mean"):
+        if self.feedback is not None and self.round > 0:   # round 0 is the model (the start barrier)
+            out = self.feedback.allreduce(x, key="step", op=op)
+        else:
+            out = self.client.allreduce(x, op=op)
+        h = _Done(out, self.round, self.client.strategy, None)
+        self.round += 1
+        return h
+
+    def must_wait(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def _padded(n: int, block: int = PAD) -> int:
     return -(-n // block) * block
 
@@ -142,7 +183,7 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
     n = model.n_params
     # what goes out: the model the step started from (P) and the step (U), each starting on a
     # packet boundary so each part is quantised at its own scale; gloo (sync, never skips) needs U only
-    with_model = getattr(exchange, "strategy", None) != "gloo"
+    with_model = getattr(exchange, "sends_model", getattr(exchange, "strategy", None) != "gloo")
     off_u = _padded(n) if with_model else 0
     width = off_u + n
     # warm-up round: every replica starts from the same model, and the round is the start barrier

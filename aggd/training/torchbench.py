@@ -26,7 +26,7 @@ from aggd.training.torchlab import TorchRun
 SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
 
 
-def row(system: str, res: torchlab.TorchResult, target: float) -> dict:
+def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 32) -> dict:
     recs = res.records
     n = min(len(r["step_times"]) for r in recs)
     per_step = [max(r["step_times"][i] for r in recs) for i in range(n)]
@@ -34,7 +34,9 @@ def row(system: str, res: torchlab.TorchResult, target: float) -> dict:
     world, batch = len(recs), recs[0]["batch"]
     curve = recs[0]["accuracy"]
     ttt = next((t for _, t, a in curve if a >= target), None)
-    return {"bench": "train", "system": system, "model": res.run.model, "workers": world, "steps": res.run.steps,
+    steps_to_target = next((s for s, _, a in curve if a >= target), None)
+    return {"bench": "train", "system": system, "precision": precision, "model": res.run.model, "workers": world,
+            "steps": res.run.steps, "steps_to_target": steps_to_target,
             "batch": batch, "n_params": recs[0]["n_params"], "step_time_s": med,
             "step_time_mean_s": statistics.fmean(per_step), "samples_per_s": world * batch / med,
             "seconds": max(r["seconds"] for r in recs), "target_accuracy": target, "time_to_target_s": ttt,
@@ -44,12 +46,14 @@ def row(system: str, res: torchlab.TorchResult, target: float) -> dict:
 
 def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_name: str, batch: int = 32,
         lr: float = 0.02, momentum: float = 0.9, eval_every: int = 10, target: float = 0.9, slots: int = 512,
-        bucket_cap_mb: float | None = None, on_row=None) -> list[dict]:
+        bucket_cap_mb: float | None = None, precisions=(32,), on_row=None) -> list[dict]:
+    """A row per model, system and (for aggd systems) precision: bits a contribution value, 8 and 16
+    with the hook's error feedback and reset."""
     rows = []
     outdir = Path(tempfile.mkdtemp(prefix="aggd-bench-train-"))
     with Lab(lab_name, workers) as lab:
         for model in models:
-            for system in systems:
+            for system, bits in [(s, b) for s in systems for b in (precisions if s != "gloo" else (32,))]:
                 # a daemon of its own for every aggd run (once, a second job created in the same
                 # daemon after the first was deleted got no JOIN_ACK: see the report of issue 19)
                 daemon = None if system == "gloo" else labtrain.lab_daemon(lab, slots=slots)
@@ -59,16 +63,21 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
                     tr = TorchRun(model=model, steps=steps, comm="gloo" if system == "gloo" else "aggd-hook",
                                   batch=batch, lr=lr, momentum=momentum, eval_every=eval_every, slots=slots,
                                   bucket_cap_mb=bucket_cap_mb, kernel_slots=0 if system == "aggd-user" else None,
-                                  timeout_s=max(240.0, steps * 5.0))
-                    res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{system}")
+                                  precision=None if bits == 32 else bits, timeout_s=max(240.0, steps * 5.0))
+                    res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{system}-{bits}")
                 finally:
                     if daemon is not None:
                         daemon.close()
-                r = row(system, res, target)
+                r = row(system, res, target, bits)
                 rows.append(r)
                 if on_row:
                     on_row(r)
     return rows
+
+
+def label(r: dict) -> str:
+    """A row's system, with its precision when not 32 bits (``aggd-user 8-bit``)."""
+    return r["system"] if r.get("precision", 32) == 32 else f"{r['system']} {r['precision']}-bit"
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -78,7 +87,7 @@ def ratios(rows: list[dict]) -> list[dict]:
         gloo = next((r for r in rows if r["model"] == model and r["system"] == "gloo"), None)
         for r in rows:
             if r["model"] == model and r["system"] != "gloo" and gloo is not None:
-                out.append({"model": model, "system": r["system"],
+                out.append({"model": model, "system": label(r),
                             "speed_vs_gloo": gloo["step_time_s"] / r["step_time_s"],
                             "time_to_target_vs_gloo": (gloo["time_to_target_s"] / r["time_to_target_s"]
                                                        if gloo["time_to_target_s"] and r["time_to_target_s"] else None)})
@@ -95,16 +104,16 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, model in zip(axes, models):
         for r in rows:
             if r["model"] == model:
-                ax.plot([t for _, t, _ in r["curve"]], [a for _, _, a in r["curve"]], marker=".", label=r["system"])
+                ax.plot([t for _, t, _ in r["curve"]], [a for _, _, a in r["curve"]], marker=".", label=label(r))
         ax.set_title(f"{model}: test accuracy (rank 0)")
         ax.set_xlabel("seconds")
         ax.set_ylim(0, 1)
         ax.legend()
     ax = axes[-1]
     width = 0.8 / len(models)
-    systems = list(dict.fromkeys(r["system"] for r in rows))
+    systems = list(dict.fromkeys(label(r) for r in rows))
     for i, model in enumerate(models):
-        vals = [next((r["samples_per_s"] for r in rows if r["model"] == model and r["system"] == s), 0) for s in systems]
+        vals = [next((r["samples_per_s"] for r in rows if r["model"] == model and label(r) == s), 0) for s in systems]
         ax.bar([k + i * width for k in range(len(systems))], vals, width, label=model)
     ax.set_xticks([k + width * (len(models) - 1) / 2 for k in range(len(systems))], systems)
     ax.set_ylabel("samples / s (all workers)")

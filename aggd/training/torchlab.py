@@ -52,6 +52,7 @@ class TorchRun:
     eval_every: int = 10
     kernel_slots: int | None = None         #: the job's kernel slots (0: all in user space)
     slots: int | None = None                #: the job's slot pool (None: the daemon's default)
+    precision: int | None = None            #: the job's bits a contribution value (None: 32)
     max_restarts: int = 0
     ckpt_every: int = 10
     die_at_step: int | None = None          #: that rank SIGKILLs itself there, first attempt only
@@ -132,7 +133,8 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
             name = f"torch-{run.model}-{run.strategy.replace(':', '')}{tag}-{secrets.token_hex(2)}"
             job = daemon.call("jobs.create", name=name, world=world, strategy=run.strategy,
                               **({} if run.kernel_slots is None else {"kernel_slots": run.kernel_slots}),
-                              **({} if run.slots is None else {"slots": run.slots}))
+                              **({} if run.slots is None else {"slots": run.slots}),
+                              **({} if run.precision is None else {"precision": run.precision}))
             if on_job:
                 on_job(job)
             # a JOIN waits for the daemon's user-space thread: on a loaded two-core lab host that took

@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--give-up-after", type=float, default=20.0)
+    ap.add_argument("--feedback", choices=("on", "off"), default="on",
+                    help="a narrow job's (8 or 16 bits) error feedback and error reset")
+    ap.add_argument("--error-reset", type=int, default=None, metavar="H",
+                    help="error reset every H rounds (default aggd_client.feedback's; 0: never)")
     args = ap.parse_args(argv)
 
     from aggd.training.data import load_digits
@@ -65,6 +69,9 @@ def main(argv=None) -> int:
         ex = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
                   give_up_after=args.give_up_after)
         world = ex.job_info.world
+        if ex.job_info.precision != 32:
+            from aggd.training.loop import FeedbackExchange
+            ex = FeedbackExchange(ex, args.feedback == "on", args.error_reset)
     print(json.dumps({"rank": args.rank, "ready": True, "startup_s": time.monotonic() - t_start}), flush=True)
     try:
         summary = train(ex, data, args.rank, world, cfg, report)

@@ -29,7 +29,9 @@ inside the hook instead.
 Error feedback: when the client's job is narrow (``precision`` 8 or 16) each bucket's rounding
 residual is kept and added to its next reduction, and every ``reset_every`` (16) reductions of a
 bucket the residuals are reduced and applied too (``aggd_client.feedback``: CSER's error reset);
-the key is the bucket's index. ``error_feedback=False`` turns it off, ``True`` forces it on (int32).
+the key is the bucket's index and size (DDP's first step has one bucket of every parameter, which
+it then rebuilds into buckets by size: bucket 0 changes size once). ``error_feedback=False`` turns
+it off, ``True`` forces it on (int32).
 
 Strategies: every member must reduce the same sequence of buckets. Under ``quorum`` and ``async`` a
 straggler's round may be answered by a newer round; with one bucket per step (a large
@@ -91,7 +93,8 @@ class AggdHookState:
         self._lock = threading.Lock()
 
     def _reduce(self, index: int, tensor):
-        res, answered, asked = reduce_tensor(self.client, tensor, self.op, self.feedback, index)
+        res, answered, asked = reduce_tensor(self.client, tensor, self.op, self.feedback,
+                                             (index, tensor.numel()))
         if answered != asked:
             self.stats["newer_answers"] += 1
             if len(self.buckets_seen) > 1:

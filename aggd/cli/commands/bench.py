@@ -154,11 +154,14 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
 @click.option("--target", default=0.9, show_default=True, help="test accuracy for time-to-target")
 @click.option("--slots", default=512, show_default=True, help="the aggd jobs' slot pool")
 @click.option("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's)")
+@click.option("--precision", "precisions", default="32", show_default=True,
+              help="the aggd jobs' bits a contribution value, e.g. 32,8 (8 and 16 with error feedback)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="write every row (one JSON object a line) to this file")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: accuracy against time per model, samples/s per system")
-def bench_train(models, workers, steps, systems, batch, target, slots, bucket_cap_mb, json_path, png_path):
+def bench_train(models, workers, steps, systems, batch, target, slots, bucket_cap_mb, precisions, json_path,
+                png_path):
     """Train a PyTorch model with DDP under torchrun on a lab's workers through aggd-xdp, aggd-user
     and gloo in the same run: step time, samples/s, time to a target accuracy."""
     import importlib.util
@@ -176,18 +179,22 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
         raise click.BadParameter(f"use {', '.join(tb.SYSTEMS)}", param_hint="--systems")
     if workers < 1 or steps < 2:
         raise click.BadParameter("--workers must be at least 1 and --steps at least 2")
+    bits = [b.strip() for b in precisions.split(",") if b.strip()]
+    if not bits or any(b not in ("32", "16", "8") for b in bits):
+        raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
 
     def show(r):
         ttt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
-        click.echo(f"{r['model']:<12} {r['system']:<9} step {r['step_time_s'] * 1e3:8.1f} ms  "
+        click.echo(f"{r['model']:<12} {tb.label(r):<17} step {r['step_time_s'] * 1e3:8.1f} ms  "
                    f"{r['samples_per_s']:8.1f} samples/s  to {r['target_accuracy']:.0%}: {ttt:>8}  "
                    f"final {r['final_accuracy']:.3f}")
 
     rows = tb.run(chosen_models, workers, steps, systems=chosen, lab_name="b" + uuid.uuid4().hex[:6],
-                  batch=batch, target=target, slots=slots, bucket_cap_mb=bucket_cap_mb, on_row=show)
+                  batch=batch, target=target, slots=slots, bucket_cap_mb=bucket_cap_mb,
+                  precisions=tuple(int(b) for b in bits), on_row=show)
     for r in tb.ratios(rows):
         ttt = "" if r["time_to_target_vs_gloo"] is None else f", time to target {r['time_to_target_vs_gloo']:.2f}x"
-        click.echo(f"{r['model']:<12} {r['system']:<9} speed vs gloo {r['speed_vs_gloo']:.2f}x{ttt}")
+        click.echo(f"{r['model']:<12} {r['system']:<17} speed vs gloo {r['speed_vs_gloo']:.2f}x{ttt}")
     if json_path:
         with open(json_path, "w") as f:
             for r in rows:
@@ -196,6 +203,47 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
                 f.write(json.dumps({"bench": "train-ratio", **r}) + "\n")
     if png_path:
         tb.plot(rows, png_path)
+        click.echo(f"plot: {png_path}")
+
+
+@bench.command("precision")
+@click.option("--variants", default="32,16,8,8-nofb", show_default=True,
+              help="bits a contribution value: 32, 16, 8 (with error feedback and reset), 8-nofb (without)")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--rounds", default=300, show_default=True, help="allreduce rounds a run trains")
+@click.option("--target", default=0.95, show_default=True, help="target test accuracy")
+@click.option("--reset-every", type=click.IntRange(0), default=None,
+              help="error reset every this many rounds (default: aggd_client.feedback's; 0: never)")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="write every row (one JSON object a line) to this file")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG: test accuracy against the round per variant")
+def bench_precision(variants, workers, rounds, target, reset_every, seed, json_path, png_path):
+    """Train the digits MLP under sync at 32, 16 and 8 bits a contribution value (8 with and without
+    error feedback) in one lab: final accuracy and rounds to the target accuracy."""
+    from aggd.training import precisionbench as pb
+
+    try:
+        chosen = pb.check_variants([v.strip() for v in variants.split(",") if v.strip()])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--variants") from None
+    cfg = pb.Config(workers=workers, rounds=rounds, target=target, seed=seed, reset_every=reset_every,
+                    variants=chosen)
+
+    def show(r):
+        rt = "never" if r["rounds_to_target"] is None else r["rounds_to_target"]
+        click.echo(f"{r['variant']:<7} final {r['final_accuracy']:.3f}  rounds to {target:.0%}: {rt:>5}  "
+                   f"{r['seconds']:6.1f} s  replicas identical: {r['replicas_equal']}")
+
+    rows = pb.run(cfg, on_row=show)
+    click.echo("\n" + pb.markdown_table(rows, target))
+    if json_path:
+        with open(json_path, "w") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "precision", **r}) + "\n")
+    if png_path:
+        pb.plot(rows, target, png_path)
         click.echo(f"plot: {png_path}")
 
 
