@@ -35,7 +35,7 @@ struct strategy_entry {
 
 struct job_cfg {
 	__u8 active;
-	__u8 _pad0;
+	__u8 precision;      /* Precision of its contributions and results (docs/protocol.md) */
 	__u16 world;
 	__u32 slot_base;     /* first slot of the job's pool in `slots` */
 	__u32 n_slots;       /* pool size: chunk c uses slot c % n_slots */

@@ -19,11 +19,20 @@
  * the headers stay there, and the payload is copied into this per-CPU buffer before the loops and
  * back into the frame after them (bpf_xdp_load_bytes / bpf_xdp_store_bytes). Without it the loops
  * work on the packet in place. */
-#ifdef AGGD_FRAGS
+/* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here in frames of
+ * one page: their results are wider than their contributions, and the frame grows to hold one. A
+ * multi-buffer frame can grow only into its last buffer's tailroom, too little for the result of a
+ * packet that needed several (and in a jumbo build the widening and narrowing loops would take the
+ * program past the verifier's limit): there the daemon gives such jobs no kernel slots. */
+#define AGGD_NARROW (ELEMS <= AGGD_PAGE_MAX_ELEMENTS)
+
+#if defined(AGGD_FRAGS) || AGGD_NARROW
 struct payload_copy {
 	__u32 v[ELEMS];
 };
 BPF_PERCPU_ARRAY(payload_copy, struct payload_copy, 1);
+#endif
+#ifdef AGGD_FRAGS
 #define FRAME_LEN(ctx, data, data_end) ((__u32)bpf_xdp_get_buff_len(ctx))
 #else
 #define FRAME_LEN(ctx, data, data_end) ((__u32)((data_end) - (data)))
@@ -155,17 +164,20 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 }
 
 /* The kernel slot of `chunk`, or NULL and *action: dropped bad_chunk, or passed up (a slot beyond
- * the job's kernel slots, a payload of another size or of int8/int16 values: the daemon's user-space
- * path serves it, and checks the precision against the job's). */
+ * the job's kernel slots, or a payload of another size: the daemon's user-space path serves it). */
 static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_stats *jst, __u32 chunk,
-						__u32 payload_len, __u8 code, int *action)
+						__u32 payload_len, int *action)
 {
 	if (chunk >= cfg->max_chunks || cfg->n_slots == 0) {
 		*action = drop_in(jst, AGGD_DROP_REASON_BAD_CHUNK);
 		return 0;
 	}
 	__u32 slot_idx = chunk % cfg->n_slots;
-	if (payload_len != ELEMS * 4 || code != AGGD_PRECISION_INT32 || slot_idx >= cfg->kernel_slots) {
+	if (payload_len != ELEMS * contrib_width(cfg->precision) || slot_idx >= cfg->kernel_slots
+#if !AGGD_NARROW
+	    || cfg->precision != AGGD_PRECISION_INT32
+#endif
+	) {
 		jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 		*action = XDP_PASS;
 		return 0;
@@ -203,6 +215,69 @@ static __always_inline __u32 *payload_of(struct xdp_md *ctx, struct aggd_hdr *h,
 	return payload;
 }
 
+#if AGGD_NARROW
+/* A narrow contribution's values (int8 or int16), widened to int32 in the per-CPU buffer, where the
+ * loops work on them as on any contribution (`load` 0, a re-read: nothing to read). Widened in
+ * place from the last value down: value i's four bytes never cover a byte still to be read. */
+static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load, struct job_stats *jst,
+					int *action)
+{
+	__u32 zero_key = 0;
+	__u32 *buf = (void *)payload_copy.lookup(&zero_key);
+	if (!buf) {
+		*action = XDP_ABORTED;
+		return 0;
+	}
+	if (!load)
+		return buf;
+	if (prec == AGGD_PRECISION_INT8) {
+		if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, ELEMS)) {
+			*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+			return 0;
+		}
+		__s8 *b = (void *)buf;
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = ELEMS - 1; i >= 0; i--)
+			buf[i] = (__u32)(__s32)b[i];
+	} else {
+		if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 2)) {
+			*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+			return 0;
+		}
+		__s16 *b = (void *)buf;
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = ELEMS - 1; i >= 0; i--)
+			buf[i] = (__u32)(__s32)b[i];
+	}
+	return buf;
+}
+
+/* A narrow job's result (the per-CPU buffer's) into the frame: int32 values as they are (int16
+ * contributions), or int16 (int8 contributions: narrowed in place from the first value up).
+ * Returns whether a value did not fit int16 (the low 16 bits go out, flagged), or -1 if the frame
+ * could not take it. */
+static __always_inline int narrow_out(struct xdp_md *ctx, __u8 prec)
+{
+	__u32 zero_key = 0;
+	__u32 *buf = (void *)payload_copy.lookup(&zero_key);
+	if (!buf)
+		return -1;
+	if (prec != AGGD_PRECISION_INT8)
+		return bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 4) ? -1 : 0;
+	__s16 *o = (void *)buf;
+	__u32 bad = 0;
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++) {
+		__s32 v = (__s32)buf[i];
+		bad |= (__u32)(v + 32768) >> 16;
+		o[i] = (__s16)v;
+	}
+	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 2))
+		return -1;
+	return bad != 0;
+}
+#endif
+
 /* A rack job's upper results (docs/protocol.md, "Two levels") are relayed here up to native XDP's
  * largest packet: in a jumbo build (generic mode only) the relay's payload loop would take the
  * program past the verifier's million instructions, so there they go to the daemon, which gives
@@ -239,7 +314,9 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 	jst->counter[AGGD_COUNTER_RX_BYTES] += udp_len - sizeof(*udp);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	int action = XDP_PASS;
-	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, h->code, &action);
+	if (h->code != cfg->precision)
+		return drop_in(jst, AGGD_DROP_REASON_BAD_PRECISION);
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
 	if (!s)
 		return action;
 	__u32 *payload = payload_of(ctx, h, data_end, 1, jst, &action);
@@ -387,15 +464,40 @@ int aggd_xdp(struct xdp_md *ctx)
 	 * to the real member). */
 	if (__builtin_bswap64(HDR(h, __be64, contributors)) != m->tag)
 		return drop_in(jst, AGGD_DROP_REASON_BAD_TAG);
+	if (h->code != cfg->precision)
+		return drop_in(jst, AGGD_DROP_REASON_BAD_PRECISION);
 	__u32 chunk = ntohl(HDR(h, __be32, chunk));
 	int action = XDP_PASS;
-	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, h->code, &action);
+	struct slot *s = kernel_slot(cfg, jst, chunk, payload_len, &action);
 	if (!s)
 		return action;
-	/* a re-read's payload is only room for the result */
-	__s32 *payload = (__s32 *)payload_of(ctx, h, data_end, type != AGGD_MSG_TYPE_REREAD, jst, &action);
+	__u8 prec = cfg->precision;
+	__s32 *payload;
+#if AGGD_NARROW
+	if (prec != AGGD_PRECISION_INT32) {
+		/* The result is wider than the contribution: the frame grows to its size before any
+		 * state changes. A frame without the room (a small skb on native veth) goes up, and the
+		 * daemon runs it through this program again on a buffer that has it (BPF_PROG_TEST_RUN). */
+		int grow = ELEMS * (result_width(prec) - contrib_width(prec));
+		if (bpf_xdp_adjust_tail(ctx, grow)) {
+			jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
+			return XDP_PASS;
+		}
+		data = (void *)(long)ctx->data;
+		data_end = (void *)(long)ctx->data_end;
+		h = (void *)((char *)data + L4_OFF + sizeof(struct udphdr));
+		if ((void *)(h + 1) > data_end)
+			return XDP_ABORTED;
+		payload = (__s32 *)narrow_in(ctx, prec, type != AGGD_MSG_TYPE_REREAD, jst, &action);
+	} else
+#endif
+		/* a re-read's payload is only room for the result */
+		payload = (__s32 *)payload_of(ctx, h, data_end, type != AGGD_MSG_TYPE_REREAD, jst, &action);
 	if (!payload)
 		return action;
+	/* Read again, so that the verifier's states of both ways here are alike and it walks the
+	 * slot's rules once (it does not keep which precision this is, nor, see below, the headers). */
+	prec = *(volatile __u8 *)&cfg->precision;
 
 	__u32 round = ntohl(HDR(h, __be32, round));
 	if ((__u64)round + 1 > jst->max_round)
@@ -755,6 +857,24 @@ int aggd_xdp(struct xdp_md *ctx)
 	int was_late = sc->late;
 	bpf_spin_unlock(&s->lock);
 
+	/* The headers, found again: a narrow job's frame has grown (and the verifier walks the rules
+	 * above once for every kind of frame only if no header pointer is kept across them). */
+	data = (void *)(long)ctx->data;
+	data_end = (void *)(long)ctx->data_end;
+	eth = data;
+	ip = (void *)(eth + 1);
+	udp = (void *)(ip + 1);
+	h = (void *)(udp + 1);
+	if ((void *)(h + 1) > data_end)
+		return XDP_ABORTED;
+#if AGGD_NARROW
+	if (prec != AGGD_PRECISION_INT32 && out >= 0) {
+		__u16 grown = ELEMS * (result_width(prec) - contrib_width(prec));
+		ip->tot_len = htons(ntohs(ip->tot_len) + grown);
+		udp->len = htons(ntohs(udp->len) + grown);
+	}
+#endif
+
 	if (add >= 0) {
 		struct member_stats *ms = member_stats.lookup(&midx);
 		if (ms) {
@@ -814,6 +934,15 @@ int aggd_xdp(struct xdp_md *ctx)
 		address_from_rack(eth, ip, udp, cfg, cfg->up_mac, cfg->up_ip, cfg->up_port);
 		return XDP_TX;
 	}
+#if AGGD_NARROW
+	if (prec != AGGD_PRECISION_INT32) {
+		int bad = narrow_out(ctx, prec);
+		if (bad < 0)
+			return XDP_ABORTED;
+		if (bad)
+			out_flags |= AGGD_FLAG_OVERFLOW;
+	}
+#endif
 	if (out_flags & AGGD_FLAG_OVERFLOW)
 		jst->counter[AGGD_COUNTER_OVERFLOWS] += 1;
 	if (!out_group && !partial) {
@@ -821,10 +950,11 @@ int aggd_xdp(struct xdp_md *ctx)
 		out_flags |= AGGD_FLAG_REREAD;
 	}
 #ifdef AGGD_FRAGS
-	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
+	if (prec == AGGD_PRECISION_INT32 && bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, payload, ELEMS * 4))
 		return XDP_ABORTED;
 #endif
 	write_result(h, out_key, out_version, out_exp, out_flags, out_bitmap, out_n, out_kind, out_param);
+	h->code = prec;
 	if (out_group)
 		address_to_group(eth, ip, udp, cfg);
 	else

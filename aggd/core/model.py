@@ -13,11 +13,12 @@ Header checks and counters
 * Order: too_short, bad_magic, bad_version, JOIN (passed up uncounted, kernel mode only), bad_type,
   bad_count, unknown_job (NACK), bad_rank (NACK NOT_MEMBER), not_member (NACK NOT_MEMBER), bad_tag
   (the ``contributors`` field is not the rank's member tag: silent, so a forger cannot make the real
-  member's client give up by a NACK sent to its address), bad_precision (user space only: ``code`` is
-  not the job's Precision), bad_chunk,
-  then the hand-off to user space of a payload that is not exactly ``elements`` int32 (``pass``,
-  Counter.TO_USERSPACE; a ``code`` other than int32 is passed too: the kernel and the switch add int32
-  lanes only, for now), then the slot rules. Malformed or foreign packets are refused by the kernel.
+  member's client give up by a NACK sent to its address), bad_precision (``code`` is not the job's
+  Precision), bad_chunk,
+  then the hand-off to user space of a payload that is not exactly ``elements`` values of the job's
+  precision (``pass``, Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are
+  refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
+  0 up, where user space refuses a wrong one.)
   ``bad_count`` counts the values' bytes in the precision the packet's ``code`` names (int32 if it
   names none): a contribution's type for contributions and re-reads, a result's for results.
 * Drops before the job lookup succeeds (too_short .. unknown_job) count under the ``NO_JOB`` bucket.
@@ -722,12 +723,12 @@ class AggregatorModel:
             return self._nack(cfg.job, DropReason.NOT_MEMBER, NackCode.NOT_MEMBER, hdr, src)
         if hdr.contributors != cfg.tags.get(hdr.rank, 0):
             return self._drop(cfg.job, DropReason.BAD_TAG)
-        if self.userspace and hdr.code != cfg.precision:
+        if hdr.code != cfg.precision:
             return self._drop(cfg.job, DropReason.BAD_PRECISION)
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
-        if not self.userspace and (size - HEADER_SIZE != self.elements * 4 or hdr.code != Precision.INT32):
-            job.count("to_userspace")    # the kernel adds int32 lanes of its one packet size
+        if not self.userspace and size - HEADER_SIZE != self.elements * lanes.contrib_bytes:
+            job.count("to_userspace")    # the kernel takes exactly its packet size of values
             return Verdict("pass", job=cfg.job)
 
         values = np.frombuffer(data, lanes.contrib, count=min(held, self.elements), offset=HEADER_SIZE)
@@ -739,11 +740,11 @@ class AggregatorModel:
         cfg = state.cfg
         state.count("rx_packets")
         state.count("rx_bytes", len(data))
+        if hdr.code != cfg.precision:
+            return self._drop(cfg.job, DropReason.BAD_PRECISION)
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
-        if self.userspace and hdr.code != cfg.precision:
-            return self._drop(cfg.job, DropReason.BAD_PRECISION)
-        if not self.userspace and (len(data) - HEADER_SIZE != self.elements * 4 or hdr.code != Precision.INT32):
+        if not self.userspace and len(data) - HEADER_SIZE != self.elements * 4:
             state.count("to_userspace")
             return Verdict("pass", job=cfg.job)
         values = np.frombuffer(data, PAYLOAD_DTYPE, count=min(held, self.elements), offset=HEADER_SIZE)

@@ -9,7 +9,8 @@ Placement. A job's pool has ``slots`` slots; chunk ``c`` uses slot ``c % slots``
 within the memory budget), slots ``[kernel_slots, slots)`` in the daemon's user-space path. The
 XDP program passes packets for user-space slots up (Counter.TO_USERSPACE), so every chunk has
 exactly one home and no slot state is shared between the two paths. A job whose packet size differs
-from the kernel's, and a job of int8 or int16 contributions, is served wholly in user space.
+from the kernel's is served wholly in user space (as is a job of int8 or int16 contributions where
+the kernel program does not add them: ``Limits.narrow_in_kernel``).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ class Limits:
     #: the fast data plane forwards a rack job's rounds itself (XDP does; the P4 programs do not, so
     #: there a rack job is served in user space)
     forwards_in_kernel: bool = True
+    #: the fast data plane adds int8 and int16 contributions itself (the XDP program in a page's
+    #: frame; the P4 programs do not): otherwise a job of those is served in user space
+    narrow_in_kernel: bool = True
 
 
 @dataclass(frozen=True)
@@ -418,7 +422,8 @@ class Registry:
         job_id = free_ids[0]
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
-        same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and precision == 32
+        same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and \
+            (precision == 32 or lim.narrow_in_kernel)
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)

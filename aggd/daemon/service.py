@@ -158,7 +158,9 @@ class Service:
                       max_job_memory=jobs.max_job_memory, max_chunks=jobs.max_chunks,
                       gso=dp.mode == "native",
                       # the XDP program serves rack jobs up to native XDP's largest packet
-                      forwards_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS)
+                      forwards_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS,
+                      # and narrow jobs in frames of one page (aggd_xdp.c, AGGD_NARROW)
+                      narrow_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.PAGE_MAX_ELEMENTS)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -345,6 +347,10 @@ class Service:
             log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
                         job.name, base, count, job.kernel_base, job.kernel_slots)
             job.kernel_base, job.kernel_slots = base, count
+        rerun = getattr(self.dp, "rerun", None)
+        if self.us is not None and rerun is not None and job.precision != proto.Precision.INT32:
+            # a narrow job's packet the kernel could not grow the frame of comes back to it
+            self.us.hand_back(job.id, job.slots, job.kernel_slots, rerun)
         table = job.strategy_table()
         if len(table.entries) > 1 or job.strategy.kind != proto.StrategyKind.SYNC:
             self._install_strategies(job, table)

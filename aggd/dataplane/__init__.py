@@ -27,8 +27,6 @@ def checked_job(cfg, error: type[Exception], no_group: str) -> tuple[int, int, i
     if cfg.group is None:
         raise error(f"job {job}: {no_group}")
     wanted = getattr(cfg, "kernel_slots", None)
-    if int(getattr(cfg, "precision", 0)) != 0:
-        return job, world, 0   # int8/int16 contributions: the user-space path holds every slot, for now
     return job, world, min(int(cfg.slots if wanted is None else wanted), int(cfg.slots))
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from aggd_client import AggClient, ShardedClient, ShardMap, join
 from aggd_client.shards import rejoiner
-from aggd_client.quant import chunk_exponents, error_bound, output_rounding
+from aggd_client.quant import chunk_exponents, error_bound, output_rounding, precision_of
 
 from aggd.lab import hostcpu
 from aggd.core.addresses import host_port
@@ -87,10 +87,12 @@ def _chunk_max_abs(x: np.ndarray, elements: int) -> np.ndarray:
     return m.astype(np.float64)
 
 
-def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False, terms=None):
+def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False, terms=None,
+                     precision=32):
     """Per block: (start, exact float64 sum, per-element bound). The bound is aggd's fixed-point
-    quantisation's for contributions quantised for ``terms`` (None: ``world``), or with
-    ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    quantisation's for contributions quantised for ``terms`` (None: ``world``) at ``precision`` (bits),
+    or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    prec = precision_of(precision)
     b = _block(elements)
     for k, start in enumerate(range(0, size, b)):
         n = min(b, size - start)
@@ -103,12 +105,12 @@ def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_
             if float_sum:
                 mag += np.abs(x)
             else:
-                e = chunk_exponents(_chunk_max_abs(x, elements), world, terms)
+                e = chunk_exponents(_chunk_max_abs(x, elements), world, terms, prec)
                 exps = e if exps is None else np.minimum(exps, e)
         if float_sum:
             bound = world * float(np.finfo(dtype).eps) * mag
         else:
-            bound = np.repeat(error_bound(world, exps), elements)[:n]
+            bound = np.repeat(error_bound(world, exps, precision=prec), elements)[:n]
         yield start, exact, bound
 
 
@@ -120,14 +122,14 @@ def expected(seed, world, size, dtype, round_, elements, pattern="random", terms
 
 
 def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="random", *,
-          float_sum: bool = False, terms: int | None = None) -> dict:
+          float_sum: bool = False, terms: int | None = None, precision: int = 32) -> dict:
     """``out`` against the exact sum of every member's tensor, block by block: the record's
     ``max_abs_error``, ``error_bound`` (largest per-element bound), ``within_bound`` and
     ``max_abs_value``. ``float_sum``: the bound of a float sum (Gloo), not aggd's quantisation."""
     max_err = max_bound = max_val = 0.0
     within = True
     for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum,
-                                                terms):
+                                                terms, precision):
         got = out[start:start + exact.shape[0]]
         bound = bound + output_rounding(got)
         err = np.abs(got.astype(np.float64) - exact)
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
                     help="reduce the same tensor every round, into the same result buffer")
     args = ap.parse_args(argv)
     terms = None    # what contributions are quantised for: the world (a sync job), or the joined job's headroom
+    precision = 32  # ... and in how many bits (the joined job's)
 
     if args.gloo is not None:
         if args.world is None:
@@ -223,6 +226,7 @@ def main(argv=None) -> int:
             # a rack job's sums hold every worker under its upper aggregator: the span's
             args.world, args.elements = info.span or info.world, info.elements
             terms = args.world * info.headroom
+            precision = info.precision
             print(f"rank {args.rank} joined: {[c.job_info for c in clients]}", file=sys.stderr, flush=True)
         else:
             if args.world is None:
@@ -303,7 +307,8 @@ def main(argv=None) -> int:
                 if args.check == "all" or (args.check == "last" and last):
                     ref = 0 if args.reuse else i
                     rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
-                                     args.pattern, float_sum=args.gloo is not None, terms=terms))
+                                     args.pattern, float_sum=args.gloo is not None, terms=terms,
+                                     precision=precision))
                     if not rec["within_bound"] or not rec["shape_ok"]:
                         status = 1
                 print(json.dumps(rec), flush=True)

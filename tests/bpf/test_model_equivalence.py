@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, play_scenario, departures,
                                        run_sequence, sequences, swaps, table_for)
+from aggd_client.protocol import Precision
 from tests.harness.xdp_model import Harness
 from tests.fixtures.scenarios import SCENARIOS, entry
 
@@ -174,3 +175,47 @@ def test_simulated_training_with_hot_swaps(harness, seed, admission):
     assert sim.releases and all(m.next_round == sim.rounds for m in sim.members)
     assert bool(sim.over_terms()) == (admission == "unbounded"), sim.over_terms()[:2]
 
+
+
+#: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
+#: lanes and narrowed into int16 / int32 results in a frame the program grows (docs/protocol.md,
+#: "Precision"). The values include each type's largest magnitudes.
+NARROW_SEQUENCES = 200   #: per strategy and precision
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_narrow(harness, kind, precision):
+    label = f"{precision.name.lower()} {kind}"
+    before = RUN[label]
+
+    @settings(SETTINGS, max_examples=NARROW_SEQUENCES // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.lists(swaps, max_size=1)), min_size=BATCH, max_size=BATCH))
+    def sequences_agree(batch):
+        for (shape, ops), changes in batch:
+            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, changes[0] if changes else (),
+                         precision=precision)
+
+    sequences_agree()
+    assert RUN[label] - before >= NARROW_SEQUENCES
+
+
+
+
+def test_narrow_packets_pass_up_in_multi_buffer_frames(frags_harness):
+    """The multi-buffer build holds no narrow lanes (aggd_xdp.c, AGGD_NARROW: a multi-buffer frame
+    cannot grow to a wider result): a narrow job's packets go up, counted."""
+    from aggd.dataplane.xdp.bpf_syscall import XDP_PASS, prog_test_run
+    from aggd_client.protocol import Header, MsgType
+    from tests.bpf.conftest import job_config
+    from tests.harness.equivalence import frame, member
+    dp = frags_harness.dp
+    assert not dp.narrow
+    dp.install_job(job_config(job=7, world=2, slots=4, members={0: member(0), 1: member(1)}, precision=2))
+    try:
+        data = Header(type=MsgType.CONTRIB, job=7, rank=0, count=frags_harness.elements, code=2).pack() + \
+            bytes(frags_harness.elements)
+        assert prog_test_run(dp.prog_fd, frame(data, member(0))).verdict == XDP_PASS
+        assert dp.job_stats(7).counters["to_userspace"] == 1
+    finally:
+        dp.remove_job(7)

@@ -32,14 +32,16 @@ class Harness:
         self.packets = 0
         self.seen: collections.Counter = collections.Counter()   # model outcomes compared
 
-    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry]) -> None:
+    def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry],
+              precision: int = 0) -> None:
         members = {r: member(r) for r in range(world)}
         self.model = AggregatorModel(self.elements)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
-                                     members=members, tags={r: tag(r) for r in members}, group=GROUP))
+                                     members=members, tags={r: tag(r) for r in members}, group=GROUP,
+                                     precision=precision))
         self.dp.remove_job(OTHER_JOB)
         self.dp.install_job(job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP,
-                                       members=members, tags={r: tag(r) for r in members}))
+                                       members=members, tags={r: tag(r) for r in members}, precision=precision))
         self.dp._reset_stats(NO_JOB)
         self.set_strategy(entries)
 

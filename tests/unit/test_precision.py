@@ -118,15 +118,19 @@ def test_a_packet_of_another_precision_is_refused_in_user_space(precision):
 
 
 @pytest.mark.parametrize("precision", NARROW)
-def test_the_kernel_passes_narrow_packets_up(precision):
-    """The XDP program and the P4 programs add int32 lanes only: any other ``code`` goes to user space."""
+def test_the_kernel_takes_its_packet_size_of_the_jobs_values(precision):
+    """The XDP program adds a narrow job's packets of exactly ``elements`` values (its result frame
+    grown); other sizes go up, and a wrong precision is refused there too."""
     m = model(job(2, precision), userspace=False)
     v = m.process(contribution(0, np.ones(E), 0, precision), addr(0))
-    assert v.action == "pass" and m.counter(1, "to_userspace") == 1
-    # whatever the job: a payload exactly the kernel's int32 size with a narrow code is passed too
+    assert v.action == "drop" and v.reason is None and m.counter(1, "contributions") == 1
+    short = contribution(1, np.ones(3), 0, precision, count=3)[:HEADER_SIZE + 3 * LANES[precision].contrib_bytes]
+    assert m.process(short, addr(1)).action == "pass" and m.counter(1, "to_userspace") == 1
+    assert m.process(contribution(1, np.ones(E), 0, Precision.INT32), addr(1)).reason == DropReason.BAD_PRECISION
+    # an int32 job: a narrow code is refused, whatever the payload's length
     m32 = model(job(2, Precision.INT32), userspace=False)
     h = Header(type=MsgType.CONTRIB, job=1, rank=0, count=E, code=int(precision))
-    assert m32.process(h.pack() + bytes(4 * E), addr(0)).action == "pass"
+    assert m32.process(h.pack() + bytes(4 * E), addr(0)).reason == DropReason.BAD_PRECISION
 
 
 @pytest.mark.parametrize("precision", NARROW)
@@ -175,7 +179,10 @@ def test_registry_precision():
     reg = Registry(Limits(kernel_budget=1 << 30, elements=E, port=47000, userspace_port=47002,
                           result_port=47001))
     narrow = reg.create("n8", 4, precision=8)
-    assert narrow.precision == Precision.INT8 and narrow.kernel_slots == 0
+    assert narrow.precision == Precision.INT8 and narrow.kernel_slots > 0     # the XDP program adds them
+    user = Registry(Limits(kernel_budget=1 << 30, elements=E, port=47000, userspace_port=47002, result_port=47001,
+                           narrow_in_kernel=False))                       # a P4 switch does not
+    assert user.create("n8", 4, precision=8).kernel_slots == 0
     assert narrow.join_info()["precision"] == 8 and narrow.describe()["precision"] == 8
     assert reg.create("w", 4).join_info()["precision"] == 32
     again = Registry(reg.limits)

@@ -1,0 +1,48 @@
+"""The XDP program's narrow lanes outside the equivalence sequences (those are in
+test_model_equivalence.py): a round re-run through ``XdpDataPlane.rerun`` (the daemon's way for a
+frame the attached program could not grow) is decided as the model decides it, the result's frame is
+the result's size, and the multi-buffer build passes narrow packets up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggd.core.model import AggregatorModel, JobConfig
+from aggd_client.protocol import LANES, Header, MsgType, Precision, decode, payload_dtype
+
+from tests.bpf.conftest import ELEMENTS, job_config
+from tests.harness.equivalence import member
+
+pytestmark = pytest.mark.root
+GROUP = ("239.77.0.9", 47001)
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+def test_a_round_rerun_through_the_program_equals_the_model(xdp_program, precision):
+    world, job = 3, 5
+    members = {r: member(r) for r in range(world)}
+    model = AggregatorModel(ELEMENTS)
+    model.add_job(JobConfig(job=job, world=world, slots=4, max_chunks=64, members=members, group=GROUP,
+                            precision=precision))
+    xdp_program.install_job(job_config(job=job, world=world, slots=4, max_chunks=64, group=GROUP,
+                                       members=members, precision=int(precision)))
+    try:
+        lanes = LANES[precision]
+        rng = np.random.default_rng(int(precision))
+        for round_ in range(3):
+            for r in range(world):
+                q = rng.integers(-lanes.contrib_max, lanes.contrib_max + 1, ELEMENTS)
+                q[:2] = (lanes.contrib_max, -lanes.contrib_max)
+                data = Header(type=MsgType.CONTRIB, job=job, rank=r, round=round_, count=ELEMENTS,
+                              exponent=r - round_, code=int(precision)).pack() + q.astype(payload_dtype(precision)).tobytes()
+                want = model.process(data, members[r], 0)
+                got = xdp_program.rerun(data, members[r])
+                assert (got.action, got.out, got.dest) == (want.action, want.out, want.dest)
+            assert got.addrs == (GROUP,)
+            hdr, payload = decode(got.out)
+            assert hdr.code == precision and payload.dtype == np.dtype(lanes.result) and len(payload) == ELEMENTS
+        stats = xdp_program.job_stats(job)
+        assert stats.counters["released"] == 3 and stats.counters["contributions"] == 3 * world
+    finally:
+        xdp_program.remove_job(job)
+

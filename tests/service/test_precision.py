@@ -1,0 +1,55 @@
+"""Jobs of 8- and 16-bit contributions through a real daemon (docs/precision.md): workers in a lab
+join with the token, learn the precision from the JOIN_ACK, and every result is within the narrow
+precision's bound of the exact sum; the XDP program adds them in the kernel (native and generic
+mode), and what it cannot take up goes through the daemon."""
+from __future__ import annotations
+
+import pytest
+
+from aggd.lab.runner import LabJob, run_workers
+
+pytestmark = pytest.mark.root
+
+SIZES = "1,300,4096,100000"
+
+
+def run(lab, d, name: str, bits: int, strategy: str = "sync", sizes: str = SIZES, **create) -> dict:
+    job = d.call("jobs.create", name=name, world=4, slots=64, strategy=strategy, precision=bits, **create)
+    assert job["precision"] == bits
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name=name, token=job["token"]),
+                       timeout=180, extra=["--sizes", sizes, "--rounds", "4"])
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(r.records) == 4 * len(sizes.split(",")) and all(rec["within_bound"] for rec in r.records), \
+            r.records
+    return d.call("jobs.show", job=name)
+
+
+@pytest.mark.parametrize("mode", ["native", "generic"])
+def test_narrow_jobs_in_the_kernel(make_lab, make_daemon, mode):
+    lab = make_lab(4)
+    d = make_daemon(lab, dataplane={"mode": mode})
+    for bits in (8, 16):
+        shown = run(lab, d, f"p{bits}", bits)
+        assert shown["kernel_slots"] == 64
+        kernel = shown["paths"]["kernel"]
+        user = shown["paths"]["userspace"]
+        print(mode, bits, "kernel", kernel["counters"], "user", user["counters"])
+        # every contribution was added somewhere exactly once: 4 members x 4 rounds x 4 sizes' chunks
+        chunks = sum(-(-int(s) // 256) for s in SIZES.split(","))
+        added = kernel["counters"]["contributions"] + user["counters"]["contributions"]
+        assert added >= 4 * 4 * chunks
+        assert kernel["counters"]["contributions"] > 0
+        assert kernel["drops"]["bad_precision"] == 0
+        assert user["counters"]["contributions"] == 0     # a frame that could not grow: the kernel's slots
+
+
+def test_narrow_job_in_user_space(make_lab, make_daemon):
+    """Every chunk in the daemon's user-space path (kernel_slots 0); the other strategies over
+    narrow jobs: tests/client/test_precision.py and the equivalence sequences of tests/bpf."""
+    lab = make_lab(4)
+    d = make_daemon(lab)
+    shown = run(lab, d, "u16", 16, kernel_slots=0)
+    assert shown["kernel_slots"] == 0
+    assert shown["paths"]["userspace"]["counters"]["contributions"] > 0
+    assert shown["paths"]["kernel"]["counters"]["contributions"] == 0
