@@ -9,6 +9,10 @@ reduced ``iters`` times after ``warmup`` rounds) with the same workers in the sa
   packets up the stack untouched;
 * ``gloo``: torch.distributed's allreduce (gloo backend, TCP through the same bridge).
 
+aggd's systems run at every ``precisions`` (bits a contribution value: docs/precision.md); gloo
+sends float32. For a narrow job the XDP path has a user-space aggregator beside it that hands the
+frames the program could not grow back to it (``UserspaceAggregator.hand_back``), as the daemon does.
+
 A row's ``seconds_per_allreduce`` is the median over rounds of the slowest worker's time;
 ``worker_extra_rss_bytes`` the largest worker's peak resident memory during its rounds over what it
 held before them (its tensor, the client, the libraries, after one small allreduce: ``--prime``),
@@ -54,9 +58,10 @@ class Config:
     elements_total: int
     iters: int
     warmup: int
-    elements: int  # int32 values a packet
+    elements: int  # values a packet
     slots: int
     mode: str = "native"
+    precision: int = 32   # bits a contribution value (aggd's systems)
 
 
 @contextlib.contextmanager
@@ -124,7 +129,8 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
     extra_rss = max(rec["extra_rss_bytes"] for r in runs for rec in r.records)
     extra_files = max(rec.get("extra_file_rss_bytes", 0) for r in runs for rec in r.records)
     row = {
-        "system": system, "workers": cfg.workers, "bytes": nbytes, "elements": n, "iters": cfg.iters,
+        "system": system, "precision": 32 if system == "gloo" else cfg.precision, "workers": cfg.workers,
+        "bytes": nbytes, "elements": n, "iters": cfg.iters,
         "seconds_per_allreduce": sec, "seconds_min": min(per_round), "seconds_max": max(per_round),
         "algbw_gbps": nbytes * 8 / sec / 1e9, "elements_per_s": n / sec,
         "max_abs_error": max(r["max_abs_error"] for r in checked),
@@ -139,25 +145,54 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
     return row
 
 
+@contextlib.contextmanager
+def _handing_back(lab: Lab, dp, job: LabJob):
+    """For a narrow job: the user-space aggregator on the aggd port of the lab's aggregator, which
+    runs the frames the XDP program passed up for want of room through the program again."""
+    if job.precision == 32:
+        yield None
+        return
+    from aggd.core.model import JobConfig
+    from aggd.dataplane.netns import in_netns
+    from aggd.dataplane.userspace.server import UserspaceAggregator
+    with in_netns(lab.agg_ns):
+        agg = UserspaceAggregator((lab.agg_ip, proto.DEFAULT_PORT), elements=dp.elements)
+    try:
+        c = job.config(lab)
+        agg.add_job(JobConfig(job=c.job, world=c.world, slots=c.slots, max_chunks=c.max_chunks, members=c.members,
+                              group=c.group, precision=c.precision))
+        agg.hand_back(c.job, c.slots, c.slots, dp.rerun)
+        yield agg.start()
+    finally:
+        agg.close()
+
+
 def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
-    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots)
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
+    if cfg.precision != 32 and not dp.narrow:
+        raise BenchError(f"the XDP program holds {cfg.precision}-bit contributions in packets of at most "
+                         f"{proto.PAGE_MAX_ELEMENTS} values (--elements {proto.PAGE_MAX_ELEMENTS} or fewer), "
+                         f"not {cfg.elements}")
     dp.install_job(job.config(lab))
     try:
-        runs = run_workers(lab, job, elements=cfg.elements, gso=(cfg.mode == "native"),
-                           timeout=_timeout(cfg), extra=_worker_args(cfg))
-        retransmits = dp.job_stats(JOB).counters["retransmits"]
+        with _handing_back(lab, dp, job):
+            runs = run_workers(lab, job, elements=cfg.elements, gso=(cfg.mode == "native"),
+                               timeout=_timeout(cfg), extra=_worker_args(cfg))
+        counters = dp.job_stats(JOB).counters
     finally:
         dp.remove_job(JOB)
     return _row("aggd-xdp", cfg, runs, {
-        "mode": cfg.mode, "elements_per_packet": cfg.elements, "retransmits": retransmits,
+        "mode": cfg.mode, "elements_per_packet": cfg.elements, "retransmits": counters["retransmits"],
+        "handed_back": counters["to_userspace"],
         "aggregator_memory_bytes": bpf_map_bytes(dp), "aggregator_memory": "bpf_maps"})
 
 
 def run_aggd_user(lab: Lab, agg, cfg: Config) -> dict:
-    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots)
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
     c = job.config(lab)
     agg(cmd="add_job", job=JOB, world=c.world, slots=c.slots, max_chunks=c.max_chunks,
-        members={r: list(a) for r, a in c.members.items()}, group=list(c.group), elements=cfg.elements)
+        members={r: list(a) for r, a in c.members.items()}, group=list(c.group), elements=cfg.elements,
+        precision=c.precision)
     agg(cmd="reset_peak")
     try:
         runs = run_workers(lab, job, elements=cfg.elements, gso=True, server_port=USERSPACE_PORT,
@@ -217,8 +252,10 @@ def cpu_hogs(count: int):
 
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
-        losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,)) -> list[dict]:
-    """Every (workers, size, loss, hogs) with every system, in that order; returns the rows.
+        losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,),
+        precisions: tuple[int, ...] = (32,)) -> list[dict]:
+    """Every (workers, size, loss, hogs) with every system (aggd's at every precision), in that
+    order; returns the rows.
     ``losses``: percentages of packets the lab's links drop (each way); ``hogs``: processes spinning
     on the host's cores meanwhile (``cpu_hogs``); each set in turn, lowest first. A row says its
     ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
@@ -226,7 +263,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
     from aggd.lab.runner import xdp_aggregator
 
     losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
-    seconds: dict[tuple, float] = {}     # (system, workers, bytes, loss, hogs) -> s / allreduce
+    seconds: dict[tuple, float] = {}     # (system, precision, workers, bytes, loss, hogs) -> s / allreduce
     mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
     rows = []
     with contextlib.ExitStack() as stack:
@@ -239,8 +276,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         for n in worker_counts:
             for nbytes, loss, hog in itertools.product(sizes, losses, hogs):
                 lab.set_loss(loss)
-                cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode)
-                for system in systems:
+                for system, bits in [(s, b) for s in systems for b in (precisions if s != "gloo" else (32,))]:
+                    cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits)
                     with cpu_hogs(hog):
                         if system == "aggd-xdp":
                             row = run_aggd_xdp(lab, dp, cfg)
@@ -250,10 +287,10 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
                     row["loss_percent"], row["cpu_hogs"], row["mtu"] = loss, hog, mtu
-                    here = seconds[(system, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
+                    here = seconds[(system, bits, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
-                        if base != (loss, hog) and (system, n, nbytes, *base) in seconds:
-                            row[field] = here / seconds[(system, n, nbytes, *base)]
+                        if base != (loss, hog) and (system, bits, n, nbytes, *base) in seconds:
+                            row[field] = here / seconds[(system, bits, n, nbytes, *base)]
                     rows.append(row)
                     if on_row:
                         on_row(row)
@@ -261,22 +298,27 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (workers, bytes, loss, hogs): algbw of aggd-xdp over gloo's and of aggd-user over
-    aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its ``slowdown_over_...``) where the
-    run had that baseline (``run``)."""
+    """Per (workers, bytes, loss, hogs) and aggd precision: algbw of aggd-xdp over gloo's and of
+    aggd-user over aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its
+    ``slowdown_over_...``) where the run had that baseline (``run``)."""
     def cond(r):
         return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)
 
-    by = {(*cond(r), r["system"]): r for r in rows}
+    by = {(*cond(r), r["system"], r.get("precision", 32)): r for r in rows}
+    bits_seen = sorted({r.get("precision", 32) for r in rows if r["system"] != "gloo"} or {32}, reverse=True)
     out = []
     for c in sorted({cond(r) for r in rows}):
-        x, u, g = (by.get((*c, s), {}).get("algbw_gbps") for s in SYSTEMS)
-        slowdown = [(s, base, r[f"slowdown_over_{base}"]) for s in SYSTEMS for base in ("lossless", "quiet")
-                    if f"slowdown_over_{base}" in (r := by.get((*c, s), {}))]
-        out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3],
-                    "xdp_over_gloo": x / g if x and g else None,
-                    "user_over_xdp": u / x if u and x else None,
-                    "slowdown": slowdown})
+        g = by.get((*c, "gloo", 32), {}).get("algbw_gbps")
+        for bits in bits_seen:
+            x, u = (by.get((*c, s, bits), {}).get("algbw_gbps") for s in ("aggd-xdp", "aggd-user"))
+            if x is None and u is None and bits != bits_seen[0]:
+                continue
+            slowdown = [(s, base, r[f"slowdown_over_{base}"]) for s in SYSTEMS for base in ("lossless", "quiet")
+                        if f"slowdown_over_{base}" in (r := by.get((*c, s, 32 if s == "gloo" else bits), {}))]
+            out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3], "precision": bits,
+                        "xdp_over_gloo": x / g if x and g else None,
+                        "user_over_xdp": u / x if u and x else None,
+                        "slowdown": slowdown})
     return out
 
 
@@ -294,12 +336,17 @@ def plot(rows: list[dict], path: str) -> None:
     markers = ["s", "o", "^", "D"]
     workers = sorted({r["workers"] for r in rows})
     fig, ax = plt.subplots(figsize=(8, 5))
+    shades = {32: 1.0, 16: 0.7, 8: 0.45}      # aggd's narrower precisions lighter
     for system in SYSTEMS:
-        for i, w in enumerate(workers):
-            pts = sorted((r["bytes"], r["algbw_gbps"]) for r in rows if r["system"] == system and r["workers"] == w)
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)], marker=markers[i % len(markers)],
-                        color=colours[system], label=f"{system}, {w} workers")
+        for bits in sorted({r.get("precision", 32) for r in rows if r["system"] == system}, reverse=True):
+            for i, w in enumerate(workers):
+                pts = sorted((r["bytes"], r["algbw_gbps"]) for r in rows
+                             if r["system"] == system and r["workers"] == w and r.get("precision", 32) == bits)
+                if pts:
+                    label = f"{system}{'' if bits == 32 else f' {bits}-bit'}, {w} workers"
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)],
+                            marker=markers[i % len(markers)], color=colours[system], alpha=shades.get(bits, 1.0),
+                            label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tensor bytes (float32)")

@@ -3,7 +3,8 @@ namespace, driven by JSON lines on stdin; ``aggctl bench allreduce`` runs ``aggd
 
 Commands, one JSON object a line, each answered with one JSON line on stdout:
 ``{"cmd": "add_job", "job": .., "world": .., "slots": .., "max_chunks": .., "members":
-{rank: [ip, port]}, "group": [ip, port], "elements": ..}``, ``{"cmd": "remove_job", "job": ..}``,
+{rank: [ip, port]}, "group": [ip, port], "elements": .., "precision": ..}`` (``precision``: the
+wire's Precision code, optional), ``{"cmd": "remove_job", "job": ..}``,
 ``{"cmd": "stats", "job": ..}`` (the job's counters and this process's peak RSS) and
 ``{"cmd": "reset_peak"}``. End of input stops it. The first line out is ``{"ready": true, ...}``.
 """

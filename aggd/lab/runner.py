@@ -50,6 +50,8 @@ class LabJob:
     #: Rank ``i`` contributes the tensors of worker ``tensor_rank_base + i`` (a rack job: the
     #: racks' workers are one span of tensors, whose sum every worker checks).
     tensor_rank_base: int = 0
+    #: Bits a contribution value (docs/protocol.md, "Precision"; a joined job's JOIN_ACK says).
+    precision: int = 32
 
     @property
     def world(self) -> int:
@@ -68,7 +70,8 @@ class LabJob:
         members = {rank: (lab.worker_ip(w), self.port + aggregator) for rank, w in enumerate(self.workers)}
         return types.SimpleNamespace(job=self.job, world=self.world, slots=self.slots,
                                      max_chunks=self.max_chunks, group=self.group_of(aggregator), members=members,
-                                     kernel_slots=self.kernel_slots)
+                                     kernel_slots=self.kernel_slots,
+                                     precision=int(proto.PRECISION_OF_BITS[self.precision]))
 
 
 @contextlib.contextmanager
@@ -108,7 +111,7 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
             else:
                 groups = ",".join(f"{g[0]}:{g[1]}" for g in map(job.group_of, range(k)))
                 who = ["--job", str(job.job), "--world", str(job.world), "--group", groups,
-                       "--elements", str(elements), "--slots", str(job.slots)]
+                       "--elements", str(elements), "--slots", str(job.slots), "--precision", str(job.precision)]
             workers.start(lab.worker_ns(w), [
                 sys.executable, "-m", "aggd.lab.worker", "--server", servers,
                 "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank),

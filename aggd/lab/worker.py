@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--elements", type=int, default=256)
     ap.add_argument("--slots", type=int, default=1024)
+    ap.add_argument("--precision", type=int, choices=(32, 16, 8), default=32,
+                    help="bits a contribution value (not with --token: the join answer says)")
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--no-gso", action="store_true")
     ap.add_argument("--check", choices=["all", "last", "none"], default="all",
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
                     help="reduce the same tensor every round, into the same result buffer")
     args = ap.parse_args(argv)
     terms = None    # what contributions are quantised for: the world (a sync job), or the joined job's headroom
-    precision = 32  # ... and in how many bits (the joined job's)
+    precision = args.precision  # ... and in how many bits (the joined job's)
 
     if args.gloo is not None:
         if args.world is None:
@@ -237,7 +239,8 @@ def main(argv=None) -> int:
             for server, group, bind in zip(args.server, groups, binds):
                 clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
                                          elements=args.elements, slots=args.slots, window=args.window,
-                                         gso=not args.no_gso, give_up_after=args.give_up_after))
+                                         gso=not args.no_gso, give_up_after=args.give_up_after,
+                                         precision=args.precision))
         store = None
         if args.rebalance_every is not None or args.failover_after is not None:
             if args.store is None:

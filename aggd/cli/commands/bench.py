@@ -60,11 +60,14 @@ def bench():
 @click.option("--cpu-hogs", "hogs", default="0", show_default=True,
               help="processes spinning on the host's cores while each system runs, e.g. 0,1 (a busy host; "
                    "with 0 among them every row also gets its slowdown over the quiet run)")
+@click.option("--precision", "precisions", default="32", show_default=True,
+              help="bits a contribution value of aggd's systems, e.g. 8,16,32 (docs/precision.md); the "
+                   "XDP program holds 8 and 16 bits in packets of at most 832 values")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
-def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, as_json,
-                    plot_path):
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, precisions,
+                    as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -110,6 +113,9 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         raise click.BadParameter("hog counts must be in 0..64", param_hint="--cpu-hogs")
     if iters < 1 or warmup < 0:
         raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
+    bits = sorted({b.strip() for b in precisions.split(",") if b.strip()}, key=lambda b: -int(b) if b.isdigit() else 0)
+    if not bits or any(b not in ("32", "16", "8") for b in bits):
+        raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
 
     def show(row):
         if as_json:
@@ -118,7 +124,8 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         extra = f"  retransmits={row['retransmits']}" if "retransmits" in row else ""
         agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
                if "aggregator_memory_bytes" in row else "")
-        click.echo(f"{row['system']:<9} workers={row['workers']:<2} bytes={row['bytes']:<10} "
+        name = row["system"] + ("" if row.get("precision", 32) == 32 else f"@{row['precision']}")
+        click.echo(f"{name:<12} workers={row['workers']:<2} bytes={row['bytes']:<10} "
                    f"loss={row['loss_percent']:g}% hogs={row['cpu_hogs']}  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                    f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
                    f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
@@ -126,13 +133,14 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     try:
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
-                      on_row=show, losses=loss_list, hogs=hog_list)
+                      on_row=show, losses=loss_list, hogs=hog_list, precisions=tuple(int(b) for b in bits))
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):
         parts = []
         if r["xdp_over_gloo"] is not None:
-            parts.append(f"aggd-xdp / gloo {r['xdp_over_gloo']:.2f}x")
+            parts.append(f"aggd-xdp{'' if r['precision'] == 32 else '@' + str(r['precision'])} / gloo "
+                         f"{r['xdp_over_gloo']:.2f}x")
         if r["user_over_xdp"] is not None:
             parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
         parts += [f"{system} {x:.2f}x its {base} time" for system, base, x in r["slowdown"]]
