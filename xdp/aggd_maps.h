@@ -60,6 +60,12 @@ struct job_cfg {
 	__be32 self_ip;
 	__u32 _pad2;
 	__u64 up_tag;        /* the rack's member tag in the upper job */
+	/* A per-member bound on a contribution's values, bound_mant * 2**bound_exp (docs/protocol.md,
+	 * "Bounds"): a value q * 2**-e is within it when |q| <= bound_mant << (bound_exp + e). */
+	__u32 bound_mant;
+	__s16 bound_exp;
+	__u8 bounded;
+	__u8 _pad3;
 };
 
 /* Whose results a result is: the upper aggregator's address and job -> the rack job. */
@@ -158,6 +164,7 @@ struct member_stats {
 	__u64 last_round;     /* highest round contributed, plus one (0: none) */
 	__u64 last_ns;        /* time of the last contribution */
 	__u64 late;           /* contributions that arrived after their round was released */
+	__u64 offences;       /* contributions dropped beyond the job's bound */
 };
 AGGD_MAP("percpu_array", struct member_stats, member_stats, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
 /* Time source: 0 means bpf_ktime_get_ns(); tests freeze time by writing a value. */

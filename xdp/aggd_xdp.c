@@ -26,6 +26,11 @@
  * program past the verifier's limit): there the daemon gives such jobs no kernel slots. */
 #define AGGD_NARROW (ELEMS <= AGGD_PAGE_MAX_ELEMENTS)
 
+/* Per-member bounds (docs/protocol.md, "Bounds") are checked here up to native XDP's largest packet;
+ * in a jumbo build their loop would take the program past the verifier's limit, and the daemon
+ * gives bounded jobs no kernel slots. */
+#define AGGD_BOUNDS (ELEMS <= AGGD_NATIVE_MAX_ELEMENTS)
+
 #if defined(AGGD_FRAGS) || AGGD_NARROW
 struct payload_copy {
 	__u32 v[ELEMS];
@@ -278,6 +283,32 @@ static __always_inline int narrow_out(struct xdp_md *ctx, __u8 prec)
 }
 #endif
 
+#if AGGD_BOUNDS
+/* Whether a contribution's values (exponent `exp`) go beyond its job's bound: its largest |q| over
+ * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more lets any int32 through). */
+static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp)
+{
+	__u32 top = 0;
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++) {
+		__s32 v = (__s32)p[i];
+		__u32 a = v < 0 ? -(__u32)v : (__u32)v;
+		top = a > top ? a : top;
+	}
+	__s32 s = (__s32)cfg->bound_exp + exp;
+	if (s >= 40)
+		return 0;
+	__u64 limit;
+	if (s >= 0)
+		limit = (__u64)cfg->bound_mant << (s & 63);
+	else if (s > -64)
+		limit = (__u64)cfg->bound_mant >> ((-s) & 63);
+	else
+		limit = 0;
+	return top > limit;
+}
+#endif
+
 /* A rack job's upper results (docs/protocol.md, "Two levels") are relayed here up to native XDP's
  * largest packet: in a jumbo build (generic mode only) the relay's payload loop would take the
  * program past the verifier's million instructions, so there they go to the daemon, which gives
@@ -495,6 +526,15 @@ int aggd_xdp(struct xdp_md *ctx)
 		payload = (__s32 *)payload_of(ctx, h, data_end, type != AGGD_MSG_TYPE_REREAD, jst, &action);
 	if (!payload)
 		return action;
+#if AGGD_BOUNDS
+	if (cfg->bounded && type == AGGD_MSG_TYPE_CONTRIB &&
+	    beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))) {
+		struct member_stats *ms = member_stats.lookup(&midx);
+		if (ms)
+			ms->offences++;
+		return drop_in(jst, AGGD_DROP_REASON_OUT_OF_BOUNDS);
+	}
+#endif
 	/* Read again, so that the verifier's states of both ways here are alike and it walks the
 	 * slot's rules once (it does not keep which precision this is, nor, see below, the headers). */
 	prec = *(volatile __u8 *)&cfg->precision;

@@ -99,3 +99,31 @@ def skipped_round_open(open_rounds: list[tuple[int, int, int]], rank: int, since
     for it."""
     skipped = [r for r, bitmap, _ in open_rounds if r < since_round and not bitmap >> rank & 1]
     return min(skipped) if skipped else None
+
+
+@dataclass(frozen=True)
+class Offender:
+    """A member whose contributions went beyond its job's bound (docs/protocol.md, "Bounds") often
+    enough to be quarantined."""
+    rank: int
+    offences: int        #: since it was last let in
+    bound: float
+
+    def reason(self) -> str:
+        return (f"out of bounds: {self.offences} contributions with a value beyond {self.bound:g} "
+                f"(the job's max_abs); quarantined until readmitted by hand")
+
+
+def offenders(rows: list[dict], gone: dict[int, dict], counted: dict[int, int], quarantine_after: int,
+              bound: float) -> list[Offender]:
+    """The members to quarantine: not gone, with ``quarantine_after`` or more ``offences`` (the
+    data planes' count of contributions dropped out of bounds) over ``counted[rank]`` (the count
+    when it was last let back in; 0 if never). ``quarantine_after`` 0: nobody."""
+    if quarantine_after <= 0:
+        return []
+    out = []
+    for r in rows:
+        rank, n = int(r["rank"]), int(r.get("offences", 0)) - counted.get(int(r["rank"]), 0)
+        if rank not in gone and n >= quarantine_after:
+            out.append(Offender(rank, n, bound))
+    return out

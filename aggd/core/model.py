@@ -16,7 +16,8 @@ Header checks and counters
   member's client give up by a NACK sent to its address), bad_precision (``code`` is not the job's
   Precision), bad_chunk,
   then the hand-off to user space of a payload that is not exactly ``elements`` values of the job's
-  precision (``pass``, Counter.TO_USERSPACE), then the slot rules. Malformed or foreign packets are
+  precision (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound``,
+  out_of_bounds (a value beyond it: the member's ``offences`` counted), then the slot rules. Malformed or foreign packets are
   refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
   0 up, where user space refuses a wrong one.)
   ``bad_count`` counts the values' bytes in the precision the packet's ``code`` names (int32 if it
@@ -102,6 +103,7 @@ Slot rules (numbers as in docs/protocol.md)
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, NamedTuple
 
@@ -186,6 +188,43 @@ NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow)
 # --------------------------------------------------------------------------------------------
 # Configuration.
 
+class Bound(NamedTuple):
+    """The largest magnitude a contribution's values may have, ``mant * 2**exp`` (``mant`` below
+    2**25): a value ``q * 2**-e`` is within it when ``|q| <= mant * 2**(exp + e)``, which the kernel
+    tests with one shift."""
+    mant: int
+    exp: int
+
+    @classmethod
+    def of(cls, max_abs: float) -> "Bound":
+        """The smallest such bound at least ``max_abs`` (a positive finite number): 24 bits of it."""
+        if not (isinstance(max_abs, (int, float)) and math.isfinite(max_abs) and max_abs > 0):
+            raise ValueError(f"a bound must be a positive finite number, not {max_abs!r}")
+        m, k = math.frexp(float(max_abs))           # max_abs = m * 2**k, 0.5 <= m < 1
+        return cls(math.ceil(m * (1 << 24)), k - 24)
+
+    @property
+    def value(self) -> float:
+        return math.ldexp(self.mant, self.exp)
+
+    def limit(self, exponent: int) -> int | None:
+        """The largest ``|q|`` a contribution of ``exponent`` may carry; None: any int32."""
+        s = self.exp + int(exponent)
+        if s >= BOUND_FREE_SHIFT:
+            return None
+        return self.mant << s if s >= 0 else (self.mant >> -s if s > -64 else 0)
+
+    def beyond(self, values: np.ndarray, exponent: int) -> bool:
+        limit = self.limit(exponent)
+        if limit is None or not len(values):
+            return False
+        return int(np.abs(values.astype(np.int64)).max()) > limit
+
+
+#: A bound's shift from this up lets any int32 through (mant << 40 exceeds 2**31).
+BOUND_FREE_SHIFT = 40
+
+
 @dataclass
 class JobConfig:
     job: int
@@ -208,6 +247,8 @@ class JobConfig:
     #: Contributions' width (docs/protocol.md, "Precision"): int8 and int16 are summed into wider
     #: results. Every contribution and re-read must say this precision in ``code``.
     precision: Precision = Precision.INT32
+    #: Per-member bound on a contribution's values (docs/protocol.md, "Bounds"); None: unbounded.
+    bound: Bound | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < MAX_JOBS:
@@ -358,13 +399,14 @@ class Bank:
 
 
 #: Columns of ``JobState.members`` (the XDP program's ``struct member_stats``).
-M_CONTRIBUTIONS, M_LAG_NS, M_LATE, M_LAST_ROUND, M_LAST_NS = range(5)
+M_CONTRIBUTIONS, M_LAG_NS, M_LATE, M_LAST_ROUND, M_LAST_NS, M_OFFENCES = range(6)
 
 
 def member_rows(members: np.ndarray, world: int) -> list[dict]:
     """``DataPlane.member_stats`` rows from a ``JobState.members`` array."""
     return [{"rank": r, "contributions": int(m[M_CONTRIBUTIONS]), "lag_ns_sum": int(m[M_LAG_NS]),
              "late": int(m[M_LATE]), "last_round": int(m[M_LAST_ROUND]) - 1 if m[M_LAST_ROUND] else None,
+             "offences": int(m[M_OFFENCES]),
              "last_ns": int(m[M_LAST_NS])} for r, m in enumerate(members[:world])]
 
 
@@ -507,8 +549,9 @@ class JobState:
     counters: np.ndarray = field(default_factory=lambda: np.zeros(len(Counter), np.uint64))
     #: The members a round waits for (set_awaited): every member unless some were declared gone.
     awaited: int = 0
-    #: Per member (rank): contributions, lag_ns_sum, late, last round + 1 (0: none), last_ns.
-    members: np.ndarray = field(default_factory=lambda: np.zeros((MAX_MEMBERS, 5), np.uint64))
+    #: Per member (rank): contributions, lag_ns_sum, late, last round + 1 (0: none), last_ns,
+    #: offences (contributions beyond the job's bound).
+    members: np.ndarray = field(default_factory=lambda: np.zeros((MAX_MEMBERS, 6), np.uint64))
     #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
     pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
                                                              if n.upper() not in Counter.__members__})
@@ -732,6 +775,9 @@ class AggregatorModel:
             return Verdict("pass", job=cfg.job)
 
         values = np.frombuffer(data, lanes.contrib, count=min(held, self.elements), offset=HEADER_SIZE)
+        if cfg.bound is not None and hdr.type == MsgType.CONTRIB and cfg.bound.beyond(values, hdr.exponent):
+            job.members[hdr.rank, M_OFFENCES] += 1
+            return self._drop(cfg.job, DropReason.OUT_OF_BOUNDS)
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:

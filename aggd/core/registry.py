@@ -63,6 +63,9 @@ class Limits:
     #: the fast data plane adds int8 and int16 contributions itself (the XDP program in a page's
     #: frame; the P4 programs do not): otherwise a job of those is served in user space
     narrow_in_kernel: bool = True
+    #: ... and checks per-member bounds (the XDP program up to native XDP's largest packet; the P4
+    #: programs do not): otherwise a bounded job is served in user space
+    bounds_in_kernel: bool = True
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,10 @@ class Job:
     upstream: UpstreamSpec | None = None
     #: Bits of a contribution value: 32, 16 or 8 (docs/protocol.md, "Precision"; JOIN_ACK ``precision``).
     precision_bits: int = 32
+    #: The largest magnitude a member's contribution may have (docs/protocol.md, "Bounds"); None: any.
+    max_abs: float | None = None
+    #: How many contributions beyond the bound make the policy quarantine a member (0: never).
+    quarantine_after: int = 0
 
     @property
     def precision(self) -> Precision:
@@ -230,7 +237,8 @@ class Job:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
              "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
-             "headroom": self.headroom, "precision": self.precision_bits,
+             "headroom": self.headroom, "precision": self.precision_bits, "max_abs": self.max_abs,
+             "quarantine_after": self.quarantine_after,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
@@ -260,9 +268,12 @@ class Job:
                   kernel_base=int(d["kernel_base"]), kernel_slots=int(d["kernel_slots"]),
                   strategies=[(int(v), int(r), str(t)) for v, r, t in d["strategies"]],
                   created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)),
-                  precision_bits=int(d.get("precision", 32)))
+                  precision_bits=int(d.get("precision", 32)),
+                  max_abs=None if d.get("max_abs") is None else float(d["max_abs"]),
+                  quarantine_after=int(d.get("quarantine_after", 0)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
-        job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"])}
+        job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"]),
+                             "quarantined": bool(g.get("quarantined", False))}
                     for r, g in d.get("gone", {}).items()}
         if d.get("upstream"):
             job.upstream = UpstreamSpec.from_json(d["upstream"])
@@ -369,13 +380,15 @@ class Registry:
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
                token: str | None = None, upstream: dict | None = None, precision: int | None = None,
-               now: float = 0.0) -> Job:
+               max_abs: float | None = None, quarantine_after: int | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
         strategy; less gives finer sums but refuses the strategies that need more); ``token``: the
         job's token (None: a new one), so a job sharded over several aggregator hosts has one;
         ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span);
-        ``precision``: bits of a contribution value, 32 (None), 16 or 8."""
+        ``precision``: bits of a contribution value, 32 (None), 16 or 8; ``max_abs``: the largest
+        magnitude a member's contribution may have (None: any), ``quarantine_after``: contributions
+        beyond it that quarantine the member (None or 0: never)."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -407,6 +420,16 @@ class Registry:
         if not _is_int(precision) or precision not in PRECISION_OF_BITS:
             raise RegistryError(f"precision must be one of 32, 16, 8 (bits of a contribution value), "
                                 f"not {precision!r}", "bad_request")
+        if max_abs is not None and not (isinstance(max_abs, (int, float)) and not isinstance(max_abs, bool)
+                                        and 0 < max_abs < float("inf")):
+            raise RegistryError(f"max_abs must be a positive number (the largest magnitude a member's "
+                                f"contribution may have), not {max_abs!r}", "bad_request")
+        quarantine_after = 0 if quarantine_after is None else quarantine_after
+        if not _is_int(quarantine_after) or quarantine_after < 0:
+            raise RegistryError(f"quarantine_after must be 0 (never) or a number of contributions, not "
+                                f"{quarantine_after!r}", "bad_request")
+        if quarantine_after and max_abs is None:
+            raise RegistryError("quarantine_after needs max_abs (the bound whose offences it counts)", "bad_request")
         spec = None if upstream is None else upstream_spec(upstream, world)
         if spec is not None and precision != 32:
             raise RegistryError(f"precision {precision}: a rack job (upstream) forwards int32 sums, so its "
@@ -423,7 +446,7 @@ class Registry:
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
         same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and \
-            (precision == 32 or lim.narrow_in_kernel)
+            (precision == 32 or lim.narrow_in_kernel) and (max_abs is None or lim.bounds_in_kernel)
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
@@ -431,7 +454,8 @@ class Registry:
                   max_chunks=lim.max_chunks, elements=elements, group=group,
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
-                  headroom=headroom, upstream=spec, precision_bits=precision)
+                  headroom=headroom, upstream=spec, precision_bits=precision,
+                  max_abs=None if max_abs is None else float(max_abs), quarantine_after=quarantine_after)
         self.jobs[job_id] = job
         return job
 
@@ -459,6 +483,10 @@ class Registry:
             return JoinOutcome(NackCode.NOT_MEMBER,
                                f"rank {rank} is not a member of job {job.name!r} (world {job.world}: "
                                f"ranks 0..{job.world - 1})", job)
+        if job.gone.get(rank, {}).get("quarantined"):
+            return JoinOutcome(NackCode.NOT_MEMBER,
+                               f"rank {rank} of job {job.name!r} is quarantined ({job.gone[rank]['reason']}): "
+                               f"aggctl workers readmit lets it back", job)
         address = (str(address[0]), int(address[1]))
         for other in job.members.values():
             if other.rank != rank and other.address == address:
@@ -471,9 +499,11 @@ class Registry:
             job.members[rank] = Member(rank, address, now, self._tag())
         return JoinOutcome(NackCode.NONE, "joined", job, changed, rejoined=old is not None)
 
-    def depart(self, ref: str | int, rank: int, reason: str, now: float = 0.0, at_round: int = 0) -> Job:
-        """Declare ``rank`` of a job gone at round ``at_round``: rounds stop waiting for it.
-        Refused for a rank outside the world, one gone already, or the last member awaited."""
+    def depart(self, ref: str | int, rank: int, reason: str, now: float = 0.0, at_round: int = 0,
+               quarantined: bool = False) -> Job:
+        """Declare ``rank`` of a job gone at round ``at_round``: rounds stop waiting for it (and,
+        ``quarantined``, it is no member until readmitted by hand: its packets and JOINs are
+        refused). Refused for a rank outside the world, one gone already, or the last member awaited."""
         job = self.get(ref)
         if not _is_int(rank) or not 0 <= rank < job.world:
             raise RegistryError(f"rank {rank!r} is not a member of job {job.name!r} (ranks 0..{job.world - 1})",
@@ -483,7 +513,8 @@ class Registry:
                                 f"({job.gone[rank]['reason']})", "already_gone")
         if job.awaited == 1 << rank:
             raise RegistryError(f"rank {rank} is the last member job {job.name!r} waits for", "last_member")
-        job.gone[rank] = {"since": float(now), "reason": str(reason), "round": int(at_round)}
+        job.gone[rank] = {"since": float(now), "reason": str(reason), "round": int(at_round),
+                          "quarantined": bool(quarantined)}
         return job
 
     def readmit(self, ref: str | int, rank: int) -> Job:

@@ -16,6 +16,7 @@ import errno
 import grp
 import json
 import logging
+import math
 import os
 import re
 import selectors
@@ -101,7 +102,7 @@ def check_args(cmd: str, args: dict, spec: dict[str, str]) -> dict:
     """``args`` of ``cmd`` checked against ``spec`` (argument -> kind, ``?`` after an optional
     one's kind: absent or null). Kinds: ``int`` (a JSON integer, not true/false), ``text`` (a
     string of at most MAX_TEXT characters, no control characters), ``job`` (a job's name or id),
-    ``object`` (a JSON object, whose keys its handler checks).
+    ``object`` (a JSON object, whose keys its handler checks), ``number`` (a finite JSON number).
     ControlError("bad_request") naming the argument otherwise; ranges are the registry's. Returns
     the arguments given (the null ones left out: their handler's defaults apply)."""
     for name in args:
@@ -122,6 +123,9 @@ def check_args(cmd: str, args: dict, spec: dict[str, str]) -> dict:
             raise ControlError("bad_request", f"{cmd}: {name} must be an integer, not {_shown(value)}")
         if kind == "text" and not is_text:
             raise ControlError("bad_request", f"{cmd}: {name} must be a string, not {_shown(value)}")
+        if kind == "number" and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                     and math.isfinite(value)):
+            raise ControlError("bad_request", f"{cmd}: {name} must be a number, not {_shown(value)}")
         if kind == "object" and not isinstance(value, dict):
             raise ControlError("bad_request", f"{cmd}: {name} must be an object, not {_shown(value)}")
         if kind == "job" and not (is_int or is_text):

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from aggd.core.departures import DepartureRules, keeps_pace, silent_members, skipped_round_open
+from aggd.core.departures import DepartureRules, keeps_pace, offenders, silent_members, skipped_round_open
 from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
 from aggd.core.straggler import Detector
 
@@ -37,6 +37,7 @@ class PolicyRunner:
         self.decisions: dict[int, deque] = {}
         self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
         self._scanned: dict[int, float] = {}   # job id -> when its open rounds were last read
+        self._offences: dict[int, dict[int, int]] = {}  # job id -> rank -> offences forgiven
         # Silence counts from here: members wait through a restart of the daemon (or its data plane).
         self._since_ns = time.monotonic_ns()
         self.errors = 0
@@ -50,7 +51,7 @@ class PolicyRunner:
             self._saved = {}
 
     def _forget(self, jid: int) -> None:
-        for d in (self.detectors, self.policies, self.decisions, self._who, self._scanned):
+        for d in (self.detectors, self.policies, self.decisions, self._who, self._scanned, self._offences):
             d.pop(jid, None)
 
     def _save(self) -> None:
@@ -156,7 +157,10 @@ class PolicyRunner:
         svc, rules = self.service, self.departure_rules()
         step_s = det.last.period_ms / 1000 if det.last is not None and det.last.period_ms else None
         limit, now_ns = rules.threshold_s(step_s), int(now * 1e9)
+        self._quarantine(job, rows)
         for rank, gone in list(job.gone.items()):
+            if gone.get("quarantined"):
+                continue      # let back in by hand only (aggctl workers readmit)
             # the slots are read only for a member that keeps pace otherwise
             if keeps_pace(rows, rank, gone["round"], job.awaited, rules) and \
                     skipped_round_open(svc.open_rounds(job) or [], rank, gone["round"]) is None:
@@ -176,6 +180,22 @@ class PolicyRunner:
                 svc.depart(job, s.rank, s.reason())
             except Exception as exc:  # refused (the last awaited member, a data plane that cannot)
                 log.error("job %s: rank %d is silent but cannot be declared gone: %s", job.name, s.rank, exc)
+
+    def _quarantine(self, job, rows: list[dict]) -> None:
+        """Quarantine the members of a bounded job whose contributions went beyond its bound
+        ``quarantine_after`` times since they were last let in (``aggd.core.departures.offenders``)."""
+        if job.max_abs is None or not job.quarantine_after:
+            return
+        counted = self._offences.setdefault(job.id, {})
+        for r in rows:   # a gone member's count so far is forgiven when it is let back in
+            if int(r["rank"]) in job.gone:
+                counted[int(r["rank"])] = int(r.get("offences", 0))
+        for o in offenders(rows, job.gone, counted, job.quarantine_after, job.max_abs):
+            try:
+                self.service.depart(job, o.rank, o.reason(), quarantine=True)
+                counted[o.rank] = o.offences + counted.get(o.rank, 0)
+            except Exception as exc:  # refused (the last awaited member)
+                log.error("job %s: rank %d is out of bounds but cannot be quarantined: %s", job.name, o.rank, exc)
 
     # views for aggctl
     def view(self, job, rank: int | None = None) -> dict:

@@ -42,7 +42,7 @@ from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
-from aggd.core.model import Upstream
+from aggd.core.model import Bound, Upstream
 from aggd.core.registry import Job, Limits, Registry, RegistryError, answer_join
 from aggd.daemon.shard_reports import ShardReports
 from aggd.daemon.upstream import UpstreamLinks
@@ -143,6 +143,7 @@ class Service:
         self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
         self.registry = Registry(self._limits(config))
         self.departures: dict[int, int] = {}   # job id -> members declared gone since start
+        self.quarantines: dict[int, int] = {}  # job id -> members quarantined since start (out of bounds)
         self.upstream = UpstreamLinks(self)    # rack jobs' links to their upper aggregators
         self.shard_reports = ShardReports()    # sharded jobs' maps, as their members report them
         self.state_path = Path(config.state.dir) / STATE_FILE
@@ -160,7 +161,8 @@ class Service:
                       # the XDP program serves rack jobs up to native XDP's largest packet
                       forwards_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS,
                       # and narrow jobs in frames of one page (aggd_xdp.c, AGGD_NARROW)
-                      narrow_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.PAGE_MAX_ELEMENTS)
+                      narrow_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.PAGE_MAX_ELEMENTS,
+                      bounds_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -327,12 +329,14 @@ class Service:
         return tuple(p for p in (self.dp, self.us) if p is not None)
 
     def _apply(self, job: Job, keep_kernel: bool = False) -> None:
-        """Install ``job`` in every data plane (the kernel's slots kept if ``keep_kernel``)."""
-        members = {r: m.address for r, m in job.members.items()}
+        """Install ``job`` in every data plane (the kernel's slots kept if ``keep_kernel``); a
+        quarantined member's address is not (its packets are refused as not a member's)."""
+        members = {r: m.address for r, m in job.members.items() if not job.gone.get(r, {}).get("quarantined")}
         tags = {r: m.tag for r, m in job.members.items()}
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
                                     members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
                                     elements=job.elements, precision=job.precision,
+                                    bound=None if job.max_abs is None else Bound.of(job.max_abs),
                                     upstream=Upstream(job.upstream.server) if job.upstream is not None else None,
                                     # the user-space path keeps this job's slots across restarts
                                     identity=f"{job.name}@{job.created_at!r}")
@@ -478,7 +482,8 @@ class Service:
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
                         "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?",
-                        "upstream": "object?", "precision": "int?"},
+                        "upstream": "object?", "precision": "int?", "max_abs": "number?",
+                        "quarantine_after": "int?"},
         "jobs.delete": {"job": "job"},
         "jobs.show": {"job": "job"},
         "workers": {"job": "job"},
@@ -591,10 +596,12 @@ class Service:
         return [self._summary(j) for j in self.registry.list()]
 
     def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
-                        headroom=None, token=None, upstream=None, precision=None):
+                        headroom=None, token=None, upstream=None, precision=None, max_abs=None,
+                        quarantine_after=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
                                    kernel_slots=kernel_slots, headroom=headroom, token=token, upstream=upstream,
-                                   precision=precision, now=time.time())
+                                   precision=precision, max_abs=max_abs, quarantine_after=quarantine_after,
+                                   now=time.time())
         try:
             self._apply(job)
         except BaseException:
@@ -635,12 +642,19 @@ class Service:
         return d
 
     # -- members declared gone ---------------------------------------------------------------------
-    def depart(self, job: Job, rank: int, reason: str, at_round: int | None = None) -> Job:
-        """Declare ``rank`` gone: rounds stop waiting for it (``aggd.core.departures``). RegistryError
-        or ControlError, and nothing changed, when refused."""
+    def depart(self, job: Job, rank: int, reason: str, at_round: int | None = None,
+               quarantine: bool = False) -> Job:
+        """Declare ``rank`` gone: rounds stop waiting for it (``aggd.core.departures``); with
+        ``quarantine`` its address leaves the data planes too (its contributions count no more, its
+        JOINs are refused) until it is readmitted by hand. RegistryError or ControlError, and
+        nothing changed, when refused."""
         if at_round is None:
             at_round = (max_round(self._holding(job), job) or 0) + 1
-        self.registry.depart(job.id, rank, reason, time.time(), at_round)
+        self.registry.depart(job.id, rank, reason, time.time(), at_round, quarantined=quarantine)
+        if quarantine:
+            self.quarantines[job.id] = self.quarantines.get(job.id, 0) + 1
+            for plane in self.planes:
+                plane.set_member(job.id, rank, None)
         try:
             self._set_awaited(job)
         except DataPlaneError as exc:
@@ -654,8 +668,13 @@ class Service:
         return job
 
     def readmit(self, job: Job, rank: int, reason: str) -> Job:
-        """Rounds wait for ``rank`` again."""
+        """Rounds wait for ``rank`` again (a quarantined one is a member again: its address back)."""
+        quarantined = job.gone.get(rank, {}).get("quarantined")
         self.registry.readmit(job.id, rank)
+        m = job.members.get(rank)
+        if quarantined and m is not None:
+            for plane in self.planes:
+                plane.set_member(job.id, rank, m.address, m.tag)
         self._set_awaited(job)
         self._save()
         log.warning("job %s: rank %d is awaited again: %s", job.name, rank, reason)
@@ -674,12 +693,14 @@ class Service:
     def cmd_workers(self, job):
         j = self._job(job)
         top, per_rank = self._rounds(j)
+        offences = {int(r["rank"]): int(r.get("offences", 0)) for r in (self.member_stats(j) or [])}
         rows = []
         for rank in range(j.world):
             m = j.members.get(rank)
             rows.append({"rank": rank, "address": list(m.address) if m else None,
                          "joined_at": m.joined_at if m else None, "last_round": per_rank.get(rank),
-                         "lag": None, "gone": j.gone.get(rank), **self._policy_view(j, rank)})
+                         "lag": None, "gone": j.gone.get(rank), "offences": offences.get(rank, 0),
+                         **self._policy_view(j, rank)})
         return {"job": j.name, "id": j.id, "round": top, "workers": rows, **self._policy_view(j)}
 
     def cmd_strategy_show(self, job):

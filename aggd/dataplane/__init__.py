@@ -74,7 +74,8 @@ def merge_member_rows(a: dict, b: dict) -> dict:
     rounds = [x for x in (a.get("last_round"), b.get("last_round")) if x is not None]
     return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
             "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
-            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"])}
+            "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"]),
+            "offences": a.get("offences", 0) + b.get("offences", 0)}
 
 
 class DataPlaneError(RuntimeError):

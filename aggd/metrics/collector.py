@@ -74,7 +74,8 @@ class AggdCollector:
                    F.STRATEGY_SWAPS, F.POLICY_DECISIONS, F.JOB_ROUNDS, F.JOB_MEMBERS, F.JOB_MEMBERS_JOINED,
                    F.JOB_SLOTS, F.JOB_SLOTS_BUSY, F.JOB_POLICY_SWITCHED, F.JOB_STRAGGLERS, F.JOB_DEPARTURES,
                    F.WORKER_GONE, F.SHARD_MAP_VERSION, F.SHARD_INDEX, F.SHARD_SHARE, F.SHARD_RATE, F.SHARD_MAP_CHANGES,
-                   F.WORKER_CONTRIBUTIONS, F.WORKER_ARRIVAL_LAG, F.WORKER_LATE, F.WORKER_ROUNDS_BEHIND,
+                   F.WORKER_CONTRIBUTIONS, F.WORKER_ARRIVAL_LAG, F.WORKER_LATE, F.WORKER_OFFENCES,
+                   F.WORKER_ROUNDS_BEHIND,
                    F.WORKER_BLOCKING, F.WORKER_LAG, F.WORKER_SLOWDOWN, F.WORKER_STRAGGLER, F.WORKER_WAIT)
         for family in (*F.COUNTERS.values(), *per_job):  # present (if empty) in every scrape
             out(family)
@@ -150,6 +151,7 @@ class AggdCollector:
                 out(F.WORKER_CONTRIBUTIONS).add_metric(lbl, w.contributions)
                 out(F.WORKER_ARRIVAL_LAG).add_metric(lbl, w.lag_seconds_sum)
                 out(F.WORKER_LATE).add_metric(lbl, w.late)
+                out(F.WORKER_OFFENCES).add_metric(lbl, w.offences)
                 out(F.WORKER_ROUNDS_BEHIND).add_metric(lbl, w.rounds_behind)
                 out(F.WORKER_BLOCKING).add_metric(lbl, w.blocking_seconds)
                 for family, v in ((F.WORKER_LAG, w.lag_seconds), (F.WORKER_SLOWDOWN, w.slowdown),

@@ -113,6 +113,8 @@ WORKER_ARRIVAL_LAG = counter("aggd_worker_arrival_lag_seconds", "Sum over the ra
                                                                 "aggd_worker_contributions_total, the mean lag", W)
 WORKER_LATE = counter("aggd_worker_late_contributions", "Contributions of the rank that arrived after their "
                                                         "round was released", W)
+WORKER_OFFENCES = counter("aggd_worker_offences", "Contributions of the rank dropped for a value beyond the job's "
+                                                  "per-member bound (max_abs)", W)
 WORKER_ROUNDS_BEHIND = gauge("aggd_worker_rounds_behind", "The job's newest round minus the rank's newest", W)
 WORKER_BLOCKING = gauge("aggd_worker_blocking_seconds", "How long the ranks ahead of this one have been waiting "
                                                         "for it under a barrier (0: nobody waits)", W)

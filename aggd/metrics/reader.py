@@ -94,6 +94,7 @@ class WorkerLag:
     slowdown: float | None = None
     straggler: bool | None = None
     wait_seconds: float | None = None  #: cumulative time it waited for others at the barrier
+    offences: int = 0             #: contributions dropped beyond the job's per-member bound
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dic
                              int(r.get("late", 0)), behind, blocked,
                              None if lag_ms is None else lag_ms / 1e3,
                              getattr(d, "slowdown", None), getattr(d, "flagged", None),
-                             getattr(d, "wait_s", None)))
+                             getattr(d, "wait_s", None), int(r.get("offences", 0))))
     return out
 
 

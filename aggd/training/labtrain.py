@@ -76,6 +76,7 @@ class RunParams:
     seed: int = 0
     target: float = 0.95
     timeout_s: float = 240.0
+    step_only: bool = False             #: workers send their step alone (TrainConfig.step_only)
 
 
 @dataclass
@@ -95,6 +96,7 @@ class RunResult:
     workers: list[dict] = field(default_factory=list)
     killed_at: float | None = None               #: rank 0's seconds when ``kill`` struck
     rounds_to_target: int | None = None          #: rank 0's first evaluated round at the target
+    members: list[dict] = field(default_factory=list)   #: ``aggctl workers``' rows at the end
 
     def to_json(self) -> dict:
         return {"scenario": self.scenario, "strategy": self.strategy, "strategy_text": self.strategy_text,
@@ -125,7 +127,8 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
     argv = [sys.executable, "-m", "aggd.training.worker", "--rank", str(rank),
             "--rounds", str(params.rounds), "--compute-ms", str(params.compute_ms), "--lr", str(params.lr),
             "--lr-final", str(params.lr_final), "--batch", str(params.batch), "--hidden", str(params.hidden),
-            "--eval-every", str(params.eval_every), "--seed", str(params.seed)]
+            "--eval-every", str(params.eval_every), "--seed", str(params.seed)] + \
+        (["--step-only"] if params.step_only else [])
     if rank == straggler and scenario.slow != 1.0:
         a, b = scenario.rounds(params.rounds)
         argv += ["--slow", str(scenario.slow), "--slow-rounds", f"{a}:{'' if b is None else b}"]
@@ -136,7 +139,8 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
         tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False,
         kernel_slots: int | None = None, precision: int | None = None, feedback: bool = True,
-        error_reset: int | None = None) -> RunResult:
+        error_reset: int | None = None, corrupt: tuple[int, int, float] | None = None,
+        max_abs: float | None = None, quarantine_after: int | None = None) -> RunResult:
     """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
     ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start.
     ``kill=(rank, round)``: SIGKILL that worker once rank 0 reports that round (a dead worker;
@@ -144,7 +148,10 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     would (it rejoins the job where the job is). ``kernel_slots``: the job's slots in the kernel
     (0: every chunk in the daemon's user-space path; None: the daemon's choice). ``precision``: the
     job's bits a contribution value (None: 32); a narrow job's workers use error feedback with error
-    reset every ``error_reset`` rounds (None: the client's default) unless ``feedback`` is False."""
+    reset every ``error_reset`` rounds (None: the client's default) unless ``feedback`` is False.
+    ``corrupt=(rank, round, scale)``: that worker sends its step times ``scale`` from that round on
+    (a faulty member; it may then fail, refused by a quarantine); ``max_abs`` and
+    ``quarantine_after``: the job's per-member bound (docs/protocol.md, "Bounds")."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -174,6 +181,11 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         """Rank 0 has reported its summary and the others have had 10 s to drain."""
         return 0 in summaries and time.monotonic() > summaries[0]["_at"] + 10
 
+    def faulty(rank: int) -> list[str]:
+        if corrupt is None or rank != corrupt[0]:
+            return []
+        return ["--corrupt-from", str(corrupt[1]), "--corrupt-scale", str(corrupt[2])]
+
     workers = LabProcesses(lab, "training workers", on_record=on_line, env=env, stderr_lines=400)
     try:
         if strategy == "gloo":
@@ -186,28 +198,31 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                    f"{tag}-{secrets.token_hex(2)}"
             job = daemon.call("jobs.create", name=name, world=world, strategy=text,
                               **({} if kernel_slots is None else {"kernel_slots": kernel_slots}),
-                              **({} if precision is None else {"precision": precision}))
+                              **({} if precision is None else {"precision": precision}),
+                              **({} if max_abs is None else {"max_abs": max_abs}),
+                              **({} if quarantine_after is None else {"quarantine_after": quarantine_after}))
             if on_job:
                 on_job(job)
             narrow = ["--feedback", "on" if feedback else "off"] + \
                 ([] if error_reset is None else ["--error-reset", str(error_reset)])
             extra = lambda rank: ["--server", f"{lab.agg_ip}:{job['port']}",  # noqa: E731
                                   "--bind", f"{lab.worker_ip(rank)}:41000", "--job", job["name"],
-                                  "--token", job["token"], *narrow]
+                                  "--token", job["token"], *narrow, *faulty(rank)]
         for rank in range(world):
             workers.start(lab.worker_ns(rank), worker_argv(params, rank, scenario, straggler) + extra(rank))
         # every worker done, or rank 0 done and the others given their time
         runs = workers.wait(params.timeout_s, until=rank0_done)
         errors = {r.rank: r.stderr[-20000:] for r in runs}
         failed = [r for r in runs if r.returncode not in (0, None) and r.rank not in summaries
-                  and r.rank not in killed]
+                  and r.rank not in killed and (corrupt is None or r.rank != corrupt[0])]
         if failed:
             raise RuntimeError("\n".join(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-1500:]}"
                                          for r in failed))
         records = {r.rank: [x for x in r.records if not x.get("summary")] for r in runs}
-        decisions = []
+        decisions, members = [], []
         if job is not None:
-            decisions = (daemon.call("workers", job=job["name"]).get("policy") or {}).get("decisions", [])
+            view = daemon.call("workers", job=job["name"])
+            decisions, members = (view.get("policy") or {}).get("decisions", []), view["workers"]
     finally:
         workers.kill()
         if job is not None:
@@ -231,5 +246,5 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                      [{k: s.get(k) for k in ("rank", "seconds", "rounds", "steps", "results", "final_accuracy",
                                              "drained", "params_sha")} for _, s in sorted(summaries.items())],
                      next(iter(killed.values()), None),
-                     next((r["round"] for r in evals if r["accuracy"] >= params.target), None))
+                     next((r["round"] for r in evals if r["accuracy"] >= params.target), None), members)
 

@@ -56,6 +56,12 @@ class TrainConfig:
     eval_every: int = 5                 #: evaluate the replica every this many rounds
     resync_every: int = 20              #: every this many rounds all replicas take the mean model
     seed: int = 0
+    #: send the step alone (as gloo does), not the model with it: under sync the replicas never
+    #: need the model, and a per-member bound (docs/protocol.md, "Bounds") then bounds steps alone
+    step_only: bool = False
+    #: a faulty member: from this round on it sends its step times ``corrupt_scale`` (None: never)
+    corrupt_from: int | None = None
+    corrupt_scale: float = -10.0
 
     def slowness(self, round_: int) -> float:
         if round_ < self.slow_from or (self.slow_until is not None and round_ >= self.slow_until):
@@ -183,7 +189,7 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
     n = model.n_params
     # what goes out: the model the step started from (P) and the step (U), each starting on a
     # packet boundary so each part is quantised at its own scale; gloo (sync, never skips) needs U only
-    with_model = getattr(exchange, "sends_model", getattr(exchange, "strategy", None) != "gloo")
+    with_model = not cfg.step_only and getattr(exchange, "sends_model", getattr(exchange, "strategy", None) != "gloo")
     off_u = _padded(n) if with_model else 0
     width = off_u + n
     # warm-up round: every replica starts from the same model, and the round is the start barrier
@@ -191,8 +197,13 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
     first[:n] = model.params
     if with_model:
         first[off_u:] = 0.0
-    warm = exchange.allreduce_async(first if with_model else model.params.copy(), "mean").wait()
-    model.params[:] = warm[:n]
+    if cfg.step_only:
+        # every replica starts from the same model already (make_model's seed): the round is the
+        # barrier alone, and sends no model (a bound on steps would refuse one)
+        exchange.allreduce_async(np.zeros(n, np.float32), "mean").wait()
+    else:
+        warm = exchange.allreduce_async(first if with_model else model.params.copy(), "mean").wait()
+        model.params[:] = warm[:n]
     t0 = clock()
     G = model.params.astype(np.float64)        # the job's model as the results say
     mine = np.zeros(n, np.float64)             # my steps sent but not answered yet
@@ -272,6 +283,8 @@ def train(exchange, data: Dataset, rank: int, world: int, cfg: TrainConfig,
         sleep(cfg.compute_s * cfg.slowness(r))
         loss, g = model.loss_and_grad(*batches.next())
         u = -cfg.learning_rate(r) * g.astype(np.float64)
+        if cfg.corrupt_from is not None and r >= cfg.corrupt_from:
+            u = u * cfg.corrupt_scale     # a faulty (or hostile) member's step
         out = np.zeros(width, np.float32)
         if with_model:
             out[:n] = model.params

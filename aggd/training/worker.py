@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--give-up-after", type=float, default=20.0)
+    ap.add_argument("--step-only", action="store_true", help="send the step alone, not the model with it")
+    ap.add_argument("--corrupt-from", type=int, default=None, metavar="ROUND",
+                    help="from this round on send the step times --corrupt-scale (a faulty member)")
+    ap.add_argument("--corrupt-scale", type=float, default=-10.0)
     ap.add_argument("--feedback", choices=("on", "off"), default="on",
                     help="a narrow job's (8 or 16 bits) error feedback and error reset")
     ap.add_argument("--error-reset", type=int, default=None, metavar="H",
@@ -49,7 +53,8 @@ def main(argv=None) -> int:
         slow_from, slow_until = int(a or 0), (int(b) if b else None)
     cfg = TrainConfig(rounds=args.rounds, lr=args.lr, lr_final=args.lr_final, batch=args.batch,
                       hidden=args.hidden, compute_s=args.compute_ms / 1000, slow=args.slow,
-                      slow_from=slow_from, slow_until=slow_until, eval_every=args.eval_every, seed=args.seed)
+                      slow_from=slow_from, slow_until=slow_until, eval_every=args.eval_every, seed=args.seed,
+                      step_only=args.step_only, corrupt_from=args.corrupt_from, corrupt_scale=args.corrupt_scale)
     data = load_digits(seed=args.seed)
 
     def report(rec: dict) -> None:

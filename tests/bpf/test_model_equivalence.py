@@ -219,3 +219,28 @@ def test_narrow_packets_pass_up_in_multi_buffer_frames(frags_harness):
         assert dp.job_stats(7).counters["to_userspace"] == 1
     finally:
         dp.remove_job(7)
+
+
+#: Random sequences a strategy with a per-member bound (docs/protocol.md, "Bounds"): the traffic's
+#: values (up to 1000, or near 2**31; scaled by exponents -2..5) now within it, now beyond.
+BOUNDED_SEQUENCES = 100
+
+
+@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT8))
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_bounded(harness, kind, precision):
+    from aggd.core.model import Bound
+    label = f"bounded {precision.name.lower()} {kind}"
+    before = RUN[label]
+
+    @settings(SETTINGS, max_examples=BOUNDED_SEQUENCES // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.sampled_from((0.5, 300.0, 900.0, 2.0**30))), min_size=BATCH,
+                          max_size=BATCH))
+    def sequences_agree(batch):
+        for (shape, ops), max_abs in batch:
+            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, precision=precision,
+                         bound=Bound.of(max_abs))
+
+    sequences_agree()
+    assert RUN[label] - before >= BOUNDED_SEQUENCES
+    assert harness.seen[("drop", "out_of_bounds", None)] > 0

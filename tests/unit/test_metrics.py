@@ -273,10 +273,10 @@ def test_detector_view_joins_the_counters():
 
 
 def test_merged_rows_of_both_paths():
-    a = {"rank": 0, "contributions": 3, "lag_ns_sum": 10, "late": 1, "last_round": 4, "last_ns": 7}
-    b = {"rank": 0, "contributions": 2, "lag_ns_sum": 5, "late": 0, "last_round": None, "last_ns": 9}
+    a = {"rank": 0, "contributions": 3, "lag_ns_sum": 10, "late": 1, "last_round": 4, "last_ns": 7, "offences": 2}
+    b = {"rank": 0, "contributions": 2, "lag_ns_sum": 5, "late": 0, "last_round": None, "last_ns": 9}   # (a P4 switch's)
     assert merge_member_rows(a, b) == {"rank": 0, "contributions": 5, "lag_ns_sum": 15, "late": 1, "last_round": 4,
-                                  "last_ns": 9}
+                                       "last_ns": 9, "offences": 2}
 
 
 def test_strategy_in_force():

@@ -90,6 +90,12 @@ def test_alerts_fire_when_they_should(tmp_path):
         case({f"aggd_worker_gone{{{w(3)}}}": "0 0 1 1 1 1 1 1 1", f"aggd_worker_gone{{{w(0)}}}": "0+0x8"},
              firing("AggdWorkerGone", "1m"),
              firing("AggdWorkerGone", "1m45s", f'{w(3)}, severity="warning"')),
+        # a rank's contributions beyond its job's bound: at once, while they keep coming
+        case({f"aggd_worker_offences_total{{{w(3)}}}": "0 0 3 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5 5",
+              f"aggd_worker_offences_total{{{w(0)}}}": "0+0x27"},
+             firing("AggdWorkerOutOfBounds", "15s"),
+             firing("AggdWorkerOutOfBounds", "1m", f'{w(3)}, severity="warning"'),
+             firing("AggdWorkerOutOfBounds", "7m")),
         # a rank the others have waited for for a minute and more
         case({f"aggd_worker_blocking_seconds{{{w(1)}}}": "0 15 30 45 60 75 90 105 120 135 150",
               f"aggd_worker_blocking_seconds{{{w(0)}}}": "0+0x10"},

@@ -46,6 +46,13 @@ def list_(as_json):
               help="Bits of a contribution value (default 32). 16 and 8 send half and a quarter of the "
                    "bytes, summed exactly into 32- and 16-bit results; workers round stochastically and "
                    "feed the rounding back (docs/precision.md). Served in user space for now.")
+@click.option("--max-abs", type=click.FloatRange(min=0, min_open=True),
+              help="The largest magnitude a member's contribution may have: one with a value beyond it is "
+                   "dropped and counted against the member (OFFENCES in `aggctl workers`; docs/protocol.md "
+                   "\"Bounds\").")
+@click.option("--quarantine-after", type=click.IntRange(0),
+              help="Quarantine a member (declared gone, its packets and JOINs refused until `aggctl workers "
+                   "readmit`) after this many contributions beyond --max-abs (default 0: never).")
 @click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
                                 "hosts is created on each with the token the first one printed.")
 @click.option("--upstream", metavar="HOST:PORT/JOB",
@@ -56,13 +63,14 @@ def list_(as_json):
 @click.option("--span", type=click.IntRange(1), help="Workers under the upper aggregator, every rack's: the "
                                                      "members quantise for them.")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, token, upstream,
-           upstream_token, upstream_rank, span, as_json):
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, max_abs, quarantine_after,
+           token, upstream, upstream_token, upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
                        ("headroom", headroom), ("token", token),
-                       ("precision", None if precision is None else int(precision))):
+                       ("precision", None if precision is None else int(precision)), ("max_abs", max_abs),
+                       ("quarantine_after", quarantine_after)):
         if value is not None:
             args[key] = value
     rack = {"--upstream-token": upstream_token, "--upstream-rank": upstream_rank, "--span": span}

@@ -348,7 +348,7 @@ class FastJob:
         return {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
                 "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "values": (np.int64, (slots, BANKS, elements)),
                 "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
-                "members": (np.uint64, (MAX_MEMBERS, 5))}
+                "members": (np.uint64, (MAX_MEMBERS, 6))}
 
     def __init__(self, model: AggregatorModel, job: int, files=None) -> None:
         """``files``: an ``aggd.dataplane.userspace.keep.SlotFiles`` to keep the arrays in (and
@@ -533,7 +533,8 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
-                    and fj.state.cfg.upstream is None and fj.state.cfg.precision == Precision.INT32:
+                    and fj.state.cfg.upstream is None and fj.state.cfg.precision == Precision.INT32 \
+                    and fj.state.cfg.bound is None:   # (a bounded job's values are checked by the model)
                 nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
                           fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
@@ -586,4 +587,4 @@ def warm_up() -> None:
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
-        np.zeros((64, 5), np.uint64), batch.out, batch.out32, one, batch.out_kind, batch.out_reason)
+        np.zeros((64, 6), np.uint64), batch.out, batch.out32, one, batch.out_kind, batch.out_reason)

@@ -99,7 +99,7 @@ def _own_config(cfg) -> JobConfig:
     return JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
                      members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
                      elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None),
-                     precision=getattr(cfg, "precision", Precision.INT32))
+                     precision=getattr(cfg, "precision", Precision.INT32), bound=getattr(cfg, "bound", None))
 
 
 class UserspaceAggregator(DataPlane):

@@ -161,6 +161,8 @@ class XdpDataPlane(DataPlane):
         self.relays = elements <= proto.NATIVE_MAX_ELEMENTS
         #: the program serves jobs of int8 and int16 contributions (in a page's frame only: aggd_xdp.c)
         self.narrow = elements <= proto.PAGE_MAX_ELEMENTS
+        #: the program checks per-member bounds (not in a jumbo build: aggd_xdp.c)
+        self.bounds = elements <= proto.NATIVE_MAX_ELEMENTS
         self.netns = netns  # attach inside this network namespace (the lab's aggregator)
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
@@ -342,6 +344,9 @@ class XdpDataPlane(DataPlane):
         j = self.jobs.Leaf()
         j.world = world
         j.precision = int(getattr(cfg, "precision", 0))
+        bound = getattr(cfg, "bound", None)
+        if bound is not None:
+            j.bound_mant, j.bound_exp, j.bounded = int(bound.mant), int(bound.exp), 1
         j.slot_base = base
         j.n_slots = int(cfg.slots)
         j.kernel_slots = kernel_slots
@@ -527,6 +532,7 @@ class XdpDataPlane(DataPlane):
             rows.append({"rank": rank, "contributions": sum(int(c.contributions) for c in per_cpu),
                          "lag_ns_sum": sum(int(c.lag_ns_sum) for c in per_cpu),
                          "late": sum(int(c.late) for c in per_cpu),
+                         "offences": sum(int(c.offences) for c in per_cpu),
                          "last_round": top - 1 if top else None,
                          "last_ns": max(int(c.last_ns) for c in per_cpu)})
         return rows

@@ -1,0 +1,38 @@
+"""A faulty member in real training (issue: untrusted members): one of 4 workers sends its step
+times -10 from round 20. Under plain ``sync`` the model collapses (it diverges: the workers stop on
+NaN steps); with a per-member bound the XDP
+program drops its contributions and counts them against it, the daemon quarantines it, and the job
+ends within a point of a clean run; ``aggctl workers`` names the member and the reason."""
+from __future__ import annotations
+
+import pytest
+
+from aggd.lab.namespaces import Lab
+from aggd.training.labtrain import RunParams, lab_daemon, run
+
+pytestmark = pytest.mark.root
+
+#: honest workers' steps (lr 0.5) stay below 0.15 in magnitude; ten times one of them does not
+MAX_ABS = 0.3
+FAULTY = (3, 20, -10.0)
+
+
+def test_a_member_sending_ten_times_its_step_backwards_is_quarantined():
+    params = RunParams(workers=4, rounds=300, step_only=True)
+    with Lab("tb" + __import__("secrets").token_hex(3), 4) as lab, lab_daemon(lab) as daemon:
+        clean = run(lab, daemon, "sync", "none", params, tag="-clean")
+        try:
+            plain = run(lab, daemon, "sync", "none", params, tag="-plain", corrupt=FAULTY)
+            collapsed = f"final accuracy {plain.final_accuracy:.3f}"
+        except RuntimeError as exc:   # the model diverged: its steps became NaN and the workers stopped
+            assert "NaN or infinity" in str(exc), str(exc)[-3000:]
+            plain, collapsed = None, "diverged"
+        bounded = run(lab, daemon, "sync", "none", params, tag="-bound", corrupt=FAULTY, max_abs=MAX_ABS,
+                      quarantine_after=3)
+    assert clean.final_accuracy > 0.9, clean.final_accuracy
+    assert plain is None or plain.final_accuracy < clean.final_accuracy - 0.2, (collapsed, clean.final_accuracy)
+    assert abs(bounded.final_accuracy - clean.final_accuracy) <= 0.01, (bounded.final_accuracy, clean.final_accuracy)
+    faulty = bounded.members[3]
+    assert faulty["gone"] and faulty["gone"]["quarantined"], faulty
+    assert "out of bounds" in faulty["gone"]["reason"] and faulty["offences"] >= 3, faulty
+    assert all(not m["gone"] and m["offences"] == 0 for m in bounded.members[:3]), bounded.members
