@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from .protocol import HEADER_DTYPE, HEADER_SIZE
-from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType
+from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision
 
 log = logging.getLogger("aggd_client")
 
@@ -111,6 +111,72 @@ def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i
             ring_u8[r, _FLAGS] = 0
 
 
+def _next_random(state):  # pragma: no cover - jitted
+    """xorshift64* (Vigna): the next 64 random bits from ``state[0]`` (never 0)."""
+    s = state[0]
+    s ^= s >> np.uint64(12)
+    s ^= s << np.uint64(25)
+    s ^= s >> np.uint64(27)
+    state[0] = s
+    return s * np.uint64(2685821657736338717)
+
+
+def _mix(z):  # pragma: no cover - jitted
+    """splitmix64's finaliser: 64 well-mixed bits of ``z`` (a counter-based generator: each value's
+    draw depends on its index alone, so the loop over a chunk vectorises)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, pay, r0, clear_flags, qmax,
+                 state):  # pragma: no cover - jitted
+    """``_fill`` for a narrow precision: ``pay`` is the ring's payload column (int8 or int16) and
+    each value is rounded stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U``
+    a counter-based generator (splitmix64 of a per-chunk key drawn from ``state`` plus the value's
+    index; 24 bits a value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another
+    generator."""
+    n = x.size
+    for i in range(k):
+        c = c0 + i
+        r = r0 + i
+        s = (xc0 + i) * E
+        cnt = min(E, n - s)
+        xs = x[s:s + cnt]
+        dst = pay[r]
+        pick_b[0] = _max_abs_bits(xb[s:s + cnt], absmask)
+        m = np.float64(pick_f[0])
+        if m == 0.0:
+            e = ZERO_EXPONENT
+        else:
+            fm, km = math.frexp(m)
+            e = jq - km
+            if fm > fq:
+                e -= 1
+        key = _next_random(state)
+        q = np.float64(qmax)
+        scale = math.ldexp(1.0, e) if -1000 <= e <= 1000 else 0.0
+        for j in range(cnt):
+            k = _mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+            u = (np.float64(k) + 0.5) * (1.0 / 16777216.0)
+            v = np.float64(xs[j])
+            y = math.floor((v * scale if scale != 0.0 else math.ldexp(v, e)) + u)
+            dst[j] = max(-q, min(q, y))
+        for j in range(cnt, E):
+            dst[j] = 0
+        ring_u8[r, _CHUNK] = (c >> 24) & 255
+        ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
+        ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
+        ring_u8[r, _CHUNK + 3] = c & 255
+        ring_u8[r, _COUNT] = (cnt >> 8) & 255
+        ring_u8[r, _COUNT + 1] = cnt & 255
+        eu = e & 0xFFFF
+        ring_u8[r, _EXP] = eu >> 8
+        ring_u8[r, _EXP + 1] = eu & 255
+        if clear_flags:
+            ring_u8[r, _FLAGS] = 0
+
+
 def _be16(b, i, o):  # pragma: no cover - jitted
     return (np.int64(b[i, o]) << 8) | np.int64(b[i, o + 1])
 
@@ -119,14 +185,16 @@ def _be32(b, i, o):  # pragma: no cover - jitted
     return (_be16(b, i, o) << 16) | _be16(b, i, o + 2)
 
 
-def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, have, ncontrib, out,
-             mean, acks, meta):  # pragma: no cover - jitted
+def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, have, ncontrib, out,
+             mean, acks, meta, code, width):  # pragma: no cover - jitted
     """The results of round ``round32`` in a received batch. Every one (chunk below ``n_chunks``)
     is listed in ``acks``; one for a chunk without a result yet (``have`` 0) is dequantised into
     ``out`` (divided by its ``n_contrib`` for a mean), and ``have``, ``ncontrib`` and ``meta``
     (strategy, param, strategy_version of the last one) are set. Returns (status, new results,
     acks, results of the job in the batch whatever their round). Writes nothing unless every
-    message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too."""
+    message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too.
+    ``st_pay``: the staging records' payload column in the job's result type (``width`` bytes a
+    value); a result whose ``code`` is not the job's precision ``code`` is an anomaly."""
     for apply in range(2):
         nd = 0
         na = 0
@@ -157,8 +225,8 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, hav
             ncon = _be16(st_u8, i, _NCONTRIB)
             if not apply:
                 expect = last_count if c == n_chunks - 1 else E
-                if (st_u8[i, _FLAGS] & _OVERFLOW) or cnt != expect or sizes[i] < HEADER_SIZE + 4 * cnt \
-                        or (mean and ncon == 0) or st_u8[i, _CODE] != 0:  # int32 results only
+                if (st_u8[i, _FLAGS] & _OVERFLOW) or cnt != expect or sizes[i] < HEADER_SIZE + width * cnt \
+                        or (mean and ncon == 0) or st_u8[i, _CODE] != code:
                     return ANOMALY, 0, 0, 0
                 continue
             e = _be16(st_u8, i, _EXP)
@@ -166,7 +234,7 @@ def _scatter(st_u8, st_i32, sizes, m, job, round32, n_chunks, E, last_count, hav
                 e -= 65536
             base = c * E
             div = np.float64(ncon) if mean else 1.0
-            src = st_i32[i, _P:_P + cnt]  # slices: the loops vectorise
+            src = st_pay[i, :cnt]  # slices: the loops vectorise
             dst = out[base:base + cnt]
             if -1000 <= e <= 1000:  # q * 2**-e rounds once, exactly as ldexp does
                 scale = math.ldexp(1.0, -e)
@@ -262,13 +330,14 @@ def warm_up() -> bool:
 
 
 def _compile() -> None:
-    global fill, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits
+    global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
     _max_abs_bits = max_abs_bits = jit(_max_abs_bits)  # fill calls it; all_finite too
-    fill, scatter, ack = jit(_fill), jit(_scatter), jit(_ack)
+    _next_random, _mix = jit(_next_random), jit(_mix)
+    fill, fill_narrow, scatter, ack = jit(_fill), jit(_fill_narrow), jit(_scatter), jit(_ack)
 
     from .protocol import packet_dtype
     ring = np.zeros(2, packet_dtype(4))
@@ -285,7 +354,14 @@ def _compile() -> None:
         x = np.ones(5, dt)
         absmask, pick_b, pick_f = fill_args(dt)
         fill(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
+        for prec in (Precision.INT16, Precision.INT8):
+            narrow = np.zeros(2, packet_dtype(4, prec))
+            fill_narrow(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq,
+                        narrow.view(np.uint8).reshape(2, -1), narrow["payload"], 0, True, 127,
+                        np.ones(1, np.uint64))
         all_finite(x)
         for mean in (False, True):
-            scatter(u8, i32, sizes, 2, 1, 0, 2, 4, 1, have, ncontrib, np.zeros(5, dt), mean, acks,
-                    meta)
+            for prec in Precision:
+                res = np.zeros(2, packet_dtype(4, prec, result=True))
+                scatter(res.view(np.uint8).reshape(2, -1), res["payload"], sizes, 2, 1, 0, 2, 4, 1, have, ncontrib,
+                        np.zeros(5, dt), mean, acks, meta, int(prec), res["payload"].itemsize)

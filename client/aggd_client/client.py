@@ -190,6 +190,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._precision = prec
         self._lanes = LANES[prec]
         self._rng = np.random.default_rng(seed)  # stochastic rounding of narrow precisions
+        # ... and the numba fill's generator (xorshift64*: a nonzero state), from the same seed
+        self._rng_state = self._rng.integers(1, 2**63, size=1, dtype=np.uint64)
         self._dtype = packet_dtype(self._elements, prec)   # a contribution (ring record)
         self._rec = self._dtype.itemsize
         # a window the caller does not set is bounded by bytes in flight too (flow.default_window)

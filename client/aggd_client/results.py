@@ -66,15 +66,13 @@ class ResultHandler:
         # Under quorum and wbsp a release seen on the group need not hold our packet (released
         # without us, or a later wbsp step): those rounds take the numpy path, which checks.
         checked = self._strategy.kind in (StrategyKind.QUORUM, StrategyKind.WBSP)
-        # the numba scatter reads int32 results: int32 jobs only
-        if (self._fast and self._precision == Precision.INT32 and self._rounds and not checked
-                and all(r.fast for r in self._rounds)):
+        if self._fast and self._rounds and not checked and all(r.fast for r in self._rounds):
             handled, matched, jobs = True, 0, 0
             for rnd in list(self._rounds):
                 status, nd, na, jobs = _fast.scatter(
-                    self._stage_u8, self._stage_i32, self._sizes, m, self._job, rnd.r32,
+                    self._stage_u8, self._stage_pay, self._sizes, m, self._job, rnd.r32,
                     rnd.n_chunks, self._elements, rnd.last_count, rnd.have, rnd.n_contrib, rnd.out,
-                    rnd.mean, self._acks, self._meta)
+                    rnd.mean, self._acks, self._meta, int(self._precision), self._lanes.result_bytes)
                 if status != _fast.OK:
                     handled = False
                     break

@@ -124,6 +124,7 @@ class _Send:
         self.terms = (c._span * c._headroom if c._headroom is not None else quant.terms_for(c._span, kind))
         self.precision = c._precision
         self.fq, self.jq = quant._q_frexp(c._world, self.terms, self.precision)
+        self.qmax = quant.q_max(c._world, self.terms, self.precision)
         self.R = min(self.S, self.n)  # ring entries; chunk c lives at c % slots
         self.ring: _Ring | None = c._take_ring(self.R)
         h = self.ring.pk[:self.R]["hdr"]
@@ -151,7 +152,7 @@ class _Send:
         self.dropped = False
         self.last_ack = time.monotonic()
         # the numba fill writes int32 payloads with round-half-even: int32 jobs only
-        self.fast_fill = c._fast and self.precision == Precision.INT32
+        self.fast_fill = c._fast
         self.fill_args = None  # the numba fill's masks and scratch, for the input's dtype
         # ``residual``: the caller's array receiving x - dequantised contribution; the values and
         # exponents sent are kept to correct it for the aggregator's alignment (``realign``)
@@ -273,8 +274,13 @@ class _Send:
             if self.fill_args is None:
                 self.fill_args = _fast.fill_args(xs.dtype)
             absmask, pick_b, pick_f = self.fill_args
-            _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
-                       self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
+            if self.precision == Precision.INT32:
+                _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
+                           self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
+            else:
+                _fast.fill_narrow(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
+                                  self.jq, ring.u8, ring.pk["payload"], r0, self.flags_dirty, self.qmax,
+                                  self.c._rng_state)
             return
         src = x[c0 * E:(c0 + k) * E]
         if src.size == k * E:

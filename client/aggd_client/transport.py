@@ -119,7 +119,7 @@ class UdpTransport:
         # allreduce's memory is what it adds (its ring of packets), whatever it is the first of
         self._stage.view(np.uint8).fill(0)
         self._stage_u8 = self._stage.view(np.uint8).reshape(stage, rec)
-        self._stage_i32 = self._stage_u8.view(np.int32)  # the numba scatter's (int32 jobs)
+        self._stage_pay = self._stage["payload"]  # the numba scatter's: values of the job's result type
         self._sizes = np.zeros(stage, np.int64)
         self._receiver = MultiReceiver(self._stage, rec, self._sizes)
 

@@ -264,3 +264,38 @@ def test_a_nan_is_refused_before_anything_is_sent_on_the_fast_path(silent):
         with pytest.raises(ValueError, match="NaN"):
             c.allreduce(x)
         assert c.stats["packets_sent"] == 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(width=st.sampled_from([16, 32, 64]), precision=st.sampled_from([8, 16]), world=st.integers(1, 64),
+       elements=st.integers(1, 9), data=st.data())
+def test_narrow_fill_rounds_as_the_numpy_path(silent, width, precision, world, elements, data):
+    """The narrow kernel's packets: the numpy path's headers and exponents; each value one of the
+    two integers around ``x * 2**e`` (stochastic rounding with another generator), within ±Q."""
+    dtype = {16: np.float16, 32: np.float32, 64: np.float64}[width]
+    x = data.draw(hnp.arrays(dtype, st.integers(1, 64 * elements), elements=finite[width]))
+    with AggClient(silent, JOB, 0, world, elements=elements, slots=64, precision=precision, seed=3) as c:
+        slow = rings_after_fill(c, x, fast=False)[-1]
+        fast = rings_after_fill(c, x, fast=True)[-1]
+    assert np.array_equal(slow["hdr"], fast["hdr"])
+    n = -(-x.size // elements)
+    q, e = fast["payload"][:n].astype(np.int64), fast["hdr"]["exponent"][:n].astype(np.int64)
+    padded = np.zeros(n * elements)
+    padded[:x.size] = x
+    y = np.ldexp(padded.reshape(n, elements), np.where(e == ZERO_EXPONENT, 0, e)[:, None])
+    Q = quant.q_max(world, quant.terms_for(world), quant.precision_of(precision))
+    assert np.all(np.abs(q) <= Q) and np.all((q == np.floor(y)) | (q == np.ceil(y)) | (np.abs(q) == Q))
+
+
+def test_narrow_fill_is_unbiased():
+    x = np.full(4096, 0.3, np.float32)
+    x[0] = 1.0                                   # the chunk's scale: 2**6 steps of 1 (Q = 127)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    with AggClient(s.getsockname(), JOB, 0, 1, elements=4096, slots=4, precision=8, headroom=1) as c:
+        ring = rings_after_fill(c, x, fast=True)[-1]
+    s.close()
+    q, e = ring["payload"][0].astype(np.float64), int(ring["hdr"]["exponent"][0])
+    assert q[0] == 64 and set(q[1:]) == {19, 20}                     # 0.3 * 64 = 19.2
+    assert abs(np.ldexp(q[1:].mean(), -e) - 0.3) < 0.002            # 19.2 on average: unbiased
