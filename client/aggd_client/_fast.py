@@ -66,6 +66,35 @@ def _max_abs_bits(xb, absmask):  # pragma: no cover - jitted
     return m
 
 
+def _chunk_exponent(xb, absmask, pick_b, pick_f, fq, jq):  # pragma: no cover - jitted
+    """The exponent of a chunk whose values' bits are ``xb``: the largest ``e`` with
+    ``max|x| * 2**e <= Q`` (``Q = fq * 2**jq``), ZERO_EXPONENT for an all-zero chunk."""
+    pick_b[0] = _max_abs_bits(xb, absmask)
+    m = np.float64(pick_f[0])
+    if m == 0.0:
+        return ZERO_EXPONENT
+    fm, km = math.frexp(m)
+    e = jq - km
+    if fm > fq:
+        e -= 1
+    return e
+
+
+def _write_header(ring_u8, r, c, cnt, e, clear_flags):  # pragma: no cover - jitted
+    """Ring entry ``r``'s chunk, count and exponent (big-endian), and its flags cleared."""
+    ring_u8[r, _CHUNK] = (c >> 24) & 255
+    ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
+    ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
+    ring_u8[r, _CHUNK + 3] = c & 255
+    ring_u8[r, _COUNT] = (cnt >> 8) & 255
+    ring_u8[r, _COUNT + 1] = cnt & 255
+    eu = e & 0xFFFF
+    ring_u8[r, _EXP] = eu >> 8
+    ring_u8[r, _EXP + 1] = eu & 255
+    if clear_flags:
+        ring_u8[r, _FLAGS] = 0
+
+
 def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0,
           clear_flags):  # pragma: no cover - jitted
     """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1.
@@ -74,21 +103,12 @@ def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i
     float. Loops run over slices: numba then knows the indices are in range and vectorises."""
     n = x.size
     for i in range(k):
-        c = c0 + i
         r = r0 + i
         s = (xc0 + i) * E
         cnt = min(E, n - s)
         xs = x[s:s + cnt]
         dst = ring_i32[r, _P:_P + E]
-        pick_b[0] = _max_abs_bits(xb[s:s + cnt], absmask)
-        m = np.float64(pick_f[0])
-        if m == 0.0:
-            e = ZERO_EXPONENT
-        else:
-            fm, km = math.frexp(m)
-            e = jq - km
-            if fm > fq:
-                e -= 1
+        e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
         if -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
             scale = math.ldexp(1.0, e)
             for j in range(cnt):
@@ -98,17 +118,7 @@ def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i
                 dst[j] = np.int32(np.rint(math.ldexp(np.float64(xs[j]), e)))
         for j in range(cnt, E):
             dst[j] = 0
-        ring_u8[r, _CHUNK] = (c >> 24) & 255
-        ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
-        ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
-        ring_u8[r, _CHUNK + 3] = c & 255
-        ring_u8[r, _COUNT] = (cnt >> 8) & 255
-        ring_u8[r, _COUNT + 1] = cnt & 255
-        eu = e & 0xFFFF
-        ring_u8[r, _EXP] = eu >> 8
-        ring_u8[r, _EXP + 1] = eu & 255
-        if clear_flags:
-            ring_u8[r, _FLAGS] = 0
+        _write_header(ring_u8, r, c0 + i, cnt, e, clear_flags)
 
 
 def _next_random(state):  # pragma: no cover - jitted
@@ -132,49 +142,30 @@ def _mix(z):  # pragma: no cover - jitted
 def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, pay, r0, clear_flags, qmax,
                  state):  # pragma: no cover - jitted
     """``_fill`` for a narrow precision: ``pay`` is the ring's payload column (int8 or int16) and
-    each value is rounded stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U``
+    each value is rounded stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from
     a counter-based generator (splitmix64 of a per-chunk key drawn from ``state`` plus the value's
     index; 24 bits a value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another
     generator."""
     n = x.size
+    q = np.float64(qmax)
     for i in range(k):
-        c = c0 + i
         r = r0 + i
         s = (xc0 + i) * E
         cnt = min(E, n - s)
         xs = x[s:s + cnt]
         dst = pay[r]
-        pick_b[0] = _max_abs_bits(xb[s:s + cnt], absmask)
-        m = np.float64(pick_f[0])
-        if m == 0.0:
-            e = ZERO_EXPONENT
-        else:
-            fm, km = math.frexp(m)
-            e = jq - km
-            if fm > fq:
-                e -= 1
+        e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
         key = _next_random(state)
-        q = np.float64(qmax)
         scale = math.ldexp(1.0, e) if -1000 <= e <= 1000 else 0.0
         for j in range(cnt):
-            k = _mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
-            u = (np.float64(k) + 0.5) * (1.0 / 16777216.0)
+            u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
+                * (1.0 / 16777216.0)
             v = np.float64(xs[j])
             y = math.floor((v * scale if scale != 0.0 else math.ldexp(v, e)) + u)
             dst[j] = max(-q, min(q, y))
         for j in range(cnt, E):
             dst[j] = 0
-        ring_u8[r, _CHUNK] = (c >> 24) & 255
-        ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
-        ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
-        ring_u8[r, _CHUNK + 3] = c & 255
-        ring_u8[r, _COUNT] = (cnt >> 8) & 255
-        ring_u8[r, _COUNT + 1] = cnt & 255
-        eu = e & 0xFFFF
-        ring_u8[r, _EXP] = eu >> 8
-        ring_u8[r, _EXP + 1] = eu & 255
-        if clear_flags:
-            ring_u8[r, _FLAGS] = 0
+        _write_header(ring_u8, r, c0 + i, cnt, e, clear_flags)
 
 
 def _be16(b, i, o):  # pragma: no cover - jitted
@@ -330,13 +321,15 @@ def warm_up() -> bool:
 
 
 def _compile() -> None:
-    global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix
+    global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix, \
+        _chunk_exponent, _write_header
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
     _max_abs_bits = max_abs_bits = jit(_max_abs_bits)  # fill calls it; all_finite too
     _next_random, _mix = jit(_next_random), jit(_mix)
+    _chunk_exponent, _write_header = jit(_chunk_exponent), jit(_write_header)
     fill, fill_narrow, scatter, ack = jit(_fill), jit(_fill_narrow), jit(_scatter), jit(_ack)
 
     from .protocol import packet_dtype

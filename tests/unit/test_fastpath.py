@@ -6,6 +6,7 @@ verdict, counter, drop and the slots' final state must be identical."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -26,21 +27,21 @@ from tests.fixtures.traffic import STRATEGY_TEXTS, Traffic, layout_of, swap_tabl
 REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
 
 
-def new_model(world: int, slots: int, entries) -> AggregatorModel:
+def new_model(world: int, slots: int, entries, precision: int = 0) -> AggregatorModel:
     m = AggregatorModel(E, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
-    m.add_job(job_config(world, slots, 8))
+    m.add_job(dataclasses.replace(job_config(world, slots, 8), precision=precision))
     m.set_strategy(JOB, entries)
     return m
 
 
-def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, int]]):
+def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, int]], precision: int = 0):
     """The sequence through the plain model: [(sent, verdict) or ("swap", entries)], the model."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4, 8)[(shape >> 4) % 5], 1 + (shape >> 7) % 4
     traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=E,
-                      junk=True, noise=bool(shape >> 9 & 1))
+                      junk=True, noise=bool(shape >> 9 & 1), precision=precision)
     entries = [entry(text)]
-    m = new_model(world, slots, entries)
+    m = new_model(world, slots, entries, precision)
     table = StrategyTable(parse("sync"))
     table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
     steps, pending = [], sorted(swaps)
@@ -54,14 +55,14 @@ def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, in
         v = m.process(sent.data, sent.src, sent.now_ns)
         traffic.observe(sent, v)
         steps.append((sent, v))
-    return (world, slots, entries), steps, m
+    return (world, slots, entries, precision), steps, m
 
 
 def replay(setup, steps, cuts: list[int]):
     """The same packets through the fast path in batches (cut also at every swap); per packet
     (verdict, what the kernel did: fastpath.SLOW when the model decided), the model, the fast path."""
-    world, slots, entries = setup
-    m = new_model(world, slots, entries)
+    world, slots, entries, precision = setup
+    m = new_model(world, slots, entries, precision)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(64, REC)
@@ -128,9 +129,9 @@ decided = collections.Counter()
        ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
        text=st.sampled_from(KIND_TEXTS),
        swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(KIND_TEXTS), st.integers(0, 2)), max_size=3),
-       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8))
-def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts):
-    setup, steps, ref = record(shape, ops, text, swaps)
+       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8), precision=st.sampled_from((0, 0, 1, 2)))
+def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision):
+    setup, steps, ref = record(shape, ops, text, swaps, precision)
     got, m, fp = replay(setup, steps, cuts)
     expected = [v for s, v in steps if s != "swap"]
     assert len(got) == len(expected)
@@ -138,6 +139,8 @@ def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts):
         assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
                            f"model {describe(want)}")
         decided[kind] += 1
+        if precision and kind != fastpath.SLOW:
+            decided["narrow"] += 1
         if kind == fastpath.DROPPED:
             decided[v.reason] += 1
     fp.sync()
@@ -156,6 +159,7 @@ def test_the_kernel_decided_most_packets():
         test_fast_path_decides_as_the_model()
     kernel = sum(decided[k] for k in (fastpath.ABSORBED, fastpath.DROPPED, fastpath.TO_GROUP, fastpath.TO_SENDER))
     assert kernel > decided[fastpath.SLOW] > 0, decided
+    assert decided["narrow"] > 0, decided          # int8 and int16 jobs' packets too
     for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE):
         assert decided[what] > 0, (what, decided)
 
@@ -163,8 +167,8 @@ def test_the_kernel_decided_most_packets():
 def test_a_release_observer_sees_every_release():
     """With ``on_release`` set the model decides everything, so the observer misses nothing."""
     setup, steps, ref = record(0, list(range(0, 4 * 40)), "sync", [])
-    world, slots, entries = setup
-    m = new_model(world, slots, entries)
+    world, slots, entries, precision = setup
+    m = new_model(world, slots, entries, precision)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     released = []
@@ -183,8 +187,8 @@ def test_a_release_observer_sees_every_release():
 def test_state_changed_by_the_kernel_reaches_the_objects():
     """``sync`` (and a slow-path packet of the slot) bring the kernel's bank changes to the model's objects."""
     setup, steps, ref = record(0, [0, 1, 2], "sync", [])     # ranks 0-2 contribute to round 0, chunk 0
-    world, slots, entries = setup
-    m = new_model(world, slots, entries)
+    world, slots, entries, precision = setup
+    m = new_model(world, slots, entries, precision)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(4, REC)
@@ -206,8 +210,8 @@ def test_packets_that_reach_no_slot_make_none():
     """A slot's objects are made only when the model's rules reach it: foreign packets naming
     chunks (not a member, a bad rank) leave every slot unmade."""
     setup, steps, ref = record(0, [0], "sync", [])
-    world, slots, entries = setup
-    m = new_model(world, slots, entries)
+    world, slots, entries, precision = setup
+    m = new_model(world, slots, entries, precision)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(4, REC)

@@ -30,7 +30,7 @@ from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
 from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
     MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
 
-from aggd.dataplane.userspace.kernels import accumulate, load, narrow
+from aggd.dataplane.userspace.kernels import accumulate, load, narrow, narrow16
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
                              RESULT_RANK, STEPS, AggregatorModel, Bank, BankState, JobState, Slot, Verdict)
 
@@ -44,6 +44,8 @@ O_STRATEGY, O_PARAM, O_SKIP = _OFF["strategy"], _OFF["param"], _OFF["skip"]
 O_CODE = _OFF["code"]
 HDR = HEADER_SIZE
 HDR32 = HEADER_SIZE // 4
+HDR16 = HEADER_SIZE // 2
+INT32, INT16, INT8 = int(Precision.INT32), int(Precision.INT16), int(Precision.INT8)
 CONTRIB, RESULT = int(MsgType.CONTRIB), int(MsgType.RESULT)
 RETRANSMIT, OVERFLOW = int(Flag.RETRANSMIT), int(Flag.OVERFLOW)
 EMPTY, OPEN, RELEASED = int(BankState.EMPTY), int(BankState.OPEN), int(BankState.RELEASED)
@@ -134,11 +136,16 @@ def _governing(table, round_):
 
 
 @njit(cache=True, nogil=True)
-def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters):
-    """AggregatorModel._result of bank (s, b) into ``out[i]``; its length."""
+def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters, prec):
+    """AggregatorModel._result of bank (s, b) into ``out[i]`` (a job of precision ``prec``: int16
+    results for int8 contributions, int32 otherwise); its length."""
     elements = values.shape[2]
     o = out[i]
-    if narrow(values[s, b], out32[i, HDR32:HDR32 + elements]):
+    if prec == INT8:
+        over = narrow16(values[s, b], out16[i, HDR16:HDR16 + elements])
+    else:
+        over = narrow(values[s, b], out32[i, HDR32:HDR32 + elements])
+    if over:
         extra = OVERFLOW
         counters[C_OVERFLOWS] += np.uint64(1)
     else:
@@ -160,23 +167,26 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, count
     _put(o, O_NCONTRIB, 2, bi[s, b, F_NCONTRIB])
     o[O_STRATEGY] = np.uint8(bi[s, b, F_KIND])
     o[O_PARAM] = np.uint8(bi[s, b, F_PARAM])
-    return HDR + 4 * elements
+    o[O_CODE] = np.uint8(prec)
+    return HDR + (2 if prec == INT8 else 4) * elements
 
 
 @njit(cache=True, nogil=True)
-def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        member_ip, member_port, member_tag, table, bi, bu, steps, values, counters, drops, dirty, members,
-        out, out32, out_len, out_kind, out_reason):
-    """Decide packets ``start ..`` of the batch while they are the common case of ``job``; return
-    the index of the first that is not (``n`` when all were). See the module docstring."""
+def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
+        prec, member_ip, member_port, member_tag, table, bi, bu, steps, values, counters, drops, dirty, members,
+        out, out32, out16, out_len, out_kind, out_reason):
+    """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
+    contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
+    records as int32, int16 and int8); return the index of the first that is not (``n`` when all
+    were). See the module docstring."""
     nslots, elements = values.shape[0], values.shape[2]
-    size_ok = HDR + 4 * elements
+    size_ok = HDR + (4 if prec == INT32 else (2 if prec == INT16 else 1)) * elements
     i = start
     while i < n:
         p = stage[i]
         if sizes[i] != size_ok or _be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION \
-                or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job or p[O_CODE] != 0:
-            break                                            # (an int32 job's: the code byte is 0)
+                or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job or p[O_CODE] != prec:
+            break                                            # (the code byte: the job's precision)
         count, rank, chunk, step = _be16(p, O_COUNT), _be16(p, O_RANK), _be32(p, O_CHUNK), _be16(p, O_STEP)
         if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS:
             break
@@ -287,12 +297,26 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
             i += 1
             continue
         dirty[s] = 1
-        payload = stage32[i, HDR32:HDR32 + elements]
-        if fresh:
-            load(values[s, b], payload)
-            bi[s, b, F_EXPONENT] = exponent
+        if prec == INT32:    # (one call a type: numba types each payload view on its own)
+            if fresh:
+                load(values[s, b], stage32[i, HDR32:HDR32 + elements])
+            else:
+                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                                  stage32[i, HDR32:HDR32 + elements], exponent)
+        elif prec == INT16:
+            if fresh:
+                load(values[s, b], stage16[i, HDR16:HDR16 + elements])
+            else:
+                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                                  stage16[i, HDR16:HDR16 + elements], exponent)
         else:
-            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT], payload, exponent)
+            if fresh:
+                load(values[s, b], stage8[i, HDR:HDR + elements])
+            else:
+                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                                  stage8[i, HDR:HDR + elements], exponent)
+        if fresh:
+            bi[s, b, F_EXPONENT] = exponent
         weight = _be16(p, O_NCONTRIB)       # a rack's partial sum holds that many (a worker's: 0, one)
         bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + (weight if weight > 0 else 1)) & 0xFFFF
         counters[C_CONTRIBUTIONS] += np.uint64(1)
@@ -318,11 +342,13 @@ def run(stage, stage32, sizes, names, nows, start, n, job, world, max_chunks, se
         if complete:
             bi[s, b, F_STATE] = RELEASED
             counters[C_RELEASED] += np.uint64(1)
-            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters)
+            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters,
+                                 prec)
             out_kind[i] = TO_GROUP
         elif bi[s, b, F_KIND] == ASYNC:
             counters[C_PARTIALS] += np.uint64(1)
-            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, i, counters)
+            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters,
+                                 prec)
             out_kind[i] = TO_SENDER
         else:
             out_kind[i] = ABSORBED
@@ -359,6 +385,9 @@ class FastJob:
         model's slot objects are made from the arrays when first used (``_make_slot``)."""
         self.model, self.job = model, job
         self.state: JobState = model.jobs[job]
+        #: every packet to the model: some of the job's slots are the kernel's (a narrow job's
+        #: frames the XDP program could not grow, handed back to it: UserspaceAggregator.hand_back)
+        self.slow_only = False
         slots = self.state.cfg.slots
         arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))
                   for name, (dt, shape) in self.layout(slots, model.elements).items()}
@@ -473,11 +502,14 @@ class Batch:
             raise ValueError("records must be a multiple of 8 bytes")
         self.stage = np.zeros((self.n, self.rec), np.uint8)
         self.stage32 = self.stage.view(np.int32)
+        self.stage16 = self.stage.view(np.int16)
+        self.stage8 = self.stage.view(np.int8)
         self.sizes = np.zeros(self.n, np.int64)
         self.names = np.zeros((self.n, SOCKADDR_IN), np.uint8)
         self.nows = np.zeros(self.n, np.uint64)
         self.out = np.zeros((self.n, self.rec), np.uint8)
         self.out32 = self.out.view(np.int32)
+        self.out16 = self.out.view(np.int16)
         self.out_len = np.zeros(self.n, np.int64)
         self.out_kind = np.zeros(self.n, np.int64)
         self.out_reason = np.zeros(self.n, np.int64)
@@ -533,12 +565,13 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
-                    and fj.state.cfg.upstream is None and fj.state.cfg.precision == Precision.INT32 \
+                    and fj.state.cfg.upstream is None and not fj.slow_only \
                     and fj.state.cfg.bound is None:   # (a bounded job's values are checked by the model)
-                nxt = run(stage, batch.stage32, sizes, batch.names, batch.nows, i, n, job, fj.state.cfg.world,
-                          fj.state.cfg.max_chunks, fj.model.served_flags, fj.member_ip, fj.member_port, fj.member_tag,
+                nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
+                          fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,
+                          int(fj.state.cfg.precision), fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
-                          batch.out, batch.out32, batch.out_len, kind, batch.out_reason)
+                          batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason)
                 if nxt > i:
                     i = nxt
                     continue
@@ -583,8 +616,9 @@ def warm_up() -> None:
     """Compile (or load from the cache) the kernel for the arrays the server passes."""
     batch = Batch(1, HDR + 8)
     one = np.zeros(1, np.int64)
-    run(batch.stage, batch.stage32, batch.sizes, batch.names, batch.nows, 0, 0, 0, 1, 1, 0, np.zeros(64, np.int64),
+    run(batch.stage, batch.stage32, batch.stage16, batch.stage8, batch.sizes, batch.names, batch.nows, 0, 0, 0, 1, 1,
+        0, 0, np.zeros(64, np.int64),
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
-        np.zeros((64, 6), np.uint64), batch.out, batch.out32, one, batch.out_kind, batch.out_reason)
+        np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason)

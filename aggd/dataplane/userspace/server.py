@@ -208,6 +208,9 @@ class UserspaceAggregator(DataPlane):
                 self._kernel_held.pop(job, None)
             else:
                 self._kernel_held[job] = (int(slots), int(kernel_slots), rerun)
+            fj = self._fast.jobs.get(job)
+            if fj is not None:
+                fj.slow_only = job in self._kernel_held
 
     def _drop(self, job: int) -> None:
         self._kernel_held.pop(job, None)
