@@ -353,9 +353,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         if a.dtype not in quant.FLOAT_DTYPES:
             raise TypeError(f"aggd reduces float16, float32 and float64 arrays, got {a.dtype}")
         if out is not None:
-            _check_out(out, a)
+            _check_buffer("out", out, a)
         if residual is not None:
-            _check_residual(residual, a)
+            _check_buffer("residual", residual, a, residual=True)
         mean = op == "mean"
         if a.size == 0:  # nothing to send: the round is used up and answered at once
             rnd = _Round(self._next_round, a.shape, a.dtype, 0, self._elements, mean, out)
@@ -494,26 +494,18 @@ class AllreduceHandle:
         return f"<AllreduceHandle round {self._round.number} step {self.step} {state}>"
 
 
-def _check_residual(residual, a: np.ndarray) -> None:
-    if not isinstance(residual, np.ndarray):
-        raise TypeError(f"residual must be a numpy array, not {type(residual).__name__}")
-    if residual.size != a.size or residual.dtype not in (np.dtype(np.float64), a.dtype):
-        raise ValueError(f"residual must hold {a.size} float64 (or {a.dtype}) values, not {residual.size} "
-                         f"{residual.dtype}")
-    if not residual.flags.c_contiguous or not residual.flags.writeable:
-        raise ValueError("residual must be C-contiguous and writable")
-    if np.may_share_memory(residual, a):
-        raise ValueError("residual must not share memory with the input")
-
-
-def _check_out(out, a: np.ndarray) -> None:
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a numpy array, not {type(out).__name__}")
-    if out.shape != a.shape or out.dtype != a.dtype:
-        raise ValueError(f"out must have the input's shape {a.shape} and dtype {a.dtype}, not "
-                         f"{out.shape} {out.dtype}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out must be C-contiguous and writable")
-    if np.may_share_memory(out, a):
-        # a result may arrive (a straggler's quorum answer) before the input's chunk was read
-        raise ValueError("out must not share memory with the input")
+def _check_buffer(name: str, buf, a: np.ndarray, residual: bool = False) -> None:
+    """``out`` (the input's shape and dtype) or ``residual`` (its size, float64 or its dtype): a
+    C-contiguous writable numpy array that shares no memory with the input (a result may arrive, a
+    straggler's quorum answer, before the input's chunk was read)."""
+    if not isinstance(buf, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, not {type(buf).__name__}")
+    if residual and (buf.size != a.size or buf.dtype not in (np.dtype(np.float64), a.dtype)):
+        raise ValueError(f"{name} must hold {a.size} float64 (or {a.dtype}) values, not {buf.size} {buf.dtype}")
+    if not residual and (buf.shape != a.shape or buf.dtype != a.dtype):
+        raise ValueError(f"{name} must have the input's shape {a.shape} and dtype {a.dtype}, not "
+                         f"{buf.shape} {buf.dtype}")
+    if not buf.flags.c_contiguous or not buf.flags.writeable:
+        raise ValueError(f"{name} must be C-contiguous and writable")
+    if np.may_share_memory(buf, a):
+        raise ValueError(f"{name} must not share memory with the input")

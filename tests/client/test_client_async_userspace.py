@@ -24,13 +24,8 @@ JOB = 13
 
 
 @pytest.fixture
-def agg():
-    a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-    a.start()
-    try:
-        yield a
-    finally:
-        a.close()
+def agg(userspace_agg):
+    return userspace_agg(E)
 
 
 def job(agg, world: int, text: str, *, slots: int = 16, **kw) -> list[AggClient]:

@@ -57,13 +57,8 @@ def bound_for(arrays, world):
 
 
 @pytest.fixture
-def agg():
-    a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-    a.start()
-    try:
-        yield a
-    finally:
-        a.close()
+def agg(userspace_agg):
+    return userspace_agg(E)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])

@@ -27,13 +27,8 @@ SIZES = [1, E - 9, 4 * E + 3, 7, 2 * E]   # unequal sizes across calls
 
 
 @pytest.fixture
-def agg():
-    a = userspace.UserspaceAggregator(bind=("127.0.0.1", 0), elements=E)
-    a.start()
-    try:
-        yield a
-    finally:
-        a.close()
+def agg(userspace_agg):
+    return userspace_agg(E)
 
 
 def run(agg, precision: Precision, text: str, fn, **kw):
