@@ -12,8 +12,9 @@ from aggd.training.labtrain import RunParams, lab_daemon, run
 
 pytestmark = pytest.mark.root
 
-#: honest workers' steps (lr 0.5) stay below 0.15 in magnitude; ten times one of them does not
-MAX_ABS = 0.3
+#: honest workers' steps (lr 0.5) stay below 0.3 in magnitude (0.27 at most over a clean run: the
+#: bound leaves twice that); ten times one of them in rounds 20-40 is 0.75 or more
+MAX_ABS = 0.6
 FAULTY = (3, 20, -10.0)
 
 
@@ -31,7 +32,10 @@ def test_a_member_sending_ten_times_its_step_backwards_is_quarantined():
                       quarantine_after=3)
     assert clean.final_accuracy > 0.9, clean.final_accuracy
     assert plain is None or plain.final_accuracy < clean.final_accuracy - 0.2, (collapsed, clean.final_accuracy)
-    assert abs(bounded.final_accuracy - clean.final_accuracy) <= 0.01, (bounded.final_accuracy, clean.final_accuracy)
+    # final accuracy: rank 0's mean over the last five evaluations (25 rounds): on the 450 test
+    # images one evaluation moves by more than the point compared from one round to the next
+    end = {name: sum(a for _, a in r.curve[-5:]) / 5 for name, r in (("clean", clean), ("bounded", bounded))}
+    assert abs(end["bounded"] - end["clean"]) <= 0.01, end
     faulty = bounded.members[3]
     assert faulty["gone"] and faulty["gone"]["quarantined"], faulty
     assert "out of bounds" in faulty["gone"]["reason"] and faulty["offences"] >= 3, faulty
