@@ -25,6 +25,8 @@
  * packet that needed several (and in a jumbo build the widening and narrowing loops would take the
  * program past the verifier's limit): there the daemon gives such jobs no kernel slots. */
 #define AGGD_NARROW (ELEMS <= AGGD_PAGE_MAX_ELEMENTS)
+/* Bytes a narrow job's frame grows by, from its contribution to its result. */
+#define RESULT_GROWTH(prec) (ELEMS * (result_width(prec) - contrib_width(prec)))
 
 /* Per-member bounds (docs/protocol.md, "Bounds") are checked here up to native XDP's largest packet;
  * in a jumbo build their loop would take the program past the verifier's limit, and the daemon
@@ -235,20 +237,16 @@ static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load,
 	}
 	if (!load)
 		return buf;
+	if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, prec == AGGD_PRECISION_INT8 ? ELEMS : ELEMS * 2)) {
+		*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
+		return 0;
+	}
 	if (prec == AGGD_PRECISION_INT8) {
-		if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, ELEMS)) {
-			*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-			return 0;
-		}
 		__s8 *b = (void *)buf;
 		_Pragma("clang loop unroll_count(8)")
 		for (int i = ELEMS - 1; i >= 0; i--)
 			buf[i] = (__u32)(__s32)b[i];
 	} else {
-		if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 2)) {
-			*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
-			return 0;
-		}
 		__s16 *b = (void *)buf;
 		_Pragma("clang loop unroll_count(8)")
 		for (int i = ELEMS - 1; i >= 0; i--)
@@ -509,8 +507,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		/* The result is wider than the contribution: the frame grows to its size before any
 		 * state changes. A frame without the room (a small skb on native veth) goes up, and the
 		 * daemon runs it through this program again on a buffer that has it (BPF_PROG_TEST_RUN). */
-		int grow = ELEMS * (result_width(prec) - contrib_width(prec));
-		if (bpf_xdp_adjust_tail(ctx, grow)) {
+		if (bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
 			jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 			return XDP_PASS;
 		}
@@ -909,9 +906,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		return XDP_ABORTED;
 #if AGGD_NARROW
 	if (prec != AGGD_PRECISION_INT32 && out >= 0) {
-		__u16 grown = ELEMS * (result_width(prec) - contrib_width(prec));
-		ip->tot_len = htons(ntohs(ip->tot_len) + grown);
-		udp->len = htons(ntohs(udp->len) + grown);
+		ip->tot_len = htons(ntohs(ip->tot_len) + RESULT_GROWTH(prec));
+		udp->len = htons(ntohs(udp->len) + RESULT_GROWTH(prec));
 	}
 #endif
 

@@ -152,15 +152,13 @@ def _handing_back(lab: Lab, dp, job: LabJob):
     if job.precision == 32:
         yield None
         return
-    from aggd.core.model import JobConfig
     from aggd.dataplane.netns import in_netns
     from aggd.dataplane.userspace.server import UserspaceAggregator
     with in_netns(lab.agg_ns):
         agg = UserspaceAggregator((lab.agg_ip, proto.DEFAULT_PORT), elements=dp.elements)
     try:
         c = job.config(lab)
-        agg.add_job(JobConfig(job=c.job, world=c.world, slots=c.slots, max_chunks=c.max_chunks, members=c.members,
-                              group=c.group, precision=c.precision))
+        agg.install_job(c)
         agg.hand_back(c.job, c.slots, c.slots, dp.rerun)
         yield agg.start()
     finally:

@@ -17,8 +17,8 @@ Header checks and counters
   Precision), bad_chunk,
   then the hand-off to user space of a payload that is not exactly ``elements`` values of the job's
   precision (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound``,
-  out_of_bounds (a value beyond it: the member's ``offences`` counted), then the slot rules. Malformed or foreign packets are
-  refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
+  out_of_bounds (a value beyond it: the member's ``offences`` counted), then the slot rules.
+  Malformed or foreign packets are refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
   0 up, where user space refuses a wrong one.)
   ``bad_count`` counts the values' bytes in the precision the packet's ``code`` names (int32 if it
   names none): a contribution's type for contributions and re-reads, a result's for results.

@@ -186,6 +186,10 @@ class Job:
     def precision(self) -> Precision:
         return PRECISION_OF_BITS[self.precision_bits]
 
+    def quarantined(self, rank: int) -> bool:
+        """Whether ``rank`` is gone as quarantined: no member until readmitted by hand."""
+        return bool(self.gone.get(rank, {}).get("quarantined"))
+
     # -- derived ---------------------------------------------------------------------------------
     @property
     def userspace_slots(self) -> int:
@@ -483,7 +487,7 @@ class Registry:
             return JoinOutcome(NackCode.NOT_MEMBER,
                                f"rank {rank} is not a member of job {job.name!r} (world {job.world}: "
                                f"ranks 0..{job.world - 1})", job)
-        if job.gone.get(rank, {}).get("quarantined"):
+        if job.quarantined(rank):
             return JoinOutcome(NackCode.NOT_MEMBER,
                                f"rank {rank} of job {job.name!r} is quarantined ({job.gone[rank]['reason']}): "
                                f"aggctl workers readmit lets it back", job)

@@ -159,7 +159,7 @@ class PolicyRunner:
         limit, now_ns = rules.threshold_s(step_s), int(now * 1e9)
         self._quarantine(job, rows)
         for rank, gone in list(job.gone.items()):
-            if gone.get("quarantined"):
+            if job.quarantined(rank):
                 continue      # let back in by hand only (aggctl workers readmit)
             # the slots are read only for a member that keeps pace otherwise
             if keeps_pace(rows, rank, gone["round"], job.awaited, rules) and \
@@ -193,7 +193,6 @@ class PolicyRunner:
         for o in offenders(rows, job.gone, counted, job.quarantine_after, job.max_abs):
             try:
                 self.service.depart(job, o.rank, o.reason(), quarantine=True)
-                counted[o.rank] = o.offences + counted.get(o.rank, 0)
             except Exception as exc:  # refused (the last awaited member)
                 log.error("job %s: rank %d is out of bounds but cannot be quarantined: %s", job.name, o.rank, exc)
 

@@ -38,6 +38,7 @@ from aggd_client.protocol import Header
 from aggd.core import hotswap
 from aggd.core import strategy as strat
 
+from aggd.dataplane.xdp import loader as xdp_loader
 from aggd.dataplane.xdp import ops as xdp_ops
 from aggd.daemon.config import Config, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError, check_args
@@ -143,7 +144,6 @@ class Service:
         self.kernel_capacity = config.p4.slots if config.dataplane.kind == "p4" else config.kernel_slots
         self.registry = Registry(self._limits(config))
         self.departures: dict[int, int] = {}   # job id -> members declared gone since start
-        self.quarantines: dict[int, int] = {}  # job id -> members quarantined since start (out of bounds)
         self.upstream = UpstreamLinks(self)    # rack jobs' links to their upper aggregators
         self.shard_reports = ShardReports()    # sharded jobs' maps, as their members report them
         self.state_path = Path(config.state.dir) / STATE_FILE
@@ -152,17 +152,17 @@ class Service:
         dp, jobs = cfg.dataplane, cfg.jobs
         budget = self.kernel_capacity if dp.kind == "p4" else \
             min(cfg.dataplane.kernel_memory // self.slot_bytes, self.kernel_capacity)
+        # the P4 programs forward, add narrow lanes and check bounds nowhere: such jobs go to user space
+        serves = xdp_loader.Serves(False, False, False) if dp.kind == "p4" else \
+            xdp_loader.Serves.of(dp.elements_per_packet)
         return Limits(kernel_budget=budget,
                       elements=dp.elements_per_packet,
                       port=dp.port, userspace_port=dp.userspace_port, result_port=jobs.result_port,
                       group_base=jobs.group_base, default_slots=jobs.default_slots, max_slots=jobs.max_slots,
                       max_job_memory=jobs.max_job_memory, max_chunks=jobs.max_chunks,
                       gso=dp.mode == "native",
-                      # the XDP program serves rack jobs up to native XDP's largest packet
-                      forwards_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS,
-                      # and narrow jobs in frames of one page (aggd_xdp.c, AGGD_NARROW)
-                      narrow_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.PAGE_MAX_ELEMENTS,
-                      bounds_in_kernel=dp.kind != "p4" and dp.elements_per_packet <= proto.NATIVE_MAX_ELEMENTS)
+                      forwards_in_kernel=serves.relays, narrow_in_kernel=serves.narrow,
+                      bounds_in_kernel=serves.bounds)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -331,7 +331,7 @@ class Service:
     def _apply(self, job: Job, keep_kernel: bool = False) -> None:
         """Install ``job`` in every data plane (the kernel's slots kept if ``keep_kernel``); a
         quarantined member's address is not (its packets are refused as not a member's)."""
-        members = {r: m.address for r, m in job.members.items() if not job.gone.get(r, {}).get("quarantined")}
+        members = {r: m.address for r, m in job.members.items() if not job.quarantined(r)}
         tags = {r: m.tag for r, m in job.members.items()}
         cfg = types.SimpleNamespace(job=job.id, world=job.world, slots=job.slots, max_chunks=job.max_chunks,
                                     members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
@@ -652,7 +652,6 @@ class Service:
             at_round = (max_round(self._holding(job), job) or 0) + 1
         self.registry.depart(job.id, rank, reason, time.time(), at_round, quarantined=quarantine)
         if quarantine:
-            self.quarantines[job.id] = self.quarantines.get(job.id, 0) + 1
             for plane in self.planes:
                 plane.set_member(job.id, rank, None)
         try:
@@ -669,7 +668,7 @@ class Service:
 
     def readmit(self, job: Job, rank: int, reason: str) -> Job:
         """Rounds wait for ``rank`` again (a quarantined one is a member again: its address back)."""
-        quarantined = job.gone.get(rank, {}).get("quarantined")
+        quarantined = job.quarantined(rank)
         self.registry.readmit(job.id, rank)
         m = job.members.get(rank)
         if quarantined and m is not None:

@@ -151,7 +151,6 @@ class _Send:
         self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
         self.dropped = False
         self.last_ack = time.monotonic()
-        # the numba fill writes int32 payloads with round-half-even: int32 jobs only
         self.fast_fill = c._fast
         self.fill_args = None  # the numba fill's masks and scratch, for the input's dtype
         # ``residual``: the caller's array receiving x - dequantised contribution; the values and

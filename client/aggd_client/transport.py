@@ -18,8 +18,7 @@ import numpy as np
 
 from . import msend
 from .mrecv import MultiReceiver
-from .protocol import HEADER_DTYPE, HEADER_SIZE, packet_dtype
-from .protocol.definition import Precision
+from .protocol import HEADER_DTYPE, HEADER_SIZE
 from .rounds import ADMIT_MAX
 
 log = logging.getLogger("aggd_client")  # one logger for the whole client, whatever the module
@@ -106,12 +105,9 @@ class UdpTransport:
         (``payload``), and is as long as the longest result of ``elements`` values (int32), so a
         result of another precision is received whole and refused by its ``code``."""
         E = self._elements
-        if self._precision == Precision.INT32:
-            dtype = packet_dtype(E, Precision.INT32, result=True)
-        else:
-            dtype = np.dtype({"names": ["hdr", "payload"],
-                              "formats": [HEADER_DTYPE, (np.dtype(self._lanes.result), (E,))],
-                              "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * E})
+        dtype = np.dtype({"names": ["hdr", "payload"],
+                          "formats": [HEADER_DTYPE, (np.dtype(self._lanes.result), (E,))],
+                          "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * E})
         self._stage_rec = rec = dtype.itemsize
         stage = max(16, min(STAGE, STAGE_BYTES // rec))
         self._stage = np.zeros(stage, dtype)  # receive staging

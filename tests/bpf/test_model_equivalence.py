@@ -84,9 +84,9 @@ def odd_harness():
     dp.close()
 
 
-def sequences_at_packet_size(h, kind: str, label: str, count: int) -> None:
+def sequences_at_packet_size(h, kind: str, label: str, count: int, **run_kw) -> None:
     """``count`` random sequences of strategy ``kind`` (with a swap in some) on harness ``h``,
-    built for its own packet size."""
+    built for its own packet size (``run_kw``: more of ``run_sequence``'s, e.g. ``precision``)."""
     before = RUN[label]
 
     @settings(SETTINGS, max_examples=count // BATCH)
@@ -94,7 +94,7 @@ def sequences_at_packet_size(h, kind: str, label: str, count: int) -> None:
     def sequences_agree(batch):
         for (shape, ops), changes in batch:
             run_sequence(h, RUN, label, table_for(kind, shape), shape, ops, changes[0] if changes else (),
-                         elements=h.elements)
+                         elements=h.elements, **run_kw)
 
     sequences_agree()
     assert RUN[label] - before >= count
@@ -176,7 +176,6 @@ def test_simulated_training_with_hot_swaps(harness, seed, admission):
     assert bool(sim.over_terms()) == (admission == "unbounded"), sim.over_terms()[:2]
 
 
-
 #: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
 #: lanes and narrowed into int16 / int32 results in a frame the program grows (docs/protocol.md,
 #: "Precision"). The values include each type's largest magnitudes.
@@ -186,20 +185,8 @@ NARROW_SEQUENCES = 200   #: per strategy and precision
 @pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_sequences_narrow(harness, kind, precision):
-    label = f"{precision.name.lower()} {kind}"
-    before = RUN[label]
-
-    @settings(SETTINGS, max_examples=NARROW_SEQUENCES // BATCH)
-    @given(batch=st.lists(st.tuples(sequences, st.lists(swaps, max_size=1)), min_size=BATCH, max_size=BATCH))
-    def sequences_agree(batch):
-        for (shape, ops), changes in batch:
-            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, changes[0] if changes else (),
-                         precision=precision)
-
-    sequences_agree()
-    assert RUN[label] - before >= NARROW_SEQUENCES
-
-
+    sequences_at_packet_size(harness, kind, f"{precision.name.lower()} {kind}", NARROW_SEQUENCES,
+                             precision=precision)
 
 
 def test_narrow_packets_pass_up_in_multi_buffer_frames(frags_harness):

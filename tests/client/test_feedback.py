@@ -3,7 +3,6 @@ period, residuals persist and stay bounded without reset, keys are bounded (LRU)
 settings that turn it on."""
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -11,6 +10,8 @@ import pytest
 from aggd_client import AggClient, quant
 from aggd_client.feedback import ErrorFeedback
 from aggd_client.protocol.definition import Precision
+
+from tests.harness.ranks import run_ranks
 
 from .test_client import JOB
 from .test_client_precision import PrecisionFake
@@ -22,29 +23,11 @@ def run_members(fake, world, fn, *, precision=8, **kw):
     """``fn(rank, ErrorFeedback)`` in one thread per member; their return values."""
     clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), elements=E,
                          precision=precision, seed=100 + r, give_up_after=10.0) for r in range(world)]
-    out: list = [None] * world
-    errs: list = [None] * world
-
-    def work(r):
-        try:
-            out[r] = fn(r, ErrorFeedback(clients[r], **kw))
-        except BaseException as e:  # noqa: BLE001
-            errs[r] = e
-
-    ts = [threading.Thread(target=work, args=(r,)) for r in range(world)]
     try:
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        assert not any(t.is_alive() for t in ts)
+        return run_ranks(clients, lambda r, c: fn(r, ErrorFeedback(c, **kw)), timeout=60)
     finally:
         for c in clients:
             c.close()
-    for e in errs:
-        if e is not None:
-            raise e
-    return out
 
 
 def inputs(world, calls, size, seed=0):

@@ -7,7 +7,6 @@ Skipped when the daemon package is not installed: the client does not depend on 
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ import pytest
 from aggd_client import AggClient, quant
 from aggd_client.feedback import ErrorFeedback
 from aggd_client.protocol.definition import Precision, StrategyKind
+
+from tests.harness.ranks import run_ranks
 
 userspace = pytest.importorskip("aggd.dataplane.userspace.server")
 model = pytest.importorskip("aggd.core.model")
@@ -38,31 +39,14 @@ def run(agg, precision: Precision, text: str, fn, **kw):
                          precision=precision, seed=r, strategy=text.rsplit(":", 1)[0] if
                          text.startswith("quorum") else text, catch_up=False, **kw)
                for r in range(WORLD)]
-    out: list = [None] * WORLD
-    errs: list = [None] * WORLD
     try:
         agg.add_job(model.JobConfig(job=JOB, world=WORLD, slots=16, max_chunks=1 << 16,
                                     members={r: c.address for r, c in enumerate(clients)},
                                     elements=E, strategy=strategy.parse(text), precision=precision))
-
-        def work(r):
-            try:
-                out[r] = fn(r, clients[r])
-            except BaseException as e:  # noqa: BLE001
-                errs[r] = e
-
-        ts = [threading.Thread(target=work, args=(r,)) for r in range(WORLD)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        assert not any(t.is_alive() for t in ts), "a worker hung"
+        out = run_ranks(clients, fn, timeout=60)
     finally:
         for c in clients:
             c.close()
-    for e in errs:
-        if e is not None:
-            raise e
     drops = {k: v for k, v in agg.stats()["jobs"][JOB]["drops"].items() if v}
     assert "bad_precision" not in drops
     return out

@@ -15,6 +15,7 @@ import logging
 import socket
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +65,19 @@ def _be16_of(port: int) -> int:
 def _mac_of(text: str) -> bytes:
     """``aa:bb:..`` (a link's or a neighbour's address as the kernel gives it) as 6 bytes."""
     return bytes.fromhex(text.replace(":", ""))
+
+
+class Serves(NamedTuple):
+    """What the XDP program built for ``elements`` values a packet serves in the kernel (aggd_xdp.c:
+    AGGD_RELAYS, AGGD_NARROW, AGGD_BOUNDS); the daemon gives other jobs no kernel slots."""
+    relays: bool     #: a rack job's forwarding and relaying (not in a jumbo build)
+    narrow: bool     #: int8 and int16 contributions (in a page's frame only)
+    bounds: bool     #: per-member bounds (not in a jumbo build)
+
+    @classmethod
+    def of(cls, elements: int) -> "Serves":
+        return cls(elements <= proto.NATIVE_MAX_ELEMENTS, elements <= proto.PAGE_MAX_ELEMENTS,
+                   elements <= proto.NATIVE_MAX_ELEMENTS)
 
 
 def layout_file(pin_dir: Path) -> Path:
@@ -157,12 +171,8 @@ class XdpDataPlane(DataPlane):
         self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
         # A native frame larger than a page arrives in several buffers (XDP multi-buffer).
         self.frags = (mode == "native" and elements > proto.PAGE_MAX_ELEMENTS) if frags is None else frags
-        #: the program relays a rack job's upper results itself (not in a jumbo build: aggd_xdp.c)
-        self.relays = elements <= proto.NATIVE_MAX_ELEMENTS
-        #: the program serves jobs of int8 and int16 contributions (in a page's frame only: aggd_xdp.c)
-        self.narrow = elements <= proto.PAGE_MAX_ELEMENTS
-        #: the program checks per-member bounds (not in a jumbo build: aggd_xdp.c)
-        self.bounds = elements <= proto.NATIVE_MAX_ELEMENTS
+        serves = Serves.of(elements)
+        self.relays, self.narrow = serves.relays, serves.narrow
         self.netns = netns  # attach inside this network namespace (the lab's aggregator)
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
