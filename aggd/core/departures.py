@@ -127,3 +127,61 @@ def offenders(rows: list[dict], gone: dict[int, dict], counted: dict[int, int], 
         if rank not in gone and n >= quarantine_after:
             out.append(Offender(rank, n, bound))
     return out
+
+
+def zeno_score(now: tuple | None, then: tuple | None, rho: float) -> float | None:
+    """A member's Zeno-style score over a window of a robust job's releases: from its score terms
+    at the window's end ``now`` and start ``then`` (``member_stats`` ``score_terms``: sums of
+    ``<x, m>``, ``<x, x>``, ``<m, m>``; ``aggd.core.robust.score_terms``),
+    ``(Δ<x, m> - rho·Δ<x, x>) / Δ<m, m>``: about 1 - rho·(1 + noise) for an honest member, negative
+    for one that points away from the job's statistic or is far larger than it. None: no release
+    with its row in the window."""
+    if now is None:
+        return None
+    d = [a - b for a, b in zip(now, then or (0.0, 0.0, 0.0))]
+    if d[2] <= 0.0:
+        return None
+    return (d[0] - rho * d[1]) / d[2]
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """A member of a robust job whose score stayed below 0 long enough to be quarantined."""
+    rank: int
+    score: float         #: in the last window
+    windows: int         #: in a row below 0
+    rho: float
+    combine: str
+
+    def reason(self) -> str:
+        return (f"robust score {self.score:.2f} below 0 in {self.windows} policy windows in a row "
+                f"((<x, m> - {self.rho:g}|x|^2) / |m|^2, m the job's {self.combine}); "
+                f"quarantined until readmitted by hand")
+
+
+class ScoreWatch:
+    """One robust job's score windows: ``observe`` each policy tick with the members' rows; it
+    names the members whose score was below 0 in ``after`` windows in a row (a window without a
+    release of theirs neither counts nor breaks the run)."""
+
+    def __init__(self, rho: float, after: int, combine: str) -> None:
+        self.rho, self.after, self.combine = rho, after, combine
+        self.then: dict[int, tuple] = {}
+        self.run: dict[int, int] = {}
+        self.last: dict[int, float] = {}    #: each member's latest score, for aggctl
+
+    def observe(self, rows: list[dict], gone: dict[int, dict]) -> list[Suspect]:
+        out = []
+        for r in rows:
+            rank, terms = int(r["rank"]), r.get("score_terms")
+            score = zeno_score(terms, self.then.get(rank), self.rho)
+            if terms is not None:
+                self.then[rank] = tuple(terms)
+            if score is None:
+                continue
+            self.last[rank] = score
+            # a gone member's run starts again when it is let back in
+            self.run[rank] = self.run.get(rank, 0) + 1 if score < 0 and rank not in gone else 0
+            if self.after > 0 and self.run[rank] >= self.after:
+                out.append(Suspect(rank, score, self.run[rank], self.rho, self.combine))
+        return out

@@ -114,6 +114,7 @@ from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, MAX_JOBS, MAX_MEMBE
                                   Flag, Header, MsgType, NackCode, Precision, StrategyKind, payload_dtype)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
+from aggd.core.robust import SUM, Combine, check_strategy, combine_rows, score_terms
 from aggd.core.strategy import SYNC, Strategy, StrategyTable, TableEntry, governing, to_entry  # noqa: F401 (re-exported)
 
 Addr = tuple[str, int]
@@ -180,9 +181,11 @@ class Arithmetic(NamedTuple):
     load: Callable[[np.ndarray, np.ndarray], None]
     accumulate: Callable[[np.ndarray, int, np.ndarray, int], int]
     narrow: Callable[[np.ndarray, np.dtype], tuple[np.ndarray, bool]]
+    #: a robust job's release: (rows, exponents, Combine) -> (int64 sums, exponent)
+    combine: Callable[[np.ndarray, np.ndarray, Combine], tuple[np.ndarray, int]] = combine_rows
 
 
-NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow)
+NUMPY_ARITHMETIC = Arithmetic(np_load, np_accumulate, np_narrow, combine_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +252,9 @@ class JobConfig:
     precision: Precision = Precision.INT32
     #: Per-member bound on a contribution's values (docs/protocol.md, "Bounds"); None: unbounded.
     bound: Bound | None = None
+    #: How a round's contributions are combined (docs/protocol.md, "Robust jobs"): summed, or
+    #: kept one row per member and released as their median or trimmed mean (times the rows).
+    combine: Combine = SUM
 
     def __post_init__(self) -> None:
         if not 0 <= self.job < MAX_JOBS:
@@ -270,6 +276,8 @@ class JobConfig:
         self.precision = Precision(self.precision)
         if self.upstream is not None and self.precision != Precision.INT32:
             raise ValueError("a rack job forwards int32 sums: its precision must be int32")
+        if self.upstream is not None and self.combine.robust:
+            raise ValueError(f"a rack job forwards sums: it cannot combine by {self.combine}")
 
     @property
     def result_dtype(self) -> np.dtype:
@@ -356,6 +364,10 @@ class Bank:
     #: that takes no part in the slot's key order or admission and whose deadline has not started.
     holding: bool = False
     steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
+    #: A robust job's rows: int32[world, elements], each member's own contribution (views, as
+    #: ``values``), and their exponents int64[world]; None in a summing job.
+    rows: np.ndarray | None = None
+    row_exp: np.ndarray | None = None
 
     def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False, skip: int = 0) -> None:
         self.state, self.key, self.t_first, self.holding = BankState.OPEN, key, now, holding
@@ -400,14 +412,22 @@ class Bank:
 
 #: Columns of ``JobState.members`` (the XDP program's ``struct member_stats``).
 M_CONTRIBUTIONS, M_LAG_NS, M_LATE, M_LAST_ROUND, M_LAST_NS, M_OFFENCES = range(6)
+#: Columns of ``JobState.scores`` (a robust job's, summed over its releases): a member's row
+#: against the statistic, ``<x, m>`` and ``<x, x>``, and the statistic's ``<m, m>``.
+S_DOT, S_NORM, S_REF = range(3)
 
 
-def member_rows(members: np.ndarray, world: int) -> list[dict]:
-    """``DataPlane.member_stats`` rows from a ``JobState.members`` array."""
-    return [{"rank": r, "contributions": int(m[M_CONTRIBUTIONS]), "lag_ns_sum": int(m[M_LAG_NS]),
+def member_rows(members: np.ndarray, world: int, scores: np.ndarray | None = None) -> list[dict]:
+    """``DataPlane.member_stats`` rows from a ``JobState.members`` array (and a robust job's
+    ``JobState.scores``: each row's ``score_terms``)."""
+    rows = [{"rank": r, "contributions": int(m[M_CONTRIBUTIONS]), "lag_ns_sum": int(m[M_LAG_NS]),
              "late": int(m[M_LATE]), "last_round": int(m[M_LAST_ROUND]) - 1 if m[M_LAST_ROUND] else None,
              "offences": int(m[M_OFFENCES]),
              "last_ns": int(m[M_LAST_NS])} for r, m in enumerate(members[:world])]
+    if scores is not None:
+        for row in rows:
+            row["score_terms"] = tuple(float(x) for x in scores[row["rank"]])
+    return rows
 
 
 def check_awaited(awaited: int, world: int) -> int:
@@ -503,10 +523,16 @@ def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
     return not slot.open_banks()
 
 
-def new_slot(elements: int) -> Slot:
-    """An empty slot of ``elements`` values a bank."""
+def new_slot(elements: int, rows: int = 0) -> Slot:
+    """An empty slot of ``elements`` values a bank; with ``rows`` (a robust job's world), as many
+    rows a bank."""
     values = np.zeros((BANKS, elements), np.int64)
-    return Slot([Bank(values[b]) for b in range(BANKS)])
+    slot = Slot([Bank(values[b]) for b in range(BANKS)])
+    if rows:
+        kept, exps = np.zeros((BANKS, rows, elements), np.int32), np.zeros((BANKS, rows), np.int64)
+        for b, bank in enumerate(slot.banks):
+            bank.rows, bank.row_exp = kept[b], exps[b]
+    return slot
 
 
 class Slots:
@@ -552,6 +578,8 @@ class JobState:
     #: Per member (rank): contributions, lag_ns_sum, late, last round + 1 (0: none), last_ns,
     #: offences (contributions beyond the job's bound).
     members: np.ndarray = field(default_factory=lambda: np.zeros((MAX_MEMBERS, 6), np.uint64))
+    #: A robust job's score terms per member (S_DOT, S_NORM, S_REF), summed over its releases.
+    scores: np.ndarray = field(default_factory=lambda: np.zeros((MAX_MEMBERS, 3), np.float64))
     #: Counters the protocol definition does not have yet (STRATEGY_COUNTERS), by name.
     pending: dict[str, int] = field(default_factory=lambda: {n: 0 for n in STRATEGY_COUNTERS
                                                              if n.upper() not in Counter.__members__})
@@ -642,8 +670,9 @@ class AggregatorModel:
         table = check_table([to_entry(cfg.strategy.validate(cfg.world), 0, 0)])
         if cfg.upstream is not None:
             check_upstream_table(cfg.job, table)
-        elements = self.elements
-        slots = Slots(cfg.slots, lambda s: new_slot(elements))   # made as packets reach them
+        check_strategy(cfg.combine, cfg.strategy.kind)
+        elements, rows = self.elements, cfg.world if cfg.combine.robust else 0
+        slots = Slots(cfg.slots, lambda s: new_slot(elements, rows))   # made as packets reach them
         self.jobs[cfg.job] = JobState(cfg, slots, table, awaited=(1 << cfg.world) - 1)
         self._drops[cfg.job] = _zero_drops()
         self._route_upstream(cfg.job)
@@ -698,6 +727,8 @@ class AggregatorModel:
         entries = check_table(entries)
         if self.jobs[job].cfg.upstream is not None:
             check_upstream_table(job, entries)
+        for e in entries:
+            check_strategy(self.jobs[job].cfg.combine, e.kind)
         self.jobs[job].table = entries
 
     def strategy_table(self, job: int) -> list[TableEntry]:
@@ -778,6 +809,8 @@ class AggregatorModel:
         if cfg.bound is not None and hdr.type == MsgType.CONTRIB and cfg.bound.beyond(values, hdr.exponent):
             job.members[hdr.rank, M_OFFENCES] += 1
             return self._drop(cfg.job, DropReason.OUT_OF_BOUNDS)
+        if cfg.combine.robust and hdr.type == MsgType.CONTRIB and hdr.step:
+            return self._drop(cfg.job, DropReason.BAD_STEP)     # one row a member
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
@@ -894,8 +927,9 @@ class AggregatorModel:
               src: Addr, now: int) -> Verdict:
         """Rule 4: carry a late contribution into the next round of its chunk, answer with the
         newest released result of that chunk. ``origin`` is K's released bank, if any."""
-        if not job.awaited >> hdr.rank & 1:
-            # declared gone: answered, never carried (its own contribution may be in the next round)
+        if not job.awaited >> hdr.rank & 1 or job.cfg.combine.robust:
+            # declared gone: answered, never carried (its own contribution may be in the next round);
+            # a robust job's round has one row a member: its own
             newest = slot.newest_released(hdr.chunk)
             if newest is None:
                 return self._drop(job.cfg.job, DropReason.STALE)
@@ -940,8 +974,12 @@ class AggregatorModel:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _add(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, fresh: bool) -> None:
-        """Add one contribution's values into a bank (the first one of a fresh bank is copied)."""
-        if fresh:
+        """Add one contribution's values into a bank (the first one of a fresh bank is copied); a
+        robust job's is kept as its member's row, combined at the release."""
+        if bank.rows is not None:
+            self.arith.load(bank.rows[hdr.rank], values)
+            bank.row_exp[hdr.rank] = hdr.exponent
+        elif fresh:
             self.arith.load(bank.values, values)
             bank.exponent = hdr.exponent
         else:
@@ -952,10 +990,23 @@ class AggregatorModel:
         job.count("elements", hdr.count)
 
     def _release(self, job: JobState, bank: Bank, cause: str) -> None:
+        if bank.rows is not None:
+            self._combine(job, bank)
         bank.state = BankState.RELEASED
         job.count("released")
         if self.on_release is not None:
             self.on_release(job.cfg.job, bank, cause)
+
+    def _combine(self, job: JobState, bank: Bank) -> None:
+        """A robust job's release: the rows of the members who contributed, combined into the
+        bank's sums, and each one's score terms added to its member's."""
+        ranks = [r for r in range(job.cfg.world) if bank.bitmap >> r & 1]
+        rows, exps = bank.rows[ranks], bank.row_exp[ranks]
+        values, bank.exponent = self.arith.combine(rows, exps, job.cfg.combine)
+        bank.values[:] = values
+        terms, ref = score_terms(rows, exps, bank.values, bank.exponent)
+        job.scores[ranks, :2] += terms
+        job.scores[ranks, S_REF] += ref
 
     def _drop(self, bucket: int, reason: DropReason) -> Verdict:
         self._drops[bucket][reason] += 1

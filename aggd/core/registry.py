@@ -24,6 +24,7 @@ from typing import Callable
 from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, PRECISION_OF_BITS, NackCode, Precision
 from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_SPAN
 
+from aggd.core import robust
 from aggd.core import strategy as strat
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")   # the whole name (fullmatch: no trailing newline)
@@ -148,6 +149,11 @@ class Member:
                    int(d.get("tag", 0)))
 
 
+#: A robust job's default weight of |x|^2 in its Zeno score: an honest member scores about
+#: 1 - rho·(1 + noise/signal), so it stays above 0 with gradient noise up to ~19x the signal.
+DEFAULT_SCORE_RHO = 0.05
+
+
 @dataclass
 class Job:
     name: str
@@ -181,10 +187,21 @@ class Job:
     max_abs: float | None = None
     #: How many contributions beyond the bound make the policy quarantine a member (0: never).
     quarantine_after: int = 0
+    #: How a round's contributions are combined: "sum", "median", "trimmed:t" (docs/protocol.md,
+    #: "Robust jobs"); a robust job is served in user space.
+    combine: str = "sum"
+    #: A robust job's Zeno score weight of ``|x|^2`` (aggd.core.departures.zeno_score).
+    score_rho: float = DEFAULT_SCORE_RHO
+    #: Policy windows in a row with a score below 0 that quarantine a member (0: never).
+    score_after: int = 0
 
     @property
     def precision(self) -> Precision:
         return PRECISION_OF_BITS[self.precision_bits]
+
+    @property
+    def combine_rule(self) -> robust.Combine:
+        return robust.parse_combine(self.combine)
 
     def quarantined(self, rank: int) -> bool:
         """Whether ``rank`` is gone as quarantined: no member until readmitted by hand."""
@@ -235,14 +252,15 @@ class Job:
                 "port": self.port, "elements": self.elements, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
                 "strategy_version": self.strategy_version, "headroom": self.headroom, "span": self.span,
-                "precision": self.precision_bits}
+                "precision": self.precision_bits, "combine": self.combine}
 
     def describe(self, with_token: bool = True) -> dict:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
              "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
              "headroom": self.headroom, "precision": self.precision_bits, "max_abs": self.max_abs,
-             "quarantine_after": self.quarantine_after,
+             "quarantine_after": self.quarantine_after, "combine": self.combine,
+             "score_rho": self.score_rho, "score_after": self.score_after,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
@@ -274,7 +292,8 @@ class Job:
                   created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)),
                   precision_bits=int(d.get("precision", 32)),
                   max_abs=None if d.get("max_abs") is None else float(d["max_abs"]),
-                  quarantine_after=int(d.get("quarantine_after", 0)))
+                  quarantine_after=int(d.get("quarantine_after", 0)), combine=str(d.get("combine", "sum")),
+                  score_rho=float(d.get("score_rho", DEFAULT_SCORE_RHO)), score_after=int(d.get("score_after", 0)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
         job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"]),
                              "quarantined": bool(g.get("quarantined", False))}
@@ -300,14 +319,16 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)   # true is not a world size
 
 
-#: Bytes a value takes in a slot: ``aggd.core.model.BANKS`` (4) banks of 64-bit sums.
-SUM_BYTES = 4 * 8
+#: Banks a slot holds (``aggd.core.model.BANKS``; the registry does not import the model).
+BANKS = 4
+#: Bytes a value takes in a slot: BANKS banks of 64-bit sums.
+SUM_BYTES = BANKS * 8
 
 
-def slots_bytes(slots: int, elements: int) -> int:
+def slots_bytes(slots: int, elements: int, rows: int = 0) -> int:
     """Bytes of sums ``slots`` slots of ``elements`` values take where every slot of a job is held
-    (the user-space path's arrays)."""
-    return slots * SUM_BYTES * elements
+    (the user-space path's arrays), and a robust job's ``rows`` (its world) of int32 a bank."""
+    return slots * elements * (SUM_BYTES + BANKS * rows * 4)
 
 
 def _valid_strategy(strategy: str | strat.Strategy, world: int, headroom: int = MAX_HEADROOM) -> strat.Strategy:
@@ -327,6 +348,26 @@ def _valid_strategy(strategy: str | strat.Strategy, world: int, headroom: int = 
         raise RegistryError(f"strategy {shown!r} puts up to {needs} contributions per member in a round; the "
                             f"job's rounds leave room for {headroom} (its headroom, set at creation)", "bad_strategy")
     return parsed
+
+
+def _valid_combine(combine, strategy: strat.Strategy, kernel_slots, upstream) -> robust.Combine:
+    """``combine`` parsed and checked against the job's other keys; RegistryError naming the key."""
+    try:
+        rule = robust.parse_combine("sum" if combine is None else combine)
+    except ValueError as exc:
+        raise RegistryError(str(exc), "bad_request") from None
+    if not rule.robust:
+        return rule
+    try:
+        robust.check_strategy(rule, strategy.kind)
+    except ValueError as exc:
+        raise RegistryError(f"strategy {str(strategy)!r}: {exc}", "bad_strategy") from None
+    if kernel_slots:
+        raise RegistryError(f"kernel_slots {kernel_slots}: a {rule} job is served in user space (its rows are "
+                            f"kept apart there): leave kernel_slots out or 0", "bad_request")
+    if upstream is not None:
+        raise RegistryError(f"combine {rule}: a rack job (upstream) forwards sums", "bad_request")
+    return rule
 
 
 class Registry:
@@ -384,7 +425,8 @@ class Registry:
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
                token: str | None = None, upstream: dict | None = None, precision: int | None = None,
-               max_abs: float | None = None, quarantine_after: int | None = None, now: float = 0.0) -> Job:
+               max_abs: float | None = None, quarantine_after: int | None = None, combine: str | None = None,
+               score_rho: float | None = None, score_after: int | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
         strategy; less gives finer sums but refuses the strategies that need more); ``token``: the
@@ -392,7 +434,10 @@ class Registry:
         ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span);
         ``precision``: bits of a contribution value, 32 (None), 16 or 8; ``max_abs``: the largest
         magnitude a member's contribution may have (None: any), ``quarantine_after``: contributions
-        beyond it that quarantine the member (None or 0: never)."""
+        beyond it that quarantine the member (None or 0: never); ``combine``: "sum" (None), "median"
+        or "trimmed:t" (a robust job, served in user space); ``score_rho`` and ``score_after``: a
+        robust job's score weight and the policy windows with a score below 0 that quarantine a
+        member (None or 0: never)."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise RegistryError(f"job name {name!r}: start with a letter; letters, digits, '_', '.', '-'; "
@@ -410,8 +455,13 @@ class Registry:
         elements = lim.elements if elements is None else elements
         if not _is_int(elements) or not 1 <= elements <= MAX_ELEMENTS:
             raise RegistryError(f"elements must be 1..{MAX_ELEMENTS}, not {elements!r}", "bad_request")
-        if slots_bytes(slots, elements) > lim.max_job_memory:
-            raise RegistryError(f"{slots} slots of {elements} values take {slots_bytes(slots, elements)} bytes, "
+        try:
+            rows = world if robust.parse_combine("sum" if combine is None else combine).robust else 0
+        except ValueError as exc:
+            raise RegistryError(str(exc), "bad_request") from None
+        if slots_bytes(slots, elements, rows) > lim.max_job_memory:
+            raise RegistryError(f"{slots} slots of {elements} values take {slots_bytes(slots, elements, rows)} bytes"
+                                f"{f' (with a row a member: combine {combine})' if rows else ''}, "
                                 f"more than the {lim.max_job_memory} a job may have ([jobs] max_job_memory)",
                                 "too_large")
         if kernel_slots is not None and (not _is_int(kernel_slots) or kernel_slots < 0):
@@ -434,6 +484,18 @@ class Registry:
                                 f"{quarantine_after!r}", "bad_request")
         if quarantine_after and max_abs is None:
             raise RegistryError("quarantine_after needs max_abs (the bound whose offences it counts)", "bad_request")
+        rule = _valid_combine(combine, parsed, kernel_slots, upstream)
+        score_rho = DEFAULT_SCORE_RHO if score_rho is None else score_rho
+        if not (isinstance(score_rho, (int, float)) and not isinstance(score_rho, bool) and 0 <= score_rho < 1e6):
+            raise RegistryError(f"score_rho must be a number, 0 or more (the score's weight of |x|^2), not "
+                                f"{score_rho!r}", "bad_request")
+        score_after = 0 if score_after is None else score_after
+        if not _is_int(score_after) or score_after < 0:
+            raise RegistryError(f"score_after must be 0 (never) or a number of policy windows, not "
+                                f"{score_after!r}", "bad_request")
+        if score_after and not rule.robust:
+            raise RegistryError("score_after needs a robust combine (median or trimmed:t): a summing job "
+                                "scores nobody", "bad_request")
         spec = None if upstream is None else upstream_spec(upstream, world)
         if spec is not None and precision != 32:
             raise RegistryError(f"precision {precision}: a rack job (upstream) forwards int32 sums, so its "
@@ -450,7 +512,8 @@ class Registry:
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
         same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and \
-            (precision == 32 or lim.narrow_in_kernel) and (max_abs is None or lim.bounds_in_kernel)
+            (precision == 32 or lim.narrow_in_kernel) and (max_abs is None or lim.bounds_in_kernel) and \
+            not rule.robust
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
         group = (str(_ip_add(lim.group_base, job_id)), lim.result_port)
@@ -459,7 +522,8 @@ class Registry:
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
                   headroom=headroom, upstream=spec, precision_bits=precision,
-                  max_abs=None if max_abs is None else float(max_abs), quarantine_after=quarantine_after)
+                  max_abs=None if max_abs is None else float(max_abs), quarantine_after=quarantine_after,
+                  combine=str(rule), score_rho=float(score_rho), score_after=score_after)
         self.jobs[job_id] = job
         return job
 
@@ -542,6 +606,10 @@ class Registry:
         install). Nothing changes if the strategy or the round is refused."""
         job = self.get(ref)
         parsed = _valid_strategy(strategy, job.world, job.headroom)
+        try:
+            robust.check_strategy(job.combine_rule, parsed.kind)
+        except ValueError as exc:
+            raise RegistryError(f"strategy {str(parsed)!r}: {exc}", "bad_strategy") from None
         if not _is_int(from_round) or not 0 <= from_round < 1 << 32:
             raise RegistryError(f"from_round must be a round number, not {from_round!r}", "bad_request")
         version, first, _ = job.strategies[-1]

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from aggd.core.departures import DepartureRules, keeps_pace, offenders, silent_members, skipped_round_open
+from aggd.core.departures import DepartureRules, ScoreWatch, keeps_pace, offenders, silent_members, skipped_round_open
 from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
 from aggd.core.straggler import Detector
 
@@ -38,6 +38,7 @@ class PolicyRunner:
         self._who: dict[int, tuple] = {}   # job id -> (name, created_at): ids are reused
         self._scanned: dict[int, float] = {}   # job id -> when its open rounds were last read
         self._offences: dict[int, dict[int, int]] = {}  # job id -> rank -> offences forgiven
+        self._scores: dict[int, ScoreWatch] = {}  # robust job id -> its members' score windows
         # Silence counts from here: members wait through a restart of the daemon (or its data plane).
         self._since_ns = time.monotonic_ns()
         self.errors = 0
@@ -51,7 +52,8 @@ class PolicyRunner:
             self._saved = {}
 
     def _forget(self, jid: int) -> None:
-        for d in (self.detectors, self.policies, self.decisions, self._who, self._scanned, self._offences):
+        for d in (self.detectors, self.policies, self.decisions, self._who, self._scanned, self._offences,
+                  self._scores):
             d.pop(jid, None)
 
     def _save(self) -> None:
@@ -158,6 +160,7 @@ class PolicyRunner:
         step_s = det.last.period_ms / 1000 if det.last is not None and det.last.period_ms else None
         limit, now_ns = rules.threshold_s(step_s), int(now * 1e9)
         self._quarantine(job, rows)
+        self._score_quarantine(job, rows)
         for rank, gone in list(job.gone.items()):
             if job.quarantined(rank):
                 continue      # let back in by hand only (aggctl workers readmit)
@@ -196,17 +199,38 @@ class PolicyRunner:
             except Exception as exc:  # refused (the last awaited member)
                 log.error("job %s: rank %d is out of bounds but cannot be quarantined: %s", job.name, o.rank, exc)
 
+    def _score_quarantine(self, job, rows: list[dict]) -> None:
+        """Score a robust job's members over this window; quarantine those whose score stayed
+        below 0 for ``score_after`` windows (``aggd.core.departures.ScoreWatch``)."""
+        if not job.combine_rule.robust:
+            return
+        watch = self._scores.get(job.id)
+        if watch is None or (watch.rho, watch.after) != (job.score_rho, job.score_after):
+            watch = self._scores[job.id] = ScoreWatch(job.score_rho, job.score_after, job.combine)
+        for s in watch.observe(rows, job.gone):
+            try:
+                self.service.depart(job, s.rank, s.reason(), quarantine=True)
+            except Exception as exc:  # refused (the last awaited member)
+                log.error("job %s: rank %d scores %.2f but cannot be quarantined: %s", job.name, s.rank,
+                          s.score, exc)
+
+    def score_watch(self, job_id: int) -> ScoreWatch | None:
+        """A robust job's score windows (for the metrics), None for any other job."""
+        return self._scores.get(job_id)
+
     # views for aggctl
     def view(self, job, rank: int | None = None) -> dict:
         det = self.detectors.get(job.id)
         if rank is not None:
+            watch = self._scores.get(job.id)
+            score = None if watch is None else watch.last.get(rank)
             if det is None or rank >= det.world or det.last is None:
                 return {"lag": None, "lag_ms": None, "slowdown": None, "wait_s": None, "late": None,
-                        "straggler": None}
+                        "straggler": None, "score": score}
             w = det.workers[rank].to_json()
             return {"lag": None if w["lag_ms"] is None else round(w["lag_ms"], 1), "lag_ms": w["lag_ms"],
                     "slowdown": w["slowdown"], "wait_s": w["wait_s"], "late": w["late"],
-                    "straggler": w["straggler"]}
+                    "straggler": w["straggler"], "score": score}
         pol = self.policies.get(job.id)
         decisions = list(self.decisions.get(job.id, ()))
         return {"policy": {

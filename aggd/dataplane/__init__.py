@@ -75,7 +75,15 @@ def merge_member_rows(a: dict, b: dict) -> dict:
     return {"rank": a["rank"], "contributions": a["contributions"] + b["contributions"],
             "lag_ns_sum": a["lag_ns_sum"] + b["lag_ns_sum"], "late": a["late"] + b["late"],
             "last_round": max(rounds) if rounds else None, "last_ns": max(a["last_ns"], b["last_ns"]),
-            "offences": a.get("offences", 0) + b.get("offences", 0)}
+            "offences": a.get("offences", 0) + b.get("offences", 0),
+            "score_terms": _merge_terms(a.get("score_terms"), b.get("score_terms"))}
+
+
+def _merge_terms(a: tuple | None, b: tuple | None) -> tuple | None:
+    """A robust job's score terms (only user space keeps them) from two planes' rows."""
+    if a is None or b is None:
+        return a if b is None else b
+    return tuple(x + y for x, y in zip(a, b))
 
 
 class DataPlaneError(RuntimeError):

@@ -88,10 +88,13 @@ def _chunk_max_abs(x: np.ndarray, elements: int) -> np.ndarray:
 
 
 def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum=False, terms=None,
-                     precision=32):
+                     precision=32, combine="sum", outlier=None):
     """Per block: (start, exact float64 sum, per-element bound). The bound is aggd's fixed-point
     quantisation's for contributions quantised for ``terms`` (None: ``world``) at ``precision`` (bits),
-    or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo)."""
+    or with ``float_sum`` that of a float sum of ``world`` terms in ``dtype`` (Gloo). A robust job's
+    ``combine`` (median, trimmed:t) makes the "sum" its statistic times ``world`` (the statistic is
+    within one term's error of the exact values', so the sum's bound holds); ``outlier`` (rank,
+    scale): that member's tensor is scaled."""
     prec = precision_of(precision)
     b = _block(elements)
     for k, start in enumerate(range(0, size, b)):
@@ -99,19 +102,33 @@ def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_
         exact = np.zeros(n)
         mag = np.zeros(n) if float_sum else None
         exps = None
+        rows = []
         for r in range(world):
             x = tensor_block(seed, r, size, dtype, round_, pattern, elements, k)
+            if outlier is not None and r == outlier[0]:
+                x = (x * outlier[1]).astype(x.dtype)
+            rows.append(x.astype(np.float64))
             exact += x
             if float_sum:
                 mag += np.abs(x)
             else:
                 e = chunk_exponents(_chunk_max_abs(x, elements), world, terms, prec)
                 exps = e if exps is None else np.minimum(exps, e)
+        if combine != "sum":
+            exact = world * robust_statistic(np.array(rows), combine)
         if float_sum:
             bound = world * float(np.finfo(dtype).eps) * mag
         else:
             bound = np.repeat(error_bound(world, exps, precision=prec), elements)[:n]
         yield start, exact, bound
+
+
+def robust_statistic(rows: np.ndarray, combine: str) -> np.ndarray:
+    """The coordinate-wise median or trimmed mean (``trimmed:t``) of float ``rows`` [n, values]:
+    what a robust job's result is, over ``n``, without rounding."""
+    n = rows.shape[0]
+    t = (n - 1) // 2 if combine == "median" else min(int(combine.split(":")[1]), (n - 1) // 2)
+    return np.sort(rows, axis=0)[t:n - t].mean(axis=0)
 
 
 def expected(seed, world, size, dtype, round_, elements, pattern="random", terms=None):
@@ -122,14 +139,15 @@ def expected(seed, world, size, dtype, round_, elements, pattern="random", terms
 
 
 def check(out: np.ndarray, seed, world, size, dtype, round_, elements, pattern="random", *,
-          float_sum: bool = False, terms: int | None = None, precision: int = 32) -> dict:
+          float_sum: bool = False, terms: int | None = None, precision: int = 32, combine: str = "sum",
+          outlier: tuple[int, float] | None = None) -> dict:
     """``out`` against the exact sum of every member's tensor, block by block: the record's
     ``max_abs_error``, ``error_bound`` (largest per-element bound), ``within_bound`` and
     ``max_abs_value``. ``float_sum``: the bound of a float sum (Gloo), not aggd's quantisation."""
     max_err = max_bound = max_val = 0.0
     within = True
     for start, exact, bound in _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_sum,
-                                                terms, precision):
+                                                terms, precision, combine, outlier):
         got = out[start:start + exact.shape[0]]
         bound = bound + output_rounding(got)
         err = np.abs(got.astype(np.float64) - exact)
@@ -202,7 +220,10 @@ def main(argv=None) -> int:
                     help="one small allreduce first, outside every measurement (see _prime)")
     ap.add_argument("--reuse", action="store_true",
                     help="reduce the same tensor every round, into the same result buffer")
+    ap.add_argument("--outlier", metavar="RANK:SCALE", type=lambda t: (int(t.split(":")[0]), float(t.split(":")[1])),
+                    help="that member sends its tensor times SCALE (a bad member; every check knows)")
     args = ap.parse_args(argv)
+    combine = "sum"  # the joined job's
     terms = None    # what contributions are quantised for: the world (a sync job), or the joined job's headroom
     precision = args.precision  # ... and in how many bits (the joined job's)
 
@@ -229,6 +250,7 @@ def main(argv=None) -> int:
             args.world, args.elements = info.span or info.world, info.elements
             terms = args.world * info.headroom
             precision = info.precision
+            combine = info.combine
             print(f"rank {args.rank} joined: {[c.job_info for c in clients]}", file=sys.stderr, flush=True)
         else:
             if args.world is None:
@@ -266,6 +288,8 @@ def main(argv=None) -> int:
                 if x is None or not args.reuse or x.shape != (size,):
                     x = tensor(args.seed, my_tensors, size, dtype, 0 if args.reuse else i, args.pattern,
                                args.elements)
+                    if args.outlier is not None and args.outlier[0] == my_tensors:
+                        x = (x * args.outlier[1]).astype(x.dtype)
                 if args.gloo is not None:
                     client.load(x)  # gloo reduces in place
                 elif args.reuse and (buf is None or buf.shape != x.shape or buf.dtype != x.dtype):
@@ -311,7 +335,7 @@ def main(argv=None) -> int:
                     ref = 0 if args.reuse else i
                     rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
                                      args.pattern, float_sum=args.gloo is not None, terms=terms,
-                                     precision=precision))
+                                     precision=precision, combine=combine, outlier=args.outlier))
                     if not rec["within_bound"] or not rec["shape_ok"]:
                         status = 1
                 print(json.dumps(rec), flush=True)

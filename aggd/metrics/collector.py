@@ -155,6 +155,7 @@ class AggdCollector:
                 out(F.WORKER_ROUNDS_BEHIND).add_metric(lbl, w.rounds_behind)
                 out(F.WORKER_BLOCKING).add_metric(lbl, w.blocking_seconds)
                 for family, v in ((F.WORKER_LAG, w.lag_seconds), (F.WORKER_SLOWDOWN, w.slowdown),
+                                  (F.WORKER_SCORE, w.score),
                                   (F.WORKER_WAIT, w.wait_seconds),
                                   (F.WORKER_STRAGGLER, None if w.straggler is None else int(w.straggler))):
                     if v is not None:  # the detector has not judged the rank yet

@@ -95,6 +95,7 @@ class WorkerLag:
     straggler: bool | None = None
     wait_seconds: float | None = None  #: cumulative time it waited for others at the barrier
     offences: int = 0             #: contributions dropped beyond the job's per-member bound
+    score: float | None = None    #: a robust job's member: its Zeno score in the policy's last window
 
 
 @dataclass(frozen=True)
@@ -143,10 +144,12 @@ def blocks_after(state: StrategyState) -> int | None:
     return {"sync": 0, "wbsp": 0, "ssp": state.param}.get(state.kind)
 
 
-def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dict | None = None) -> list[WorkerLag]:
+def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dict | None = None,
+                scores: dict | None = None) -> list[WorkerLag]:
     """WorkerLag per rank from ``member_stats`` rows ({rank, contributions, lag_ns_sum, late,
-    last_round (None: none yet), last_ns (the data plane's clock, as ``now_ns``)}) and the
-    detector's view of each rank (rank -> object with lag_ms, slowdown, flagged, wait_s).
+    last_round (None: none yet), last_ns (the data plane's clock, as ``now_ns``)}), the
+    detector's view of each rank (rank -> object with lag_ms, slowdown, flagged, wait_s) and a
+    robust job's scores (rank -> the policy's last window's).
 
     A rank is *blocking* when the strategy makes the ranks ahead of it wait for it (it is more than
     ``blocks`` rounds behind the newest); it has blocked since the oldest of their last
@@ -170,7 +173,8 @@ def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dic
                              int(r.get("late", 0)), behind, blocked,
                              None if lag_ms is None else lag_ms / 1e3,
                              getattr(d, "slowdown", None), getattr(d, "flagged", None),
-                             getattr(d, "wait_s", None), int(r.get("offences", 0))))
+                             getattr(d, "wait_s", None), int(r.get("offences", 0)),
+                             (scores or {}).get(r["rank"])))
     return out
 
 
@@ -185,6 +189,7 @@ class ServiceReader:
         self.clock = clock  # bpf_ktime_get_ns is CLOCK_MONOTONIC too
         self._detected: dict[int, dict] = {}
         self._policy: dict[int, PolicyState] = {}
+        self._scores: dict[int, dict] = {}
 
     def jobs(self) -> list[JobInfo]:
         svc = self.service
@@ -195,7 +200,7 @@ class ServiceReader:
                             tuple(tuple(e) for e in j.strategies), j.created_at, tuple(sorted(j.gone)),
                             departures.get(j.id, 0), reports.describe(j.id) if reports is not None else None)
                     for j in svc.registry.list()]
-            self._detected, self._policy = {}, {}
+            self._detected, self._policy, self._scores = {}, {}, {}
             runner = getattr(svc, "policy", None)
             if runner is not None:
                 try:
@@ -210,6 +215,9 @@ class ServiceReader:
             judged = det is not None and det.last is not None
             if judged:
                 self._detected[j.id] = {w.rank: w for w in det.workers}
+            watch = runner.score_watch(j.id)
+            if watch is not None:
+                self._scores[j.id] = dict(watch.last)
             pol = runner.policies.get(j.id)
             self._policy[j.id] = PolicyState(
                 bool(pol is not None and pol.switched), len(det.last.stragglers) if judged else 0,
@@ -258,7 +266,7 @@ class ServiceReader:
             return []
         top = max((r["last_round"] for r in rows if r["last_round"] is not None), default=None)
         return worker_rows(rows, self.clock(), blocks_after(strategy_in_force(job, top)),
-                           self._detected.get(job.id))
+                           self._detected.get(job.id), self._scores.get(job.id))
 
     def policy(self, job: JobInfo) -> PolicyState:
         return self._policy.get(job.id, PolicyState())

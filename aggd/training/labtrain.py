@@ -140,7 +140,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
         tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False,
         kernel_slots: int | None = None, precision: int | None = None, feedback: bool = True,
         error_reset: int | None = None, corrupt: tuple[int, int, float] | None = None,
-        max_abs: float | None = None, quarantine_after: int | None = None) -> RunResult:
+        job_options: dict | None = None) -> RunResult:
     """One training run of ``params.workers`` workers; ``on_record(rank, record)`` sees every line,
     ``on_job(job)`` the daemon's answer to ``jobs.create`` (its name, token...) before they start.
     ``kill=(rank, round)``: SIGKILL that worker once rank 0 reports that round (a dead worker;
@@ -150,8 +150,9 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
     job's bits a contribution value (None: 32); a narrow job's workers use error feedback with error
     reset every ``error_reset`` rounds (None: the client's default) unless ``feedback`` is False.
     ``corrupt=(rank, round, scale)``: that worker sends its step times ``scale`` from that round on
-    (a faulty member; it may then fail, refused by a quarantine); ``max_abs`` and
-    ``quarantine_after``: the job's per-member bound (docs/protocol.md, "Bounds")."""
+    (a faulty member; it may then fail, refused by a quarantine); ``job_options``: more of the
+    job's keys (``aggctl jobs create``'s: max_abs and quarantine_after, a per-member bound;
+    combine and score_after, a robust job)."""
     if isinstance(scenario, str):
         scenario = SCENARIOS[scenario]
     world = params.workers
@@ -199,8 +200,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
             job = daemon.call("jobs.create", name=name, world=world, strategy=text,
                               **({} if kernel_slots is None else {"kernel_slots": kernel_slots}),
                               **({} if precision is None else {"precision": precision}),
-                              **({} if max_abs is None else {"max_abs": max_abs}),
-                              **({} if quarantine_after is None else {"quarantine_after": quarantine_after}))
+                              **(job_options or {}))
             if on_job:
                 on_job(job)
             narrow = ["--feedback", "on" if feedback else "off"] + \

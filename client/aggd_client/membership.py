@@ -57,6 +57,10 @@ class JobInfo:
     #: Bits of a contribution value (32, 16 or 8: the job's ``Precision``; results are twice as wide
     #: for 16 and 8); absent from the JOIN_ACK: 32.
     precision: int = 32
+    #: How the job combines a round's contributions: "sum", or a robust job's "median" or
+    #: "trimmed:t" (docs/protocol.md, "Robust jobs"): its results are the statistic times
+    #: ``n_contrib``, so the client treats them as sums either way. Absent: "sum".
+    combine: str = "sum"
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -69,7 +73,8 @@ class JobInfo:
                        gso=bool(d.get("gso", True)), round=int(d.get("round", 0)),
                        tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)),
                        span=int(d.get("span", 0)),
-                       precision=quant.LANES[quant.precision_of(int(d.get("precision", 32)))].bits)
+                       precision=quant.LANES[quant.precision_of(int(d.get("precision", 32)))].bits,
+                       combine=str(d.get("combine", "sum")))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
 

@@ -276,7 +276,12 @@ def test_merged_rows_of_both_paths():
     a = {"rank": 0, "contributions": 3, "lag_ns_sum": 10, "late": 1, "last_round": 4, "last_ns": 7, "offences": 2}
     b = {"rank": 0, "contributions": 2, "lag_ns_sum": 5, "late": 0, "last_round": None, "last_ns": 9}   # (a P4 switch's)
     assert merge_member_rows(a, b) == {"rank": 0, "contributions": 5, "lag_ns_sum": 15, "late": 1, "last_round": 4,
-                                       "last_ns": 9, "offences": 2}
+                                       "last_ns": 9, "offences": 2, "score_terms": None}
+    # a robust job's score terms (user space keeps them; the kernel's rows have none)
+    assert merge_member_rows({**a, "score_terms": None}, {**b, "score_terms": (1.0, 2.0, 3.0)})["score_terms"] == \
+        (1.0, 2.0, 3.0)
+    assert merge_member_rows({**a, "score_terms": (1.0, 1.0, 1.0)}, {**b, "score_terms": (1.0, 2.0, 3.0)})[
+        "score_terms"] == (2.0, 3.0, 4.0)
 
 
 def test_strategy_in_force():
@@ -340,7 +345,8 @@ def test_service_reader_over_the_daemon_state():
                                                                wait_s=0.5) for r in range(3)])
     runner = types.SimpleNamespace(detectors={j.id: det},
                                    policies={j.id: types.SimpleNamespace(switched="quorum:2")},
-                                   decisions={j.id: [{"time": 5.0, "strategy": "quorum:2:50ms"}]})
+                                   decisions={j.id: [{"time": 5.0, "strategy": "quorum:2:50ms"}]},
+                                   score_watch=lambda jid: None)
     dp, us = FakeDp(), FakeUs()
     svc = types.SimpleNamespace(lock=threading.RLock(), registry=reg, policy=runner, dp=dp, us=us, planes=(dp, us),
                                 config=types.SimpleNamespace(dataplane=types.SimpleNamespace(kind="xdp", kernel_memory=1 << 20)),

@@ -96,6 +96,10 @@ def test_alerts_fire_when_they_should(tmp_path):
              firing("AggdWorkerOutOfBounds", "15s"),
              firing("AggdWorkerOutOfBounds", "1m", f'{w(3)}, severity="warning"'),
              firing("AggdWorkerOutOfBounds", "7m")),
+        # a robust job's rank scoring below 0 for a minute; an honest one (above 0) never
+        case({f"aggd_worker_score{{{w(2)}}}": "0.9 0.8 -5 -5 -5 -5 -5 -5 -5 -5", f"aggd_worker_score{{{w(0)}}}": "0.9+0x9"},
+             firing("AggdWorkerSuspect", "1m"),
+             firing("AggdWorkerSuspect", "1m30s", f'{w(2)}, severity="warning"')),
         # a rank the others have waited for for a minute and more
         case({f"aggd_worker_blocking_seconds{{{w(1)}}}": "0 15 30 45 60 75 90 105 120 135 150",
               f"aggd_worker_blocking_seconds{{{w(0)}}}": "0+0x10"},
@@ -208,7 +212,7 @@ def types_reader(j):
             return m.SlotUsage(1, 1, 1, 1, 1, {1: {"kernel": 0, "user": 0}})
 
         def worker_lag(self, job):
-            return [m.WorkerLag(0, 1, 0.1, 0, 0, 0.0, 0.1, 1.0, False, 0.0)]
+            return [m.WorkerLag(0, 1, 0.1, 0, 0, 0.0, 0.1, 1.0, False, 0.0, score=0.9)]
 
         def policy(self, job):
             return m.PolicyState()

@@ -53,6 +53,16 @@ def list_(as_json):
 @click.option("--quarantine-after", type=click.IntRange(0),
               help="Quarantine a member (declared gone, its packets and JOINs refused until `aggctl workers "
                    "readmit`) after this many contributions beyond --max-abs (default 0: never).")
+@click.option("--combine", metavar="sum|median|trimmed:T",
+              help="How a round's contributions are combined (default sum). median or trimmed:T (the mean once "
+                   "the T largest and T smallest values of each coordinate are dropped) keep every member's "
+                   "contribution apart, in user space, so one bad member cannot move the result far "
+                   "(docs/protocol.md \"Robust jobs\"); sync, quorum and ssp only.")
+@click.option("--score-rho", type=click.FloatRange(0), help="A robust job's weight of |x|^2 in each member's "
+                                                           "score (default 0.05; docs/security.md).")
+@click.option("--score-after", type=click.IntRange(0),
+              help="Quarantine a member of a robust job after this many policy windows in a row with a score "
+                   "below 0 (default 0: never; SCORE in `aggctl workers`).")
 @click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
                                 "hosts is created on each with the token the first one printed.")
 @click.option("--upstream", metavar="HOST:PORT/JOB",
@@ -64,13 +74,14 @@ def list_(as_json):
                                                      "members quantise for them.")
 @json_option
 def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, max_abs, quarantine_after,
-           token, upstream, upstream_token, upstream_rank, span, as_json):
+           combine, score_rho, score_after, token, upstream, upstream_token, upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
                        ("headroom", headroom), ("token", token),
                        ("precision", None if precision is None else int(precision)), ("max_abs", max_abs),
-                       ("quarantine_after", quarantine_after)):
+                       ("quarantine_after", quarantine_after), ("combine", combine), ("score_rho", score_rho),
+                       ("score_after", score_after)):
         if value is not None:
             args[key] = value
     rack = {"--upstream-token": upstream_token, "--upstream-rank": upstream_rank, "--span": span}
@@ -91,10 +102,15 @@ def create(name, world, strategy, slots, elements, kernel_slots, headroom, preci
         return
     p = j["placement"]
     click.echo(f"job {j['name']} created: id {j['id']}, world {j['world']}, {j['strategy']}, "
-               f"{j.get('precision', 32)}-bit contributions, {j['slots']} slots (kernel {slot_range(p['kernel']['slots'])}, "
+               f"{j.get('precision', 32)}-bit contributions{_combined(j)}, {j['slots']} slots (kernel {slot_range(p['kernel']['slots'])}, "
                f"user space {slot_range(p['userspace']['slots'])})")
     click.echo(f"token: {j['token']}")
     click.echo(f"workers: aggd_client.join(server, {j['name']!r}, rank, token)")
+
+
+def _combined(j: dict) -> str:
+    """", combined by median" for a robust job; nothing for a summing one."""
+    return "" if j.get("combine", "sum") == "sum" else f", combined by {j['combine']}"
 
 
 @jobs.command()
@@ -123,6 +139,10 @@ def show(job, as_json):
                f"round {'-' if j['round'] is None else j['round']}")
     click.echo(f"token:     {j['token']}")
     click.echo(f"strategy:  {j['strategy']} (version {j['strategy_version']})")
+    if j.get("combine", "sum") != "sum":
+        after = j.get("score_after") or 0
+        click.echo(f"combine:   {j['combine']} (one row a member; score rho {j.get('score_rho')}, "
+                   f"{f'quarantine after {after} windows below 0' if after else 'no quarantine by score'})")
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
                f"{j['elements']} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")

@@ -38,13 +38,13 @@ def show(job, as_json):
         click.echo(f"policy: {'switching' if p['auto_switch'] and p['managed'] else 'watching only'}; "
                    f"strategy {p.get('in_force', '-')} (its own: {p.get('own', '-')})")
     table(("RANK", "ADDRESS", "JOINED", "LAST ROUND", "LAG ms", "SLOWDOWN", "WAITED s", "STRAGGLER", "OFFENCES",
-           "GONE"),
+           "SCORE", "GONE"),
           [(r["rank"], f"{r['address'][0]}:{r['address'][1]}" if r["address"] else "not joined",
             ago(r["joined_at"]), r["last_round"], r["lag"],
             None if r.get("slowdown") is None else f"{r['slowdown']:.2f}x",
             None if r.get("wait_s") is None else f"{r['wait_s']:.1f}",
             None if r.get("straggler") is None else ("yes" if r["straggler"] else "no"),
-            r.get("offences", 0),
+            r.get("offences", 0), None if r.get("score") is None else f"{r['score']:.2f}",
             None if not r.get("gone") else (f"{ago(r['gone']['since'])}, round {r['gone']['round']}"
                                             + (", quarantined" if r["gone"].get("quarantined") else "")))
            for r in w["workers"]])

@@ -19,7 +19,7 @@ BANKS = 4
 NO_JOB = proto.MAX_JOBS
 JOB_ROWS = proto.MAX_JOBS + 1
 COUNTER_STRIDE = 16      #: job_counters row length (>= len(Counter))
-DROP_STRIDE = 16         #: drops row length (>= len(DropReason))
+DROP_STRIDE = 32         #: drops row length (>= len(DropReason))
 FLOOD_GROUP = 0x0200     #: multicast group flooding non-aggd traffic
 MAX_PORT = (1 << 9) - 1  #: v1model ports are bit<9>
 BANK_EMPTY, BANK_OPEN, BANK_RELEASED = 0, 1, 2   #: bank_state values (common/layout.p4)

@@ -369,12 +369,18 @@ class FastJob:
     """One job's arrays for the kernel, tied to its ``JobState`` in ``model``."""
 
     @staticmethod
-    def layout(slots: int, elements: int) -> dict[str, tuple[type, tuple[int, ...]]]:
-        """name -> (dtype, shape) of a job's arrays: the slots' and the counters'."""
-        return {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
-                "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "values": (np.int64, (slots, BANKS, elements)),
-                "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
-                "members": (np.uint64, (MAX_MEMBERS, 6))}
+    def layout(slots: int, elements: int, rows: int = 0) -> dict[str, tuple[type, tuple[int, ...]]]:
+        """name -> (dtype, shape) of a job's arrays: the slots' and the counters'; with ``rows`` (a
+        robust job's world), its banks' rows and the members' score terms too."""
+        arrays = {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
+                  "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "values": (np.int64, (slots, BANKS, elements)),
+                  "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
+                  "members": (np.uint64, (MAX_MEMBERS, 6))}
+        if rows:
+            arrays.update({"rows": (np.int32, (slots, BANKS, rows, elements)),
+                           "row_exp": (np.int64, (slots, BANKS, rows)),
+                           "scores": (np.float64, (MAX_MEMBERS, 3))})
+        return arrays
 
     def __init__(self, model: AggregatorModel, job: int, files=None) -> None:
         """``files``: an ``aggd.dataplane.userspace.keep.SlotFiles`` to keep the arrays in (and
@@ -388,17 +394,25 @@ class FastJob:
         #: every packet to the model: some of the job's slots are the kernel's (a narrow job's
         #: frames the XDP program could not grow, handed back to it: UserspaceAggregator.hand_back)
         self.slow_only = False
-        slots = self.state.cfg.slots
+        cfg = self.state.cfg
+        #: a robust job's packets all go to the model (its rows are the model's business)
+        self.robust = cfg.combine.robust
+        slots = cfg.slots
         arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))
-                  for name, (dt, shape) in self.layout(slots, model.elements).items()}
+                  for name, (dt, shape) in self.layout(slots, model.elements, self.rows_of(cfg)).items()}
         self.bi, self.bu, self.steps, self.values = arrays["bi"], arrays["bu"], arrays["steps"], arrays["values"]
+        self.rows, self.row_exp = arrays.get("rows"), arrays.get("row_exp")
         restored = files is not None and files.restored
         # one array each, shared with the model: it counts (and sums) in place
-        for name, own in (("counters", self.state.counters), ("drops", model._drops[job]),
-                          ("members", self.state.members)):
+        shared = [("counters", self.state.counters), ("drops", model._drops[job]), ("members", self.state.members)]
+        if self.robust:
+            shared.append(("scores", self.state.scores))
+        for name, own in shared:
             if not restored:
                 arrays[name][:] = own
         self.state.counters, self.state.members = arrays["counters"], arrays["members"]
+        if self.robust:
+            self.state.scores = arrays["scores"]
         model._drops[job] = arrays["drops"]
         self.counters, self.drops, self.members = arrays["counters"], arrays["drops"], arrays["members"]
         self.dirty = np.zeros(slots, np.uint8)
@@ -409,6 +423,10 @@ class FastJob:
                 if not restored:
                     self.values[s, b] = bank.values
                 bank.values = self.values[s, b]
+                if self.robust:
+                    if not restored:
+                        self.rows[s, b], self.row_exp[s, b] = bank.rows, bank.row_exp
+                    bank.rows, bank.row_exp = self.rows[s, b], self.row_exp[s, b]
             if restored:
                 self.dirty[s] = 1
             else:
@@ -419,9 +437,17 @@ class FastJob:
             self.sync()
         self.refresh()
 
+    @staticmethod
+    def rows_of(cfg) -> int:
+        """Rows a bank of the job ``cfg`` keeps: its world if it is robust, else none."""
+        return cfg.world if cfg.combine.robust else 0
+
     def _make_slot(self, s: int) -> Slot:
-        """The model's slot ``s``, its banks' sums views of the arrays, its fields from them."""
+        """The model's slot ``s``, its banks' sums (and rows) views of the arrays, its fields from them."""
         slot = Slot([Bank(self.values[s, b]) for b in range(BANKS)])
+        if self.robust:
+            for b, bank in enumerate(slot.banks):
+                bank.rows, bank.row_exp = self.rows[s, b], self.row_exp[s, b]
         self._fill(s, slot)
         return slot
 
@@ -430,7 +456,7 @@ class FastJob:
         so once the job's objects are dropped its memory maps are unmapped."""
         self.state.slots.make = None                 # (it refers back to this object)
         self.state.slots.made().clear()              # the banks' views of the values
-        self.bi = self.bu = self.steps = self.values = None
+        self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = None
 
     def refresh(self) -> None:
         """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
@@ -565,7 +591,7 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
-                    and fj.state.cfg.upstream is None and not fj.slow_only \
+                    and fj.state.cfg.upstream is None and not fj.slow_only and not fj.robust \
                     and fj.state.cfg.bound is None:   # (a bounded job's values are checked by the model)
                 nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
                           fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,

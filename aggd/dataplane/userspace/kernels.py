@@ -9,6 +9,7 @@ import numpy as np
 from numba import njit
 
 from aggd.core.model import Arithmetic
+from aggd.core.robust import common_exponent, effective_trim
 
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
@@ -69,6 +70,38 @@ def narrow16(values, out):
     return overflow
 
 
+@njit(cache=True, nogil=True)
+def combine(rows, exps, trim, out):
+    """``aggd.core.robust.combine_rows`` for ``trim`` rows dropped at each end (already
+    ``effective_trim``), into int64 ``out``; returns the common exponent (rows non-empty)."""
+    n, e = rows.shape[0], exps.shape[0]
+    exp = exps[0]
+    for r in range(1, e):
+        exp = min(exp, exps[r])
+    col = np.empty(n, np.int64)
+    k = n - 2 * trim
+    for i in range(rows.shape[1]):
+        for r in range(n):                     # insertion sort: n is a handful of members
+            v = np.int64(rows[r, i]) >> min(exps[r] - exp, _MAX_SHIFT)
+            j = r
+            while j > 0 and col[j - 1] > v:
+                col[j] = col[j - 1]
+                j -= 1
+            col[j] = v
+        s = np.int64(0)
+        for r in range(trim, n - trim):
+            s += col[r]
+        out[i] = (2 * s * n + k) // (2 * k)    # floor division, as numpy's
+    return exp
+
+
+def _combine(rows: np.ndarray, exps: np.ndarray, how) -> tuple[np.ndarray, int]:
+    out = np.zeros(rows.shape[1], np.int64)
+    if len(rows) == 0:
+        return out, common_exponent(exps)
+    return out, int(combine(rows, np.ascontiguousarray(exps, np.int64), effective_trim(how, len(rows)), out))
+
+
 def _accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
     return int(accumulate(acc, acc_exp, src, src_exp))
 
@@ -88,6 +121,7 @@ def warm_up() -> None:
         _accumulate(acc, 0, src, 0)
     _narrow(acc)
     _narrow(acc, np.dtype("<i2"))
+    combine(np.zeros((2, 4), np.int32), np.zeros(2, np.int64), 0, acc)
 
 
-KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow)
+KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow, _combine)

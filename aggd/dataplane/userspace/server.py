@@ -38,6 +38,7 @@ from aggd.dataplane.userspace import kernels
 from aggd.dataplane.userspace import msend
 from aggd.dataplane.userspace.keep import SlotFiles
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, rounds_by_member
+from aggd.core.robust import SUM
 from aggd.core.model import NO_JOB, Addr, AggregatorModel, BankState, JobConfig, Verdict, member_rows
 from aggd.core.strategy import TableEntry
 
@@ -99,7 +100,8 @@ def _own_config(cfg) -> JobConfig:
     return JobConfig(job=cfg.job, world=cfg.world, slots=cfg.slots, max_chunks=cfg.max_chunks,
                      members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
                      elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None),
-                     precision=getattr(cfg, "precision", Precision.INT32), bound=getattr(cfg, "bound", None))
+                     precision=getattr(cfg, "precision", Precision.INT32), bound=getattr(cfg, "bound", None),
+                     combine=getattr(cfg, "combine", SUM))
 
 
 class UserspaceAggregator(DataPlane):
@@ -181,7 +183,7 @@ class UserspaceAggregator(DataPlane):
                 return False
             files = None
             if identity is not None and self.keep_dir is not None:
-                layout = fastpath.FastJob.layout(cfg.slots, elements)
+                layout = fastpath.FastJob.layout(cfg.slots, elements, fastpath.FastJob.rows_of(cfg))
                 files = self._files[cfg.job] = SlotFiles(self.keep_dir / f"job-{cfg.job}", identity,
                                                          {k: shape for k, (_, shape) in layout.items()})
             self._fast.add_job(model, cfg.job, files)
@@ -368,7 +370,8 @@ class UserspaceAggregator(DataPlane):
         with self._lock:
             if job not in self._route:
                 return None
-            return member_rows(self._route[job].jobs[job].members, world)
+            state = self._route[job].jobs[job]
+            return member_rows(state.members, world, state.scores if state.cfg.combine.robust else None)
 
     def max_round(self, job: int) -> int | None:
         return self.job_rounds(job)[0] if self.has_job(job) else None

@@ -150,6 +150,7 @@ class DropReason(enum.IntEnum):
     BAD_TAG = 13         #: the member tag is not the one its JOIN was given (forged or stale): never NACKed
     BAD_PRECISION = 14   #: the ``code`` byte is not the job's Precision (a worker of another build or job)
     OUT_OF_BOUNDS = 15   #: a contribution with a value beyond its job's per-member bound (counted per member)
+    BAD_STEP = 16        #: a wbsp step (step > 0) to a robust job, which takes one contribution per member
 
 
 class Counter(enum.IntEnum):

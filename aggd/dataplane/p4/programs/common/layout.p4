@@ -31,7 +31,7 @@
 /* Counter layouts: per-job rows of a fixed stride, row AGGD_NO_JOB for packets without a job. */
 #define AGGD_NO_JOB 256
 #define AGGD_COUNTER_STRIDE 16     /* >= number of Counter values (12) */
-#define AGGD_DROP_STRIDE 16        /* >= number of DropReason values (13) */
+#define AGGD_DROP_STRIDE 32        /* >= number of DropReason values (17) */
 #define AGGD_JOB_ROWS 257          /* AGGD_MAX_JOBS + 1 */
 
 /* Multicast groups of the packet replication engine: job j's results use group j + 1; flooding
