@@ -144,25 +144,31 @@ def zeno_score(now: tuple | None, then: tuple | None, rho: float) -> float | Non
     return (d[0] - rho * d[1]) / d[2]
 
 
+#: A window's score below this counts against a member. An honest member scores about 1, but near
+#: convergence its gradient is mostly noise and a window's score can dip below 0 (-0.2 seen); a
+#: member sending its gradient backwards scores -1 - rho or less, one sending it times -10 about -15.
+SUSPECT_SCORE = -0.5
+
+
 @dataclass(frozen=True)
 class Suspect:
-    """A member of a robust job whose score stayed below 0 long enough to be quarantined."""
+    """A member of a robust job whose score stayed below SUSPECT_SCORE long enough to be quarantined."""
     rank: int
     score: float         #: in the last window
-    windows: int         #: in a row below 0
+    windows: int         #: in a row below SUSPECT_SCORE
     rho: float
     combine: str
 
     def reason(self) -> str:
-        return (f"robust score {self.score:.2f} below 0 in {self.windows} policy windows in a row "
-                f"((<x, m> - {self.rho:g}|x|^2) / |m|^2, m the job's {self.combine}); "
+        return (f"robust score {self.score:.2f} below {SUSPECT_SCORE:g} in {self.windows} policy windows in a row "
+                f"((<x, m> - {self.rho:g}|x|^2) / |m|^2, m the job's {self.combine} result); "
                 f"quarantined until readmitted by hand")
 
 
 class ScoreWatch:
     """One robust job's score windows: ``observe`` each policy tick with the members' rows; it
-    names the members whose score was below 0 in ``after`` windows in a row (a window without a
-    release of theirs neither counts nor breaks the run)."""
+    names the members whose score was below SUSPECT_SCORE in ``after`` windows in a row (a window
+    without a release of theirs neither counts nor breaks the run)."""
 
     def __init__(self, rho: float, after: int, combine: str) -> None:
         self.rho, self.after, self.combine = rho, after, combine
@@ -181,7 +187,7 @@ class ScoreWatch:
                 continue
             self.last[rank] = score
             # a gone member's run starts again when it is let back in
-            self.run[rank] = self.run.get(rank, 0) + 1 if score < 0 and rank not in gone else 0
+            self.run[rank] = self.run.get(rank, 0) + 1 if score < SUSPECT_SCORE and rank not in gone else 0
             if self.after > 0 and self.run[rank] >= self.after:
                 out.append(Suspect(rank, score, self.run[rank], self.rho, self.combine))
         return out

@@ -187,12 +187,12 @@ class Job:
     max_abs: float | None = None
     #: How many contributions beyond the bound make the policy quarantine a member (0: never).
     quarantine_after: int = 0
-    #: How a round's contributions are combined: "sum", "median", "trimmed:t" (docs/protocol.md,
+    #: How a round's contributions are combined: "sum", "median", "trimmed:t", "zeno" (docs/protocol.md,
     #: "Robust jobs"); a robust job is served in user space.
     combine: str = "sum"
     #: A robust job's Zeno score weight of ``|x|^2`` (aggd.core.departures.zeno_score).
     score_rho: float = DEFAULT_SCORE_RHO
-    #: Policy windows in a row with a score below 0 that quarantine a member (0: never).
+    #: Policy windows in a row with a score below -0.5 (departures.SUSPECT_SCORE) that quarantine a member (0: never).
     score_after: int = 0
 
     @property
@@ -201,7 +201,7 @@ class Job:
 
     @property
     def combine_rule(self) -> robust.Combine:
-        return robust.parse_combine(self.combine)
+        return robust.parse_combine(self.combine, self.score_rho)
 
     def quarantined(self, rank: int) -> bool:
         """Whether ``rank`` is gone as quarantined: no member until readmitted by hand."""
@@ -434,9 +434,9 @@ class Registry:
         ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span);
         ``precision``: bits of a contribution value, 32 (None), 16 or 8; ``max_abs``: the largest
         magnitude a member's contribution may have (None: any), ``quarantine_after``: contributions
-        beyond it that quarantine the member (None or 0: never); ``combine``: "sum" (None), "median"
-        or "trimmed:t" (a robust job, served in user space); ``score_rho`` and ``score_after``: a
-        robust job's score weight and the policy windows with a score below 0 that quarantine a
+        beyond it that quarantine the member (None or 0: never); ``combine``: "sum" (None), "median",
+        "trimmed:t" or "zeno" (a robust job, served in user space); ``score_rho`` and ``score_after``: a
+        robust job's score weight and the policy windows with a score below -0.5 that quarantine a
         member (None or 0: never)."""
         lim = self.limits
         if not isinstance(name, str) or not _NAME.fullmatch(name):

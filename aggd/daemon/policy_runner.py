@@ -201,7 +201,7 @@ class PolicyRunner:
 
     def _score_quarantine(self, job, rows: list[dict]) -> None:
         """Score a robust job's members over this window; quarantine those whose score stayed
-        below 0 for ``score_after`` windows (``aggd.core.departures.ScoreWatch``)."""
+        below SUSPECT_SCORE (-0.5) for ``score_after`` windows (``aggd.core.departures.ScoreWatch``)."""
         if not job.combine_rule.robust:
             return
         watch = self._scores.get(job.id)

@@ -117,7 +117,7 @@ WORKER_OFFENCES = counter("aggd_worker_offences", "Contributions of the rank dro
                                                   "per-member bound (max_abs)", W)
 WORKER_SCORE = gauge("aggd_worker_score", "A robust job's member: its score in the policy's last window, "
                                           "(<x, m> - rho |x|^2) / |m|^2 with m the job's median or trimmed "
-                                          "mean (about 1 honest; below 0 in score_after windows: quarantined)", W)
+                                          "mean (about 1 honest; below -0.5 in score_after windows: quarantined)", W)
 WORKER_ROUNDS_BEHIND = gauge("aggd_worker_rounds_behind", "The job's newest round minus the rank's newest", W)
 WORKER_BLOCKING = gauge("aggd_worker_blocking_seconds", "How long the ranks ahead of this one have been waiting "
                                                         "for it under a barrier (0: nobody waits)", W)

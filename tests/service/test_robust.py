@@ -1,7 +1,7 @@
 """Robust jobs through a real daemon (docs/protocol.md, "Robust jobs"): workers in a lab join a
 ``median`` or ``trimmed:1`` job, one of them sends its tensors times -10, and every result is the
 statistic of the four (times four) within the quantisation bound; every chunk is served in user
-space, the policy scores the bad member below 0 and the others above, and what a robust job cannot
+space, the policy scores the bad member below -0.5 and the others above, and what a robust job cannot
 run is refused with the reason."""
 from __future__ import annotations
 
@@ -42,6 +42,25 @@ def test_a_robust_job_releases_the_statistic_and_scores_the_bad_member(make_lab,
     assert scores[2] < 0 and all(s > 0 for r, s in scores.items() if r != 2), scores
     shown = d.aggctl("workers", "robust")
     assert shown.exit_code == 0 and "SCORE" in shown.output, shown.output
+
+
+def test_a_zeno_job_gives_every_member_the_same_results(make_lab, make_daemon):
+    """zeno's choice of rows is the aggregator's (the unit tests check it exactly, tests/train
+    that it trains): every member gets the same bytes."""
+    lab = make_lab(4)
+    d = make_daemon(lab)
+    job = d.call("jobs.create", name="z", world=4, slots=64, combine="zeno")
+    assert job["combine"] == "zeno" and job["kernel_slots"] == 0
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="z", token=job["token"]),
+                       timeout=180, extra=["--sizes", SIZES, "--rounds", "4", "--outlier", "1:-10", "--digest",
+                                           "--check", "none"])
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    digests = {(rec["size"], rec["round"]): set() for rec in runs[0].records}
+    for r in runs:
+        for rec in r.records:
+            digests[(rec["size"], rec["round"])].add(rec["sha256"])
+    assert len(digests) == 4 * len(SIZES.split(",")) and all(len(v) == 1 for v in digests.values()), digests
 
 
 def test_what_a_robust_job_cannot_run_is_refused(make_lab, make_daemon):

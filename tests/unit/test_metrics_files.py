@@ -96,7 +96,7 @@ def test_alerts_fire_when_they_should(tmp_path):
              firing("AggdWorkerOutOfBounds", "15s"),
              firing("AggdWorkerOutOfBounds", "1m", f'{w(3)}, severity="warning"'),
              firing("AggdWorkerOutOfBounds", "7m")),
-        # a robust job's rank scoring below 0 for a minute; an honest one (above 0) never
+        # a robust job's rank scoring below -0.5 for a minute; an honest one never
         case({f"aggd_worker_score{{{w(2)}}}": "0.9 0.8 -5 -5 -5 -5 -5 -5 -5 -5", f"aggd_worker_score{{{w(0)}}}": "0.9+0x9"},
              firing("AggdWorkerSuspect", "1m"),
              firing("AggdWorkerSuspect", "1m30s", f'{w(2)}, severity="warning"')),

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from aggd.core.departures import ScoreWatch, zeno_score
 from aggd.core.model import NUMPY_ARITHMETIC, AggregatorModel, JobConfig, member_rows
 from aggd.core.registry import Limits, Registry, RegistryError
-from aggd.core.robust import Combine, CombineKind, combine_rows, parse_combine
+from aggd.core.robust import Combine, CombineKind, combine_rows, parse_combine, zeno_keeps
 from aggd.core.strategy import parse, to_entry
 from aggd.dataplane.userspace import kernels
 from aggd.dataplane.userspace.server import UserspaceAggregator
@@ -27,19 +27,27 @@ from tests.fixtures.scenarios import JOB, job_config
 from tests.fixtures.traffic import Traffic
 
 E = 8
-MEDIAN, TRIM1 = Combine(CombineKind.MEDIAN), Combine(CombineKind.TRIMMED, 1)
+MEDIAN, TRIM1, ZENO = Combine(CombineKind.MEDIAN), Combine(CombineKind.TRIMMED, 1), Combine(CombineKind.ZENO)
 
 
 def exact(rows: np.ndarray, exps: np.ndarray, combine: Combine) -> tuple[list[int], int]:
-    """The rule written with fractions: aligned rows, the middle n - 2t, their mean rounded half up,
-    times n."""
+    """The rule written with fractions: aligned rows, the middle n - 2t (or zeno's rows, which
+    ``zeno_keeps`` says), their mean rounded half up, times n."""
     n = len(rows)
     e = int(exps.min())
-    t = (n - 1) // 2 if combine.kind == CombineKind.MEDIAN else min(combine.trim, (n - 1) // 2)
+    t = min(combine.trim, (n - 1) // 2) if combine.kind == CombineKind.TRIMMED else (n - 1) // 2
+    aligned = [[int(v) >> min(int(x) - e, 31) for v in row] for row, x in zip(rows, exps)]
+    keep = None
+    if combine.kind == CombineKind.ZENO:
+        a = np.array(aligned, np.int64)
+        keep = zeno_keeps(a, np.sort(a, axis=0), combine.rho)
+        keep = keep if keep.any() else None
     out = []
-    for col in rows.T:
-        vals = sorted(int(v) >> min(int(x) - e, 31) for v, x in zip(col, exps))
-        mid = vals[t:n - t]
+    for c in range(rows.shape[1]):
+        if keep is not None:
+            mid = [aligned[r][c] for r in range(n) if keep[r]]
+        else:
+            mid = sorted(aligned[r][c] for r in range(n))[t:n - t]
         mean_n = Fraction(sum(mid) * n, len(mid))
         out.append(int((mean_n + Fraction(1, 2)) // 1))
     return out, e
@@ -47,8 +55,9 @@ def exact(rows: np.ndarray, exps: np.ndarray, combine: Combine) -> tuple[list[in
 
 @settings(max_examples=300, deadline=None, database=None)
 @given(n=st.integers(1, MAX_MEMBERS), e=st.integers(1, 12), seed=st.integers(0, 2**32 - 1),
-       how=st.sampled_from(["median", "trimmed:1", "trimmed:2", "trimmed:40"]))
-def test_combine_is_the_exact_rule_and_the_kernel_is_it(n, e, seed, how):
+       how=st.sampled_from(["median", "trimmed:1", "trimmed:2", "trimmed:40", "zeno"]),
+       rho=st.sampled_from([0.0, 0.05, 1.0]))
+def test_combine_is_the_exact_rule_and_the_kernel_is_it(n, e, seed, how, rho):
     """Up to 64 members, the largest and smallest int32, mixed exponents (an all-zero row's too)."""
     rng = np.random.default_rng(seed)
     rows = rng.choice(np.array([-(2**31), 2**31 - 1, 0, -1, 1], np.int64), (n, e)) if seed % 3 == 0 else \
@@ -56,7 +65,10 @@ def test_combine_is_the_exact_rule_and_the_kernel_is_it(n, e, seed, how):
     rows = rows.astype(np.int32)
     exps = rng.choice(np.array([0, 3, 17, 40, ZERO_EXPONENT]), n).astype(np.int64) if seed % 2 else \
         np.full(n, 5, np.int64)
-    c = parse_combine(how)
+    if seed % 5 == 0:           # rows alike but for one far off: zeno keeps some, not all
+        rows = np.tile(rows[:1], (n, 1)) // 2 + rng.integers(-1000, 1000, (n, e)).astype(np.int32)
+        rows[0] = -rows[0]
+    c = parse_combine(how, rho)
     values, exp = combine_rows(rows, exps, c)
     assert (values.tolist(), exp) == exact(rows, exps, c)
     got, got_exp = kernels._combine(rows, exps, c)
@@ -71,6 +83,7 @@ def test_median_of_four_with_one_outlier():
 
 def test_parse_combine():
     assert str(parse_combine("median")) == "median" and str(parse_combine(" Trimmed:2 ")) == "trimmed:2"
+    assert parse_combine("zeno", 0.5) == Combine(CombineKind.ZENO, 0, 0.5)
     assert not parse_combine("sum").robust
     for bad in ("mean", "trimmed", "trimmed:0", "trimmed:-1", "median:1", ""):
         with pytest.raises(ValueError, match="combine"):
@@ -146,6 +159,20 @@ def test_a_late_contribution_is_answered_not_carried():
     assert v.header.n_contrib == 2 and result_values(v) == [12] * E  # nothing of rank 2's in round 1
 
 
+def test_zeno_averages_the_rows_that_score_and_leaves_out_the_one_against():
+    m = robust_model(combine=ZENO)
+    rows = [[10, 12, 8, 10, 10, 11, 9, 10], [12, 10, 10, 8, 11, 10, 10, 9], [8, 10, 12, 10, 9, 9, 11, 11]]
+    for rank, x in enumerate(rows):
+        send(m, rank, x)
+    v = send(m, 3, [-100] * E)
+    honest = np.array(rows).sum(axis=0)                          # their mean, times 4 rows
+    assert result_values(v) == [(2 * int(s) * 4 + 3) // 6 for s in honest] and v.header.n_contrib == 4
+    m = robust_model(combine=ZENO)                               # none scores (a zero median): the median
+    for rank, x in enumerate([[1] * E, [-1] * E, [1] * E, [-1] * E]):
+        v = send(m, rank, x)
+    assert result_values(v) == [0] * E
+
+
 def test_trimmed_mean_of_five():
     m = robust_model(world=5, combine=TRIM1)
     for rank, x in enumerate([10, -50, 20, 30, 900]):
@@ -154,7 +181,7 @@ def test_trimmed_mean_of_five():
 
 
 @pytest.mark.parametrize("text", ["sync", "quorum:3:10ms", "ssp:2"])
-@pytest.mark.parametrize("how", [MEDIAN, TRIM1])
+@pytest.mark.parametrize("how", [MEDIAN, TRIM1, ZENO])
 def test_the_kernels_give_the_models_verdicts(text, how):
     """Random traffic (retransmissions, late and early packets, re-reads, shrinking and growing
     tensors) through the numpy model and the user-space model (numba combine): same bytes, counters
@@ -257,7 +284,7 @@ def test_score_watch_quarantines_after_windows_in_a_row():
     assert window(False) == []                                      # the run is broken
     assert window(True) == [] and window(True) == []
     out = window(True)
-    assert [s.rank for s in out] == [1] and out[0].windows == 3 and "below 0 in 3 policy windows" in out[0].reason()
+    assert [s.rank for s in out] == [1] and out[0].windows == 3 and "below -0.5 in 3 policy windows" in out[0].reason()
     assert window(True, gone=(1,)) == []                            # gone: counts again once let in
     assert w.observe([{"rank": 0, "score_terms": tuple(terms[0])}], {}) == []   # no release: no window
     assert 0.9 < w.last[0] < 1.0 and w.last[1] < -10

@@ -255,6 +255,46 @@ def bench_precision(variants, workers, rounds, target, reset_every, seed, json_p
         click.echo(f"plot: {png_path}")
 
 
+@bench.command("faulty")
+@click.option("--variants", default="clean,plain,bound,median,zeno", show_default=True,
+              help="clean (nobody faulty); with one faulty member: plain (a summing job), bound (max_abs 0.6), "
+                   "median, zeno (robust jobs); each defence quarantines after 3 offences or score windows")
+@click.option("--workers", default=4, show_default=True)
+@click.option("--rounds", default=300, show_default=True, help="allreduce rounds a run trains")
+@click.option("--seeds", default="0", show_default=True, help="comma-separated seeds: a run of every variant each")
+@click.option("--scale", default=-10.0, show_default=True, help="the faulty member's step is times this")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="write every row (one JSON object a line) to this file")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
+              help="write a PNG: test accuracy against the round per variant (the first seed)")
+def bench_faulty(variants, workers, rounds, seeds, scale, json_path, png_path):
+    """Train the digits MLP under sync with one member sending its step times SCALE from round 20:
+    final accuracy with no defence, a per-member bound, and robust jobs, against a clean run."""
+    from aggd.training import faultybench as fb
+
+    try:
+        chosen = fb.check_variants([v.strip() for v in variants.split(",") if v.strip()])
+        seed_list = tuple(int(s) for s in seeds.split(",") if s.strip())
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--variants / --seeds") from None
+    cfg = fb.Config(workers=workers, rounds=rounds, seeds=seed_list or (0,), scale=scale, variants=chosen)
+
+    def show(r):
+        acc = "diverged" if r["diverged"] else f"final {r['final_accuracy']:.3f}"
+        who = ", ".join(f"rank {q['rank']}: {q['reason']}" for q in r["quarantined"]) or "nobody quarantined"
+        click.echo(f"seed {r['seed']} {r['variant']:<7} {acc}  ({who})")
+
+    rows = fb.run(cfg, on_row=show)
+    click.echo("\n" + fb.markdown_table(rows))
+    if json_path:
+        with open(json_path, "w") as f:
+            for r in rows:
+                f.write(json.dumps({"bench": "faulty", **r}) + "\n")
+    if png_path:
+        fb.plot(rows, png_path)
+        click.echo(f"plot: {png_path}")
+
+
 @bench.command("shards")
 @click.option("--workers", default=4, show_default=True)
 @click.option("--size", default="4M", show_default=True, help="bytes of the float32 tensor, e.g. 1M, 4M")

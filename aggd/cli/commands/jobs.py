@@ -53,16 +53,18 @@ def list_(as_json):
 @click.option("--quarantine-after", type=click.IntRange(0),
               help="Quarantine a member (declared gone, its packets and JOINs refused until `aggctl workers "
                    "readmit`) after this many contributions beyond --max-abs (default 0: never).")
-@click.option("--combine", metavar="sum|median|trimmed:T",
-              help="How a round's contributions are combined (default sum). median or trimmed:T (the mean once "
-                   "the T largest and T smallest values of each coordinate are dropped) keep every member's "
-                   "contribution apart, in user space, so one bad member cannot move the result far "
-                   "(docs/protocol.md \"Robust jobs\"); sync, quorum and ssp only.")
+@click.option("--combine", metavar="sum|median|trimmed:T|zeno",
+              help="How a round's contributions are combined (default sum). The others keep every member's "
+                   "contribution apart, in user space, so one bad member cannot move the result far: the "
+                   "coordinate-wise median, the trimmed mean (the T largest and T smallest values of each "
+                   "coordinate dropped), or zeno (the mean of the contributions that score at least 0 against "
+                   "the median: as good as a sum while all are honest). sync, quorum and ssp only "
+                   "(docs/protocol.md \"Robust jobs\").")
 @click.option("--score-rho", type=click.FloatRange(0), help="A robust job's weight of |x|^2 in each member's "
                                                            "score (default 0.05; docs/security.md).")
 @click.option("--score-after", type=click.IntRange(0),
               help="Quarantine a member of a robust job after this many policy windows in a row with a score "
-                   "below 0 (default 0: never; SCORE in `aggctl workers`).")
+                   "below -0.5 (default 0: never; SCORE in `aggctl workers`).")
 @click.option("--token", help="The job's token (default: a new one). A job sharded over several aggregator "
                                 "hosts is created on each with the token the first one printed.")
 @click.option("--upstream", metavar="HOST:PORT/JOB",
@@ -142,7 +144,7 @@ def show(job, as_json):
     if j.get("combine", "sum") != "sum":
         after = j.get("score_after") or 0
         click.echo(f"combine:   {j['combine']} (one row a member; score rho {j.get('score_rho')}, "
-                   f"{f'quarantine after {after} windows below 0' if after else 'no quarantine by score'})")
+                   f"{f'quarantine after {after} windows below -0.5' if after else 'no quarantine by score'})")
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
                f"{j['elements']} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")

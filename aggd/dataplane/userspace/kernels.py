@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from aggd.core.model import Arithmetic
-from aggd.core.robust import common_exponent, effective_trim
+from aggd.core.robust import CombineKind, common_exponent, effective_trim
 
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
@@ -71,16 +71,18 @@ def narrow16(values, out):
 
 
 @njit(cache=True, nogil=True)
-def combine(rows, exps, trim, out):
+def combine(rows, exps, trim, zeno, rho, out):
     """``aggd.core.robust.combine_rows`` for ``trim`` rows dropped at each end (already
-    ``effective_trim``), into int64 ``out``; returns the common exponent (rows non-empty)."""
-    n, e = rows.shape[0], exps.shape[0]
+    ``effective_trim``), or with ``zeno`` the rows ``zeno_keeps`` (its sums in the same order),
+    into int64 ``out``; returns the common exponent (rows non-empty)."""
+    n, size = rows.shape[0], rows.shape[1]
     exp = exps[0]
-    for r in range(1, e):
+    for r in range(1, n):
         exp = min(exp, exps[r])
     col = np.empty(n, np.int64)
+    m = np.empty(size if zeno else 0, np.float64)
     k = n - 2 * trim
-    for i in range(rows.shape[1]):
+    for i in range(size):
         for r in range(n):                     # insertion sort: n is a handful of members
             v = np.int64(rows[r, i]) >> min(exps[r] - exp, _MAX_SHIFT)
             j = r
@@ -92,6 +94,32 @@ def combine(rows, exps, trim, out):
         for r in range(trim, n - trim):
             s += col[r]
         out[i] = (2 * s * n + k) // (2 * k)    # floor division, as numpy's
+        if zeno:
+            if n % 2:
+                m[i] = np.float64(col[n // 2])
+            else:
+                m[i] = (np.float64(col[n // 2 - 1]) + np.float64(col[n // 2])) * 0.5
+    if zeno:
+        keep = np.zeros(n, np.bool_)
+        kept = 0
+        for r in range(n):
+            sh = min(exps[r] - exp, _MAX_SHIFT)
+            d = 0.0
+            q = 0.0
+            for i in range(size):
+                x = np.float64(np.int64(rows[r, i]) >> sh)
+                d += x * m[i]
+                q += x * x
+            if d >= rho * q:
+                keep[r] = True
+                kept += 1
+        if kept:
+            for i in range(size):
+                s = np.int64(0)
+                for r in range(n):
+                    if keep[r]:
+                        s += np.int64(rows[r, i]) >> min(exps[r] - exp, _MAX_SHIFT)
+                out[i] = (2 * s * n + kept) // (2 * kept)
     return exp
 
 
@@ -99,7 +127,9 @@ def _combine(rows: np.ndarray, exps: np.ndarray, how) -> tuple[np.ndarray, int]:
     out = np.zeros(rows.shape[1], np.int64)
     if len(rows) == 0:
         return out, common_exponent(exps)
-    return out, int(combine(rows, np.ascontiguousarray(exps, np.int64), effective_trim(how, len(rows)), out))
+    exp = combine(rows, np.ascontiguousarray(exps, np.int64), effective_trim(how, len(rows)),
+                  how.kind == CombineKind.ZENO, float(how.rho), out)
+    return out, int(exp)
 
 
 def _accumulate(acc: np.ndarray, acc_exp: int, src: np.ndarray, src_exp: int) -> int:
@@ -121,7 +151,7 @@ def warm_up() -> None:
         _accumulate(acc, 0, src, 0)
     _narrow(acc)
     _narrow(acc, np.dtype("<i2"))
-    combine(np.zeros((2, 4), np.int32), np.zeros(2, np.int64), 0, acc)
+    combine(np.zeros((2, 4), np.int32), np.zeros(2, np.int64), 0, True, 0.05, acc)
 
 
 KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow, _combine)
