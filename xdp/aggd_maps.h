@@ -66,6 +66,12 @@ struct job_cfg {
 	__s16 bound_exp;
 	__u8 bounded;
 	__u8 _pad3;
+	/* ... and on their L2 norm, norm_mant * 2**norm_exp: within it when the sum of q**2 is at most
+	 * norm_mant**2 shifted by 2 * (norm_exp + e) (aggd_xdp.c: beyond_norm). */
+	__u32 norm_mant;
+	__s16 norm_exp;
+	__u8 norm_bounded;
+	__u8 _pad4;
 };
 
 /* Whose results a result is: the upper aggregator's address and job -> the rack job. */

@@ -305,6 +305,36 @@ static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp
 		limit = 0;
 	return top > limit;
 }
+
+/* Whether a contribution's values (exponent `exp`) go beyond its job's bound on their L2 norm: the
+ * sum of q**2 (each below 2**62; the sum saturates at 2**64 - 1) over norm_mant**2 shifted by
+ * 2 * (norm_exp + exp), floored; no limit where that is 2**63 or more (aggd.core.model.Bound). */
+static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp)
+{
+	__s32 s = 2 * ((__s32)cfg->norm_exp + exp);
+	__u64 m2 = (__u64)cfg->norm_mant * cfg->norm_mant;
+	__u64 limit;
+	if (s >= 63)
+		return 0;
+	if (s >= 0) {
+		if (m2 >> ((63 - s) & 63))
+			return 0;
+		limit = m2 << (s & 63);
+	} else if (s > -64) {
+		limit = m2 >> ((-s) & 63);
+	} else {
+		limit = 0;
+	}
+	__u64 sum = 0;
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++) {
+		__s32 v = (__s32)p[i];
+		__u64 a = v < 0 ? -(__u64)(__s64)v : (__u64)v;
+		__u64 t = sum + a * a;
+		sum = t < sum ? ~0ULL : t;
+	}
+	return sum > limit;
+}
 #endif
 
 /* A rack job's upper results (docs/protocol.md, "Two levels") are relayed here up to native XDP's
@@ -524,8 +554,9 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (!payload)
 		return action;
 #if AGGD_BOUNDS
-	if (cfg->bounded && type == AGGD_MSG_TYPE_CONTRIB &&
-	    beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))) {
+	if (type == AGGD_MSG_TYPE_CONTRIB &&
+	    ((cfg->bounded && beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))) ||
+	     (cfg->norm_bounded && beyond_norm(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))))) {
 		struct member_stats *ms = member_stats.lookup(&midx);
 		if (ms)
 			ms->offences++;

@@ -62,6 +62,7 @@ class Config:
     slots: int
     mode: str = "native"
     precision: int = 32   # bits a contribution value (aggd's systems)
+    combine: str = "sum"  # aggd-user's: a robust job's median or trimmed:t (docs/protocol.md, "Robust jobs")
 
 
 @contextlib.contextmanager
@@ -130,6 +131,7 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
     extra_files = max(rec.get("extra_file_rss_bytes", 0) for r in runs for rec in r.records)
     row = {
         "system": system, "precision": 32 if system == "gloo" else cfg.precision, "workers": cfg.workers,
+        "combine": cfg.combine if system == "aggd-user" else "sum",
         "bytes": nbytes, "elements": n, "iters": cfg.iters,
         "seconds_per_allreduce": sec, "seconds_min": min(per_round), "seconds_max": max(per_round),
         "algbw_gbps": nbytes * 8 / sec / 1e9, "elements_per_s": n / sec,
@@ -186,11 +188,12 @@ def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
 
 
 def run_aggd_user(lab: Lab, agg, cfg: Config) -> dict:
-    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
+    job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision,
+                 combine=cfg.combine)
     c = job.config(lab)
     agg(cmd="add_job", job=JOB, world=c.world, slots=c.slots, max_chunks=c.max_chunks,
         members={r: list(a) for r, a in c.members.items()}, group=list(c.group), elements=cfg.elements,
-        precision=c.precision)
+        precision=c.precision, combine=cfg.combine)
     agg(cmd="reset_peak")
     try:
         runs = run_workers(lab, job, elements=cfg.elements, gso=True, server_port=USERSPACE_PORT,
@@ -251,9 +254,10 @@ def cpu_hogs(count: int):
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
         losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,),
-        precisions: tuple[int, ...] = (32,)) -> list[dict]:
-    """Every (workers, size, loss, hogs) with every system (aggd's at every precision), in that
-    order; returns the rows.
+        precisions: tuple[int, ...] = (32,), combines: tuple[str, ...] = ("sum",)) -> list[dict]:
+    """Every (workers, size, loss, hogs) with every system (aggd's at every precision; aggd-user's
+    with every ``combines``: "sum" and robust jobs' "median", "trimmed:t"), in that order; returns
+    the rows.
     ``losses``: percentages of packets the lab's links drop (each way); ``hogs``: processes spinning
     on the host's cores meanwhile (``cpu_hogs``); each set in turn, lowest first. A row says its
     ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
@@ -261,7 +265,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
     from aggd.lab.runner import xdp_aggregator
 
     losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
-    seconds: dict[tuple, float] = {}     # (system, precision, workers, bytes, loss, hogs) -> s / allreduce
+    seconds: dict[tuple, float] = {}     # (system, precision, combine, workers, bytes, loss, hogs) -> s / allreduce
     mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
     rows = []
     with contextlib.ExitStack() as stack:
@@ -274,8 +278,9 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         for n in worker_counts:
             for nbytes, loss, hog in itertools.product(sizes, losses, hogs):
                 lab.set_loss(loss)
-                for system, bits in [(s, b) for s in systems for b in (precisions if s != "gloo" else (32,))]:
-                    cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits)
+                for system, bits, how in [(s, b, c) for s in systems for b in (precisions if s != "gloo" else (32,))
+                                          for c in (combines if s == "aggd-user" else ("sum",))]:
+                    cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits, how)
                     with cpu_hogs(hog):
                         if system == "aggd-xdp":
                             row = run_aggd_xdp(lab, dp, cfg)
@@ -285,10 +290,12 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
                     row["loss_percent"], row["cpu_hogs"], row["mtu"] = loss, hog, mtu
-                    here = seconds[(system, bits, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
+                    here = seconds[(system, bits, how, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
-                        if base != (loss, hog) and (system, bits, n, nbytes, *base) in seconds:
-                            row[field] = here / seconds[(system, bits, n, nbytes, *base)]
+                        if base != (loss, hog) and (system, bits, how, n, nbytes, *base) in seconds:
+                            row[field] = here / seconds[(system, bits, how, n, nbytes, *base)]
+                    if how != "sum" and (system, bits, "sum", n, nbytes, loss, hog) in seconds:
+                        row["slowdown_over_sum"] = here / seconds[(system, bits, "sum", n, nbytes, loss, hog)]
                     rows.append(row)
                     if on_row:
                         on_row(row)
@@ -302,7 +309,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     def cond(r):
         return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)
 
-    by = {(*cond(r), r["system"], r.get("precision", 32)): r for r in rows}
+    by = {(*cond(r), r["system"], r.get("precision", 32)): r for r in rows if r.get("combine", "sum") == "sum"}
     bits_seen = sorted({r.get("precision", 32) for r in rows if r["system"] != "gloo"} or {32}, reverse=True)
     out = []
     for c in sorted({cond(r) for r in rows}):
@@ -336,12 +343,16 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 5))
     shades = {32: 1.0, 16: 0.7, 8: 0.45}      # aggd's narrower precisions lighter
     for system in SYSTEMS:
-        for bits in sorted({r.get("precision", 32) for r in rows if r["system"] == system}, reverse=True):
+        variants = sorted({(r.get("precision", 32), r.get("combine", "sum")) for r in rows if r["system"] == system},
+                          key=lambda v: (-v[0], v[1] != "sum", v[1]))
+        for bits, how in variants:
             for i, w in enumerate(workers):
                 pts = sorted((r["bytes"], r["algbw_gbps"]) for r in rows
-                             if r["system"] == system and r["workers"] == w and r.get("precision", 32) == bits)
+                             if r["system"] == system and r["workers"] == w and r.get("precision", 32) == bits
+                             and r.get("combine", "sum") == how)
                 if pts:
-                    label = f"{system}{'' if bits == 32 else f' {bits}-bit'}, {w} workers"
+                    label = f"{system}{'' if bits == 32 else f' {bits}-bit'}{'' if how == 'sum' else f' {how}'}, " \
+                            f"{w} workers"
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[i % len(styles)],
                             marker=markers[i % len(markers)], color=colours[system], alpha=shades.get(bits, 1.0),
                             label=label)

@@ -107,15 +107,20 @@ class Offender:
     enough to be quarantined."""
     rank: int
     offences: int        #: since it was last let in
-    bound: float
+    bounds: str          #: the job's, e.g. "max_abs 0.6" or "max_abs 0.6, max_norm 3"
 
     def reason(self) -> str:
-        return (f"out of bounds: {self.offences} contributions with a value beyond {self.bound:g} "
-                f"(the job's max_abs); quarantined until readmitted by hand")
+        return (f"out of bounds: {self.offences} contributions beyond the job's {self.bounds}; "
+                f"quarantined until readmitted by hand")
+
+
+def bounds_text(max_abs: float | None, max_norm: float | None) -> str:
+    """A job's bounds as an Offender names them."""
+    return ", ".join(f"{k} {v:g}" for k, v in (("max_abs", max_abs), ("max_norm", max_norm)) if v is not None)
 
 
 def offenders(rows: list[dict], gone: dict[int, dict], counted: dict[int, int], quarantine_after: int,
-              bound: float) -> list[Offender]:
+              bounds: str) -> list[Offender]:
     """The members to quarantine: not gone, with ``quarantine_after`` or more ``offences`` (the
     data planes' count of contributions dropped out of bounds) over ``counted[rank]`` (the count
     when it was last let back in; 0 if never). ``quarantine_after`` 0: nobody."""
@@ -125,7 +130,7 @@ def offenders(rows: list[dict], gone: dict[int, dict], counted: dict[int, int], 
     for r in rows:
         rank, n = int(r["rank"]), int(r.get("offences", 0)) - counted.get(int(r["rank"]), 0)
         if rank not in gone and n >= quarantine_after:
-            out.append(Offender(rank, n, bound))
+            out.append(Offender(rank, n, bounds))
     return out
 
 

@@ -223,6 +223,25 @@ class Bound(NamedTuple):
             return False
         return int(np.abs(values.astype(np.int64)).max()) > limit
 
+    # As a bound on the L2 norm of a contribution's values: sum(q**2) <= (mant * 2**(exp + e))**2.
+    def norm_limit(self, exponent: int) -> int | None:
+        """The largest ``sum(q**2)`` a contribution of ``exponent`` may carry (``mant**2`` shifted
+        by ``2·(exp + e)``, floored); None: any (the limit would be 2**63 or more)."""
+        s = 2 * (self.exp + int(exponent))
+        m2 = self.mant * self.mant
+        if s >= 63 or (s >= 0 and m2 >> (63 - s)):
+            return None
+        return m2 << s if s >= 0 else (m2 >> -s if s > -64 else 0)
+
+    def beyond_norm(self, values: np.ndarray, exponent: int) -> bool:
+        """Whether the values' sum of squares is beyond ``norm_limit`` (exact: a sum of up to
+        2**13 squares of int32 is held in Python integers)."""
+        limit = self.norm_limit(exponent)
+        if limit is None or not len(values):
+            return False
+        squares = np.square(values.astype(np.int64))           # each below 2**62
+        return int(squares.sum(dtype=object)) > limit
+
 
 #: A bound's shift from this up lets any int32 through (mant << 40 exceeds 2**31).
 BOUND_FREE_SHIFT = 40
@@ -252,6 +271,8 @@ class JobConfig:
     precision: Precision = Precision.INT32
     #: Per-member bound on a contribution's values (docs/protocol.md, "Bounds"); None: unbounded.
     bound: Bound | None = None
+    #: ... and on their L2 norm (the same ``Bound``, tested by ``beyond_norm``); None: unbounded.
+    norm_bound: Bound | None = None
     #: How a round's contributions are combined (docs/protocol.md, "Robust jobs"): summed, or
     #: kept one row per member and released as their median or trimmed mean (times the rows).
     combine: Combine = SUM
@@ -806,7 +827,9 @@ class AggregatorModel:
             return Verdict("pass", job=cfg.job)
 
         values = np.frombuffer(data, lanes.contrib, count=min(held, self.elements), offset=HEADER_SIZE)
-        if cfg.bound is not None and hdr.type == MsgType.CONTRIB and cfg.bound.beyond(values, hdr.exponent):
+        if hdr.type == MsgType.CONTRIB and (
+                (cfg.bound is not None and cfg.bound.beyond(values, hdr.exponent))
+                or (cfg.norm_bound is not None and cfg.norm_bound.beyond_norm(values, hdr.exponent))):
             job.members[hdr.rank, M_OFFENCES] += 1
             return self._drop(cfg.job, DropReason.OUT_OF_BOUNDS)
         if cfg.combine.robust and hdr.type == MsgType.CONTRIB and hdr.step:

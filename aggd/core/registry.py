@@ -185,7 +185,9 @@ class Job:
     precision_bits: int = 32
     #: The largest magnitude a member's contribution may have (docs/protocol.md, "Bounds"); None: any.
     max_abs: float | None = None
-    #: How many contributions beyond the bound make the policy quarantine a member (0: never).
+    #: The largest L2 norm a member's contribution (one packet's values) may have; None: any.
+    max_norm: float | None = None
+    #: How many contributions beyond a bound make the policy quarantine a member (0: never).
     quarantine_after: int = 0
     #: How a round's contributions are combined: "sum", "median", "trimmed:t", "zeno" (docs/protocol.md,
     #: "Robust jobs"); a robust job is served in user space.
@@ -259,7 +261,7 @@ class Job:
              "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
              "headroom": self.headroom, "precision": self.precision_bits, "max_abs": self.max_abs,
-             "quarantine_after": self.quarantine_after, "combine": self.combine,
+             "max_norm": self.max_norm, "quarantine_after": self.quarantine_after, "combine": self.combine,
              "score_rho": self.score_rho, "score_after": self.score_after,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
@@ -292,6 +294,7 @@ class Job:
                   created_at=float(d.get("created_at", 0.0)), headroom=int(d.get("headroom", MAX_HEADROOM)),
                   precision_bits=int(d.get("precision", 32)),
                   max_abs=None if d.get("max_abs") is None else float(d["max_abs"]),
+                  max_norm=None if d.get("max_norm") is None else float(d["max_norm"]),
                   quarantine_after=int(d.get("quarantine_after", 0)), combine=str(d.get("combine", "sum")),
                   score_rho=float(d.get("score_rho", DEFAULT_SCORE_RHO)), score_after=int(d.get("score_after", 0)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
@@ -425,7 +428,8 @@ class Registry:
     def create(self, name: str, world: int, *, strategy: str = "sync", slots: int | None = None,
                elements: int | None = None, kernel_slots: int | None = None, headroom: int | None = None,
                token: str | None = None, upstream: dict | None = None, precision: int | None = None,
-               max_abs: float | None = None, quarantine_after: int | None = None, combine: str | None = None,
+               max_abs: float | None = None, max_norm: float | None = None, quarantine_after: int | None = None,
+               combine: str | None = None,
                score_rho: float | None = None, score_after: int | None = None, now: float = 0.0) -> Job:
         """A new job. ``kernel_slots`` caps the slots held in the kernel (None: as many as fit);
         ``headroom``: contributions per member its rounds are quantised for (None: room for every
@@ -433,8 +437,9 @@ class Registry:
         job's token (None: a new one), so a job sharded over several aggregator hosts has one;
         ``upstream``: makes it a rack job (``upstream_spec``: server, job, token, rank, span);
         ``precision``: bits of a contribution value, 32 (None), 16 or 8; ``max_abs``: the largest
-        magnitude a member's contribution may have (None: any), ``quarantine_after``: contributions
-        beyond it that quarantine the member (None or 0: never); ``combine``: "sum" (None), "median",
+        magnitude a member's contribution may have (None: any), ``max_norm`` the largest L2 norm of
+        one packet's values (None: any), ``quarantine_after``: contributions beyond either that
+        quarantine the member (None or 0: never); ``combine``: "sum" (None), "median",
         "trimmed:t" or "zeno" (a robust job, served in user space); ``score_rho`` and ``score_after``: a
         robust job's score weight and the policy windows with a score below -0.5 that quarantine a
         member (None or 0: never)."""
@@ -478,12 +483,17 @@ class Registry:
                                         and 0 < max_abs < float("inf")):
             raise RegistryError(f"max_abs must be a positive number (the largest magnitude a member's "
                                 f"contribution may have), not {max_abs!r}", "bad_request")
+        if max_norm is not None and not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
+                                         and 0 < max_norm < float("inf")):
+            raise RegistryError(f"max_norm must be a positive number (the largest L2 norm of a member's "
+                                f"contribution, one packet's values), not {max_norm!r}", "bad_request")
         quarantine_after = 0 if quarantine_after is None else quarantine_after
         if not _is_int(quarantine_after) or quarantine_after < 0:
             raise RegistryError(f"quarantine_after must be 0 (never) or a number of contributions, not "
                                 f"{quarantine_after!r}", "bad_request")
-        if quarantine_after and max_abs is None:
-            raise RegistryError("quarantine_after needs max_abs (the bound whose offences it counts)", "bad_request")
+        if quarantine_after and max_abs is None and max_norm is None:
+            raise RegistryError("quarantine_after needs max_abs or max_norm (the bound whose offences it counts)",
+                                "bad_request")
         rule = _valid_combine(combine, parsed, kernel_slots, upstream)
         score_rho = DEFAULT_SCORE_RHO if score_rho is None else score_rho
         if not (isinstance(score_rho, (int, float)) and not isinstance(score_rho, bool) and 0 <= score_rho < 1e6):
@@ -512,7 +522,8 @@ class Registry:
         # The kernel program takes exactly `elements` values a packet; it passes shorter payloads
         # up, and larger ones go to the user-space port. Either way such a job holds no kernel slot.
         same_size = elements == lim.elements and (spec is None or lim.forwards_in_kernel) and \
-            (precision == 32 or lim.narrow_in_kernel) and (max_abs is None or lim.bounds_in_kernel) and \
+            (precision == 32 or lim.narrow_in_kernel) and \
+            (max_abs is None and max_norm is None or lim.bounds_in_kernel) and \
             not rule.robust
         want = min(slots, kernel_slots if kernel_slots is not None else slots) if same_size else 0
         base, count = self._place(want)
@@ -522,7 +533,8 @@ class Registry:
                   port=lim.port if elements <= lim.elements else lim.userspace_port,
                   kernel_base=base, kernel_slots=count, strategies=[(0, 0, str(parsed))], created_at=now,
                   headroom=headroom, upstream=spec, precision_bits=precision,
-                  max_abs=None if max_abs is None else float(max_abs), quarantine_after=quarantine_after,
+                  max_abs=None if max_abs is None else float(max_abs),
+                  max_norm=None if max_norm is None else float(max_norm), quarantine_after=quarantine_after,
                   combine=str(rule), score_rho=float(score_rho), score_after=score_after)
         self.jobs[job_id] = job
         return job

@@ -11,7 +11,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from aggd.core.departures import DepartureRules, ScoreWatch, keeps_pace, offenders, silent_members, skipped_round_open
+from aggd.core.departures import DepartureRules, ScoreWatch, bounds_text, keeps_pace, offenders, silent_members, skipped_round_open
 from aggd.core.policy import Decision, JobPolicy, PolicyRules, rules_from_config
 from aggd.core.straggler import Detector
 
@@ -187,13 +187,13 @@ class PolicyRunner:
     def _quarantine(self, job, rows: list[dict]) -> None:
         """Quarantine the members of a bounded job whose contributions went beyond its bound
         ``quarantine_after`` times since they were last let in (``aggd.core.departures.offenders``)."""
-        if job.max_abs is None or not job.quarantine_after:
+        if (job.max_abs is None and job.max_norm is None) or not job.quarantine_after:
             return
         counted = self._offences.setdefault(job.id, {})
         for r in rows:   # a gone member's count so far is forgiven when it is let back in
             if int(r["rank"]) in job.gone:
                 counted[int(r["rank"])] = int(r.get("offences", 0))
-        for o in offenders(rows, job.gone, counted, job.quarantine_after, job.max_abs):
+        for o in offenders(rows, job.gone, counted, job.quarantine_after, bounds_text(job.max_abs, job.max_norm)):
             try:
                 self.service.depart(job, o.rank, o.reason(), quarantine=True)
             except Exception as exc:  # refused (the last awaited member)

@@ -337,6 +337,7 @@ class Service:
                                     members=members, tags=tags, group=job.group, kernel_slots=job.kernel_slots,
                                     elements=job.elements, precision=job.precision,
                                     bound=None if job.max_abs is None else Bound.of(job.max_abs),
+                                    norm_bound=None if job.max_norm is None else Bound.of(job.max_norm),
                                     combine=job.combine_rule,
                                     upstream=Upstream(job.upstream.server) if job.upstream is not None else None,
                                     # the user-space path keeps this job's slots across restarts
@@ -483,7 +484,7 @@ class Service:
         "jobs.list": {},
         "jobs.create": {"name": "text", "world": "int", "strategy": "text?", "slots": "int?",
                         "elements": "int?", "kernel_slots": "int?", "headroom": "int?", "token": "text?",
-                        "upstream": "object?", "precision": "int?", "max_abs": "number?",
+                        "upstream": "object?", "precision": "int?", "max_abs": "number?", "max_norm": "number?",
                         "quarantine_after": "int?", "combine": "text?", "score_rho": "number?",
                         "score_after": "int?"},
         "jobs.delete": {"job": "job"},
@@ -599,10 +600,11 @@ class Service:
 
     def cmd_jobs_create(self, name, world, strategy="sync", slots=None, elements=None, kernel_slots=None,
                         headroom=None, token=None, upstream=None, precision=None, max_abs=None,
-                        quarantine_after=None, combine=None, score_rho=None, score_after=None):
+                        max_norm=None, quarantine_after=None, combine=None, score_rho=None, score_after=None):
         job = self.registry.create(name, world, strategy=strategy, slots=slots, elements=elements,
                                    kernel_slots=kernel_slots, headroom=headroom, token=token, upstream=upstream,
-                                   precision=precision, max_abs=max_abs, quarantine_after=quarantine_after,
+                                   precision=precision, max_abs=max_abs, max_norm=max_norm,
+                                   quarantine_after=quarantine_after,
                                    combine=combine, score_rho=score_rho, score_after=score_after,
                                    now=time.time())
         try:

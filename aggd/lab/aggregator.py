@@ -3,8 +3,9 @@ namespace, driven by JSON lines on stdin; ``aggctl bench allreduce`` runs ``aggd
 
 Commands, one JSON object a line, each answered with one JSON line on stdout:
 ``{"cmd": "add_job", "job": .., "world": .., "slots": .., "max_chunks": .., "members":
-{rank: [ip, port]}, "group": [ip, port], "elements": .., "precision": ..}`` (``precision``: the
-wire's Precision code, optional), ``{"cmd": "remove_job", "job": ..}``,
+{rank: [ip, port]}, "group": [ip, port], "elements": .., "precision": .., "combine": ..}``
+(``precision``: the wire's Precision code, optional; ``combine``: "sum", "median", "trimmed:t" or
+"zeno", optional), ``{"cmd": "remove_job", "job": ..}``,
 ``{"cmd": "stats", "job": ..}`` (the job's counters and this process's peak RSS) and
 ``{"cmd": "reset_peak"}``. End of input stops it. The first line out is ``{"ready": true, ...}``.
 """
@@ -19,6 +20,7 @@ from aggd_client.protocol.definition import Counter
 from aggd.core.addresses import host_port
 from aggd.lab.memory import peak_rss, reset_peak_rss, rss
 from aggd.core.model import JobConfig
+from aggd.core.robust import parse_combine
 from aggd.dataplane.userspace.server import UserspaceAggregator
 
 
@@ -35,6 +37,7 @@ def main(argv=None) -> int:
             if cmd == "add_job":
                 req["members"] = {int(r): tuple(a) for r, a in req["members"].items()}
                 req["group"] = tuple(req["group"]) if req.get("group") else None
+                req["combine"] = parse_combine(req.get("combine", "sum"))
                 agg.add_job(JobConfig(**req))
                 out = {"ok": True}
             elif cmd == "remove_job":

@@ -13,6 +13,7 @@ from typing import Callable
 
 from aggd_client import protocol as proto
 
+from aggd.core.robust import parse_combine
 from aggd.dataplane.xdp.loader import XdpDataPlane
 from aggd.lab.namespaces import Lab
 from aggd.lab.processes import LabProcesses, WorkerRun  # noqa: F401 (WorkerRun: run_workers' runs)
@@ -52,6 +53,8 @@ class LabJob:
     tensor_rank_base: int = 0
     #: Bits a contribution value (docs/protocol.md, "Precision"; a joined job's JOIN_ACK says).
     precision: int = 32
+    #: How rounds are combined: "sum", or a robust job's (docs/protocol.md, "Robust jobs").
+    combine: str = "sum"
 
     @property
     def world(self) -> int:
@@ -71,7 +74,8 @@ class LabJob:
         return types.SimpleNamespace(job=self.job, world=self.world, slots=self.slots,
                                      max_chunks=self.max_chunks, group=self.group_of(aggregator), members=members,
                                      kernel_slots=self.kernel_slots,
-                                     precision=int(proto.PRECISION_OF_BITS[self.precision]))
+                                     precision=int(proto.PRECISION_OF_BITS[self.precision]),
+                                     combine=parse_combine(self.combine))
 
 
 @contextlib.contextmanager
@@ -111,7 +115,8 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
             else:
                 groups = ",".join(f"{g[0]}:{g[1]}" for g in map(job.group_of, range(k)))
                 who = ["--job", str(job.job), "--world", str(job.world), "--group", groups,
-                       "--elements", str(elements), "--slots", str(job.slots), "--precision", str(job.precision)]
+                       "--elements", str(elements), "--slots", str(job.slots), "--precision", str(job.precision),
+                       "--combine", job.combine]
             workers.start(lab.worker_ns(w), [
                 sys.executable, "-m", "aggd.lab.worker", "--server", servers,
                 "--bind", f"{lab.worker_ip(w)}:{job.port}", "--rank", str(rank),

@@ -220,10 +220,13 @@ def main(argv=None) -> int:
                     help="one small allreduce first, outside every measurement (see _prime)")
     ap.add_argument("--reuse", action="store_true",
                     help="reduce the same tensor every round, into the same result buffer")
+    ap.add_argument("--combine", default="sum",
+                    help="how the job combines rounds: sum, median, trimmed:t (not with --token: the join "
+                         "answer says); zeno is checked only for equal results on every member (--digest)")
     ap.add_argument("--outlier", metavar="RANK:SCALE", type=lambda t: (int(t.split(":")[0]), float(t.split(":")[1])),
                     help="that member sends its tensor times SCALE (a bad member; every check knows)")
     args = ap.parse_args(argv)
-    combine = "sum"  # the joined job's
+    combine = args.combine  # the joined job's, with --token
     terms = None    # what contributions are quantised for: the world (a sync job), or the joined job's headroom
     precision = args.precision  # ... and in how many bits (the joined job's)
 
@@ -277,6 +280,9 @@ def main(argv=None) -> int:
                                                          failover_after=args.failover_after, rejoin=rejoin)
     requests = _leader_requests(args, client)   # parsed on every rank, made by rank 0
     my_tensors = args.rank if args.tensor_rank is None else args.tensor_rank
+    if combine == "zeno" and args.check != "none":
+        ap.error("a zeno job's rows are chosen by the aggregator: its results cannot be checked here "
+                 "(--check none; --digest compares the members')")
     status = 0
     with client:
         if args.prime:

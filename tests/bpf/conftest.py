@@ -9,13 +9,13 @@ ELEMENTS = 256
 
 
 def job_config(job=1, world=3, slots=8, max_chunks=1 << 20, group=("239.77.0.1", proto.DEFAULT_RESULT_PORT),
-               members=None, kernel_slots=None, tags=None, upstream=None, precision=0, bound=None):
+               members=None, kernel_slots=None, tags=None, upstream=None, precision=0, bound=None, norm_bound=None):
     from aggd.testing.frames import worker_addr
     if members is None:
         members = {r: worker_addr(r)[1:] for r in range(world)}
     return types.SimpleNamespace(job=job, world=world, slots=slots, max_chunks=max_chunks, group=group,
                                  members=members, kernel_slots=kernel_slots, tags=tags or {}, upstream=upstream,
-                                 precision=precision, bound=bound)
+                                 precision=precision, bound=bound, norm_bound=norm_bound)
 
 
 @pytest.fixture(scope="session")

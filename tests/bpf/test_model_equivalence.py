@@ -179,7 +179,7 @@ def test_simulated_training_with_hot_swaps(harness, seed, admission):
 #: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
 #: lanes and narrowed into int16 / int32 results in a frame the program grows (docs/protocol.md,
 #: "Precision"). The values include each type's largest magnitudes.
-NARROW_SEQUENCES = 200   #: per strategy and precision
+NARROW_SEQUENCES = 120   #: per strategy and precision
 
 
 @pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
@@ -231,3 +231,28 @@ def test_random_sequences_bounded(harness, kind, precision):
     sequences_agree()
     assert RUN[label] - before >= BOUNDED_SEQUENCES
     assert harness.seen[("drop", "out_of_bounds", None)] > 0
+
+
+NORM_SEQUENCES = 50      #: per strategy and precision, with a bound on the L2 norm
+
+
+@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT16))
+@pytest.mark.parametrize("kind", ("sync", "quorum"))
+def test_random_sequences_norm_bounded(harness, kind, precision):
+    """A bound on the L2 norm: sums of squares from a few values to 2**64 and beyond (saturated in
+    the kernel), bounds now above, now below them."""
+    from aggd.core.model import Bound
+    label = f"norm-bounded {precision.name.lower()} {kind}"
+    before, refused = RUN[label], harness.seen[("drop", "out_of_bounds", None)]
+
+    @settings(SETTINGS, max_examples=NORM_SEQUENCES // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.sampled_from((0.5, 3000.0, 20000.0, 2.0**35))), min_size=BATCH,
+                          max_size=BATCH))
+    def sequences_agree(batch):
+        for (shape, ops), max_norm in batch:
+            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, precision=precision,
+                         norm_bound=Bound.of(max_norm))
+
+    sequences_agree()
+    assert RUN[label] - before >= NORM_SEQUENCES
+    assert harness.seen[("drop", "out_of_bounds", None)] > refused     # some contributions were beyond it

@@ -93,19 +93,22 @@ def table_for(kind: str, shape: int) -> list[TableEntry]:
 
 def run_sequence(h, runs: collections.Counter, label: str, entries: list[TableEntry], shape: int,
                  ops: list[int], swaps: list[tuple[int, str, int]] = (), elements: int = ELEMENTS,
-                 departures: list[tuple[int, int]] = (), precision: int = 0, bound=None) -> None:
+                 departures: list[tuple[int, int]] = (), precision: int = 0, bound=None,
+                 norm_bound=None) -> None:
     """One sequence from a fresh job: ``shape`` picks world, slots, chunks and window; ``swaps``
     are (op index, strategy, rounds ahead) installed as new versions at round boundaries;
     ``departures`` (op index, rank) declare the rank gone, or back if it was (never the last one
     awaited); payloads have ``elements`` values (the data planes' packet size) of ``precision``
-    (docs/protocol.md, "Precision"), ``bound`` the job's per-member bound (a ``model.Bound``). Counts the
+    (docs/protocol.md, "Precision"), ``bound`` and ``norm_bound`` the job's per-member bounds (each a
+    ``model.Bound``: on the largest value, on the L2 norm). Counts the
     sequence in ``runs[label]``."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4)[(shape >> 4) % 4], 1 + (shape >> 6) % 3
     traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=elements,
                       addr_of=member, junk=True, precision=precision)
     h.start(world, slots, 8, entries, **({"precision": precision} if precision else {}),
-            **({"bound": bound} if bound is not None else {}))
+            **({"bound": bound} if bound is not None else {}),
+            **({"norm_bound": norm_bound} if norm_bound is not None else {}))
     table = StrategyTable(parse("sync"))
     table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
     pending, leaving = sorted(swaps), sorted(departures)

@@ -33,16 +33,16 @@ class Harness:
         self.seen: collections.Counter = collections.Counter()   # model outcomes compared
 
     def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry],
-              precision: int = 0, bound=None) -> None:
+              precision: int = 0, bound=None, norm_bound=None) -> None:
         members = {r: member(r) for r in range(world)}
         self.model = AggregatorModel(self.elements)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
                                      members=members, tags={r: tag(r) for r in members}, group=GROUP,
-                                     precision=precision, bound=bound))
+                                     precision=precision, bound=bound, norm_bound=norm_bound))
         self.dp.remove_job(OTHER_JOB)
         self.dp.install_job(job_config(job=JOB, world=world, slots=slots, max_chunks=max_chunks, group=GROUP,
                                        members=members, tags={r: tag(r) for r in members}, precision=precision,
-                                       bound=bound))
+                                       bound=bound, norm_bound=norm_bound))
         self.dp._reset_stats(NO_JOB)
         self.set_strategy(entries)
 

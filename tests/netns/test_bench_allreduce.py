@@ -121,3 +121,23 @@ def test_bench_allreduce_at_every_precision():
         [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp", "--size", "64K",
          "--workers", "2", "--iters", "1", "--precision", "8"], capture_output=True, text=True, timeout=600)
     assert too_big.returncode != 0 and "at most 832 values" in too_big.stderr, too_big.stderr[-2000:]
+
+
+def test_bench_allreduce_robust_jobs_beside_the_summing_one():
+    """aggd-user's job summing and as a robust job (docs/protocol.md, "Robust jobs"): every member
+    checks the median / trimmed mean of the four tensors within the bound, and the robust rows say
+    their slowdown over the summing one; zeno and a robust job without aggd-user are refused."""
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-user",
+         "--size", "256K", "--workers", "4", "--iters", "2", "--combine", "sum,median,trimmed:1", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["combine"] for r in rows] == ["sum", "median", "trimmed:1"]
+    assert all(r["within_bound"] and r["errors"] == 0 for r in rows), rows
+    assert all(r["slowdown_over_sum"] > 0 for r in rows[1:]), rows
+    for argv, says in ((["--systems", "aggd-user", "--combine", "zeno"], "cannot check"),
+                       (["--systems", "gloo", "--combine", "median"], "aggd-user only")):
+        bad = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--size", "64K",
+                              "--workers", "2", "--iters", "1", *argv], capture_output=True, text=True, timeout=600)
+        assert bad.returncode != 0 and says in bad.stderr, bad.stderr[-2000:]

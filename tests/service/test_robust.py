@@ -63,7 +63,7 @@ def test_a_zeno_job_gives_every_member_the_same_results(make_lab, make_daemon):
     assert len(digests) == 4 * len(SIZES.split(",")) and all(len(v) == 1 for v in digests.values()), digests
 
 
-def test_what_a_robust_job_cannot_run_is_refused(make_lab, make_daemon):
+def test_what_a_robust_job_cannot_run_is_refused_and_a_norm_bound_is_taken(make_lab, make_daemon):
     lab = make_lab(2)
     d = make_daemon(lab)
     d.call("jobs.create", name="r", world=2, combine="median")
@@ -75,3 +75,8 @@ def test_what_a_robust_job_cannot_run_is_refused(make_lab, make_daemon):
         res = d.aggctl(*argv)
         assert res.exit_code != 0 and says in res.output, (argv, res.output)
     assert d.call("strategy.show", job="r")["current"] == "sync"
+    # a bound on the L2 norm is the kernel's too (docs/protocol.md, "Bounds")
+    res = d.aggctl("jobs", "create", "n", "--world", "2", "--max-norm", "3", "--quarantine-after", "2", "--json")
+    assert res.exit_code == 0, res.output
+    shown = d.call("jobs.show", job="n")
+    assert (shown["max_norm"], shown["quarantine_after"]) == (3.0, 2) and shown["kernel_slots"] > 0

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aggd.core.departures import offenders
+from aggd.core.departures import bounds_text, offenders
 from aggd.core.model import AggregatorModel, Bound, JobConfig, member_rows
 from aggd.core.registry import Limits, Registry, RegistryError
 from aggd_client.protocol import ZERO_EXPONENT, DropReason, Header, MsgType
@@ -67,11 +67,46 @@ def test_a_contribution_beyond_the_bound_is_dropped_and_counted_against_its_memb
 
 def test_offenders_counted_since_let_back_in():
     rows = [{"rank": 0, "offences": 0}, {"rank": 1, "offences": 5}, {"rank": 2, "offences": 2}]
-    assert [o.rank for o in offenders(rows, {}, {}, 3, 4.0)] == [1]
-    assert offenders(rows, {1: {}}, {}, 3, 4.0) == []                     # gone already
-    assert offenders(rows, {}, {1: 4}, 3, 4.0) == []                      # 1 since it was let back in
-    assert offenders(rows, {}, {}, 0, 4.0) == []                          # never
-    assert "beyond 4" in offenders(rows, {}, {}, 2, 4.0)[0].reason()
+    limits = bounds_text(4.0, None)
+    assert [o.rank for o in offenders(rows, {}, {}, 3, limits)] == [1]
+    assert offenders(rows, {1: {}}, {}, 3, limits) == []                  # gone already
+    assert offenders(rows, {}, {1: 4}, 3, limits) == []                   # 1 since it was let back in
+    assert offenders(rows, {}, {}, 0, limits) == []                       # never
+    assert "beyond the job's max_abs 4;" in offenders(rows, {}, {}, 2, limits)[0].reason()
+    assert bounds_text(0.5, 3.0) == "max_abs 0.5, max_norm 3" and bounds_text(None, 2.0) == "max_norm 2"
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(max_norm=st.floats(1e-20, 1e20), e=st.integers(-100, 100), seed=st.integers(0, 2**32 - 1),
+       n=st.integers(1, 64))
+def test_the_norm_test_is_exact(max_norm, e, seed, n):
+    """sum(q**2) * 2**-2e <= bound**2 exactly when the test says so (Python integers, fractions);
+    a bound whose limit would pass 2**63 lets anything through, as the kernel's does."""
+    b = Bound.of(max_norm)
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-(2**31), 2**31, n) >> int(rng.integers(0, 32))
+    sq = sum(int(v) ** 2 for v in q)
+    exact = Fraction(sq) * Fraction(2) ** (-2 * e) <= (Fraction(b.mant) * Fraction(2) ** b.exp) ** 2
+    limit = b.norm_limit(e)
+    if limit is None:
+        assert not b.beyond_norm(q, e) and b.mant ** 2 * Fraction(2) ** (2 * (b.exp + e)) >= 2**63
+    else:
+        assert b.beyond_norm(q, e) == (not exact)
+
+
+def test_a_contribution_beyond_the_norm_bound_is_dropped_and_counted():
+    m = AggregatorModel(E, userspace=True)
+    m.add_job(JobConfig(job=1, world=2, slots=2, max_chunks=8, group=GROUP, norm_bound=Bound.of(10.0),
+                        members={0: addr(0), 1: addr(1)}))
+
+    def send(rank, values, exponent=0):
+        h = Header(type=MsgType.CONTRIB, job=1, rank=rank, count=E, exponent=exponent)
+        return m.process(h.pack() + np.asarray(values, "<i4").tobytes(), addr(rank))
+
+    assert send(1, [4] * E).reason == DropReason.OUT_OF_BOUNDS          # norm 11.3: every value small
+    assert send(1, [3] * E).reason is None                               # 8.5
+    assert send(0, [0, 0, 0, 0, 0, 0, 0, 20], exponent=1).action == "tx"  # 10 exactly: within
+    assert [r["offences"] for r in member_rows(m.jobs[1].members, 2)] == [0, 1]
 
 
 def test_registry_bounds():
@@ -84,8 +119,12 @@ def test_registry_bounds():
     for bad in (0, -1, float("inf"), "2", True):
         with pytest.raises(RegistryError, match="max_abs"):
             reg.create(f"x{id(bad)}", 4, max_abs=bad)
-    with pytest.raises(RegistryError, match="needs max_abs"):
+    with pytest.raises(RegistryError, match="needs max_abs or max_norm"):
         reg.create("q", 4, quarantine_after=2)
+    n = reg.create("n", 4, max_norm=3.0, quarantine_after=2)
+    assert n.max_norm == 3.0 and n.kernel_slots > 0 and again.get("b").max_norm is None
+    with pytest.raises(RegistryError, match="max_norm must be a positive number"):
+        reg.create("n2", 4, max_norm=-1.0)
     p4 = Registry(Limits(kernel_budget=1 << 30, elements=E, port=47000, userspace_port=47002, result_port=47001,
                          bounds_in_kernel=False))
     assert p4.create("b", 4, max_abs=1.0).kernel_slots == 0                 # a switch does not check bounds

@@ -16,6 +16,7 @@ from aggd.dataplane.userspace import fastpath
 
 from aggd.dataplane.userspace import kernels
 from aggd.core.model import NO_JOB, AggregatorModel, BankState, Verdict
+from aggd.core.robust import SUM, Combine, parse_combine
 from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd_client.mrecv import sockaddr_in
 from aggd_client.protocol import HEADER_SIZE, DropReason, Header
@@ -27,21 +28,22 @@ from tests.fixtures.traffic import STRATEGY_TEXTS, Traffic, layout_of, swap_tabl
 REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
 
 
-def new_model(world: int, slots: int, entries, precision: int = 0) -> AggregatorModel:
+def new_model(world: int, slots: int, entries, precision: int = 0, combine: Combine = SUM) -> AggregatorModel:
     m = AggregatorModel(E, userspace=True, arithmetic=kernels.KERNEL_ARITHMETIC)
-    m.add_job(dataclasses.replace(job_config(world, slots, 8), precision=precision))
+    m.add_job(dataclasses.replace(job_config(world, slots, 8), precision=precision, combine=combine))
     m.set_strategy(JOB, entries)
     return m
 
 
-def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, int]], precision: int = 0):
+def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, int]], precision: int = 0,
+           combine: Combine = SUM):
     """The sequence through the plain model: [(sent, verdict) or ("swap", entries)], the model."""
     world, slots = (4, 4, 4, 3, 2, 1, 4, 4)[shape % 8], 1 + (shape >> 3) % 2
     chunks, window = (1, 2, 3, 4, 8)[(shape >> 4) % 5], 1 + (shape >> 7) % 4
     traffic = Traffic(world=world, slots=slots, chunks=layout_of(shape, chunks), max_chunks=8, window=window, elements=E,
                       junk=True, noise=bool(shape >> 9 & 1), precision=precision)
     entries = [entry(text)]
-    m = new_model(world, slots, entries, precision)
+    m = new_model(world, slots, entries, precision, combine)
     table = StrategyTable(parse("sync"))
     table.entries = [(e.version, e.from_round, from_entry(e)) for e in entries]
     steps, pending = [], sorted(swaps)
@@ -55,14 +57,14 @@ def record(shape: int, ops: list[int], text: str, swaps: list[tuple[int, str, in
         v = m.process(sent.data, sent.src, sent.now_ns)
         traffic.observe(sent, v)
         steps.append((sent, v))
-    return (world, slots, entries, precision), steps, m
+    return (world, slots, entries, precision, combine), steps, m
 
 
 def replay(setup, steps, cuts: list[int]):
     """The same packets through the fast path in batches (cut also at every swap); per packet
     (verdict, what the kernel did: fastpath.SLOW when the model decided), the model, the fast path."""
-    world, slots, entries, precision = setup
-    m = new_model(world, slots, entries, precision)
+    world, slots, entries, precision, combine = setup
+    m = new_model(world, slots, entries, precision, combine)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(64, REC)
@@ -103,11 +105,14 @@ def replay(setup, steps, cuts: list[int]):
 
 
 def bank_state(m: AggregatorModel):
-    """Every slot's banks and late memories (slots are made when first used: each is looked at,
-    so a slot one model made and the other did not compares too)."""
+    """Every slot's banks (a robust job's rows of its members too) and late memories (slots are
+    made when first used: each is looked at, so a slot one model made and the other did not
+    compares too)."""
     slots = m.jobs[JOB].slots
     return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.exponent, b.flags, b.version, b.kind, b.param,
-              b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist())
+              b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist(),
+              None if b.rows is None else [(b.rows[r].tolist(), int(b.row_exp[r]))
+                                           for r in range(len(b.rows)) if b.bitmap >> r & 1])
              for b in slot.banks] + [sorted((r, mem.round, mem.refused, mem.carried) for r, mem in slot.late.items()
                                             if (mem.round, mem.refused, mem.carried) != (None, 0, 0))]
             for slot in (slots[s] for s in range(len(slots)))]
@@ -152,6 +157,36 @@ def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision
     assert m.jobs[JOB].members.tolist() == ref.jobs[JOB].members.tolist()    # per-member counters
 
 
+ROBUST_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:10ms", "ssp:1", "ssp:2", "quorum:2:1ms")
+
+
+@settings(max_examples=150, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(shape=st.integers(0, 2**10 - 1),
+       ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
+       text=st.sampled_from(ROBUST_TEXTS),
+       swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(ROBUST_TEXTS), st.integers(0, 2)), max_size=3),
+       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8), precision=st.sampled_from((0, 1, 2)),
+       how=st.sampled_from(("median", "trimmed:1", "zeno")))
+def test_fast_path_decides_as_the_model_for_robust_jobs(shape, ops, text, swaps, cuts, precision, how):
+    """A robust job's rows, results and score terms (docs/protocol.md, "Robust jobs"): the kernel
+    keeps rows and combines them at the release as the model does."""
+    setup, steps, ref = record(shape, ops, text, swaps, precision, parse_combine(how))
+    got, m, fp = replay(setup, steps, cuts)
+    expected = [v for s, v in steps if s != "swap"]
+    for i, ((v, kind), want) in enumerate(zip(got, expected)):
+        assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
+                           f"model {describe(want)}")
+        decided["robust " + ("model" if kind == fastpath.SLOW else "kernel")] += 1
+        if kind == fastpath.TO_GROUP:
+            decided["robust released"] += 1
+    fp.sync()
+    assert m.stats() == ref.stats()
+    assert bank_state(m) == bank_state(ref)
+    assert m.jobs[JOB].members.tolist() == ref.jobs[JOB].members.tolist()
+    assert np.allclose(m.jobs[JOB].scores, ref.jobs[JOB].scores, rtol=1e-9, atol=0)
+
+
 def test_the_kernel_decided_most_packets():
     """The property above is not vacuous: most of its packets were the kernel's, of every kind
     (it runs first)."""
@@ -160,6 +195,8 @@ def test_the_kernel_decided_most_packets():
     kernel = sum(decided[k] for k in (fastpath.ABSORBED, fastpath.DROPPED, fastpath.TO_GROUP, fastpath.TO_SENDER))
     assert kernel > decided[fastpath.SLOW] > 0, decided
     assert decided["narrow"] > 0, decided          # int8 and int16 jobs' packets too
+    if decided["robust kernel"]:                    # (when the robust property ran before)
+        assert decided["robust released"] > 0, decided
     for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE):
         assert decided[what] > 0, (what, decided)
 
@@ -167,8 +204,8 @@ def test_the_kernel_decided_most_packets():
 def test_a_release_observer_sees_every_release():
     """With ``on_release`` set the model decides everything, so the observer misses nothing."""
     setup, steps, ref = record(0, list(range(0, 4 * 40)), "sync", [])
-    world, slots, entries, precision = setup
-    m = new_model(world, slots, entries, precision)
+    world, slots, entries, precision, combine = setup
+    m = new_model(world, slots, entries, precision, combine)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     released = []
@@ -187,8 +224,8 @@ def test_a_release_observer_sees_every_release():
 def test_state_changed_by_the_kernel_reaches_the_objects():
     """``sync`` (and a slow-path packet of the slot) bring the kernel's bank changes to the model's objects."""
     setup, steps, ref = record(0, [0, 1, 2], "sync", [])     # ranks 0-2 contribute to round 0, chunk 0
-    world, slots, entries, precision = setup
-    m = new_model(world, slots, entries, precision)
+    world, slots, entries, precision, combine = setup
+    m = new_model(world, slots, entries, precision, combine)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(4, REC)
@@ -210,8 +247,8 @@ def test_packets_that_reach_no_slot_make_none():
     """A slot's objects are made only when the model's rules reach it: foreign packets naming
     chunks (not a member, a bad rank) leave every slot unmade."""
     setup, steps, ref = record(0, [0], "sync", [])
-    world, slots, entries, precision = setup
-    m = new_model(world, slots, entries, precision)
+    world, slots, entries, precision, combine = setup
+    m = new_model(world, slots, entries, precision, combine)
     fp = fastpath.FastPath()
     fp.add_job(m, JOB)
     batch = fastpath.Batch(4, REC)

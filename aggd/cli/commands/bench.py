@@ -8,6 +8,8 @@ import click
 
 from aggd_client import protocol as proto
 
+from aggd.core.robust import CombineKind, parse_combine
+
 SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -63,11 +65,14 @@ def bench():
 @click.option("--precision", "precisions", default="32", show_default=True,
               help="bits a contribution value of aggd's systems, e.g. 8,16,32 (docs/precision.md); the "
                    "XDP program holds 8 and 16 bits in packets of at most 832 values")
+@click.option("--combine", "combines", default="sum", show_default=True,
+              help="how aggd-user's job combines rounds, e.g. sum,median: a robust job's median or trimmed:T "
+                   "(docs/protocol.md \"Robust jobs\"; each row then gets its slowdown over sum)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
 def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, precisions,
-                    as_json, plot_path):
+                    combines, as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -116,15 +121,28 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     bits = sorted({b.strip() for b in precisions.split(",") if b.strip()}, key=lambda b: -int(b) if b.isdigit() else 0)
     if not bits or any(b not in ("32", "16", "8") for b in bits):
         raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
+    how_list = tuple(dict.fromkeys(c.strip() for c in combines.split(",") if c.strip()))
+    try:
+        for how in how_list:
+            if parse_combine(how).kind == CombineKind.ZENO:
+                raise ValueError("zeno's results depend on the aggregator's choice of rows: the bench cannot "
+                                 "check them; use median or trimmed:T")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--combine") from None
+    if how_list and how_list != ("sum",) and "aggd-user" not in chosen:
+        raise click.BadParameter("robust jobs run in aggd-user only: add it to --systems", param_hint="--combine")
 
     def show(row):
         if as_json:
             click.echo(json.dumps(row))
             return
         extra = f"  retransmits={row['retransmits']}" if "retransmits" in row else ""
+        if "slowdown_over_sum" in row:
+            extra += f"  {row['slowdown_over_sum']:.2f}x the summing job's time"
         agg = (f"  aggregator={row['aggregator_memory_bytes'] / 2**20:.1f} MiB ({row['aggregator_memory']})"
                if "aggregator_memory_bytes" in row else "")
-        name = row["system"] + ("" if row.get("precision", 32) == 32 else f"@{row['precision']}")
+        name = row["system"] + ("" if row.get("precision", 32) == 32 else f"@{row['precision']}") + \
+            ("" if row.get("combine", "sum") == "sum" else f"/{row['combine']}")
         click.echo(f"{name:<12} workers={row['workers']:<2} bytes={row['bytes']:<10} "
                    f"loss={row['loss_percent']:g}% hogs={row['cpu_hogs']}  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                    f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
@@ -133,7 +151,8 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     try:
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
-                      on_row=show, losses=loss_list, hogs=hog_list, precisions=tuple(int(b) for b in bits))
+                      on_row=show, losses=loss_list, hogs=hog_list, precisions=tuple(int(b) for b in bits),
+                      combines=how_list or ("sum",))
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):

@@ -50,9 +50,12 @@ def list_(as_json):
               help="The largest magnitude a member's contribution may have: one with a value beyond it is "
                    "dropped and counted against the member (OFFENCES in `aggctl workers`; docs/protocol.md "
                    "\"Bounds\").")
+@click.option("--max-norm", type=click.FloatRange(0, min_open=True),
+              help="The largest L2 norm a member's contribution (one packet's values) may have: one beyond it "
+                   "is dropped and counted against the member, as for --max-abs.")
 @click.option("--quarantine-after", type=click.IntRange(0),
               help="Quarantine a member (declared gone, its packets and JOINs refused until `aggctl workers "
-                   "readmit`) after this many contributions beyond --max-abs (default 0: never).")
+                   "readmit`) after this many contributions beyond --max-abs or --max-norm (default 0: never).")
 @click.option("--combine", metavar="sum|median|trimmed:T|zeno",
               help="How a round's contributions are combined (default sum). The others keep every member's "
                    "contribution apart, in user space, so one bad member cannot move the result far: the "
@@ -75,13 +78,13 @@ def list_(as_json):
 @click.option("--span", type=click.IntRange(1), help="Workers under the upper aggregator, every rack's: the "
                                                      "members quantise for them.")
 @json_option
-def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, max_abs, quarantine_after,
+def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, max_abs, max_norm, quarantine_after,
            combine, score_rho, score_after, token, upstream, upstream_token, upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
     args = {"name": name, "world": world, "strategy": strategy}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
                        ("headroom", headroom), ("token", token),
-                       ("precision", None if precision is None else int(precision)), ("max_abs", max_abs),
+                       ("precision", None if precision is None else int(precision)), ("max_abs", max_abs), ("max_norm", max_norm),
                        ("quarantine_after", quarantine_after), ("combine", combine), ("score_rho", score_rho),
                        ("score_after", score_after)):
         if value is not None:

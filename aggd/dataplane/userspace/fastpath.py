@@ -10,6 +10,10 @@ late contributions, timeouts, malformed or foreign packets, NACKs, a short paylo
 observer) stops the kernel and goes to ``AggregatorModel.process`` unchanged; the kernel then goes
 on from the packet after it. tests/unit/test_fastpath.py plays random sequences through both.
 
+A robust job (docs/protocol.md, "Robust jobs") is served alike: the kernel keeps each contribution
+in its member's row and combines the rows at the release (``kernels.combine``), adding the score
+terms the model's ``_combine`` adds (the same sums, in another order: equal to rounding).
+
 A job's banks live twice: in the model's ``Bank`` objects (what the model and its readers use)
 and in arrays here (what the kernel uses). The sums (``Bank.values``, rebound to views of the
 array here), the counters and the drops are shared, not copied. A slot's other fields go from
@@ -18,6 +22,7 @@ arrays to objects before the model handles a packet of that slot, if the kernel 
 """
 from __future__ import annotations
 
+import math
 import socket
 import struct
 from dataclasses import dataclass
@@ -27,12 +32,14 @@ import numpy as np
 from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
-from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, Counter, DropReason, \
-    MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
+from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, ZERO_EXPONENT, Counter, \
+    DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
 
-from aggd.dataplane.userspace.kernels import accumulate, load, narrow, narrow16
+from aggd.dataplane.userspace.kernels import accumulate, combine, load, narrow, narrow16
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
-                             RESULT_RANK, STEPS, AggregatorModel, Bank, BankState, JobState, Slot, Verdict)
+                             RESULT_RANK, S_DOT, S_NORM, S_REF, STEPS, AggregatorModel, Bank, BankState, JobState,
+                             Slot, Verdict)
+from aggd.core.robust import CombineKind
 
 # Header field offsets, from the protocol definition.
 _OFF = {name: off for name, (_, off) in HEADER_DTYPE.fields.items()}
@@ -54,6 +61,7 @@ C_RX_PACKETS, C_RX_BYTES, C_ELEMENTS = int(Counter.RX_PACKETS), int(Counter.RX_B
 C_CONTRIBUTIONS, C_RELEASED, C_OVERFLOWS = int(Counter.CONTRIBUTIONS), int(Counter.RELEASED), int(Counter.OVERFLOWS)
 C_RETRANSMITS, C_PARTIALS = int(Counter.RETRANSMITS), int(Counter.PARTIALS)
 D_DUPLICATE, D_BUSY = int(DropReason.DUPLICATE), int(DropReason.BUSY)
+SUM, TRIMMED, ZENO = int(CombineKind.SUM), int(CombineKind.TRIMMED), int(CombineKind.ZENO)
 
 # A bank's fields in the kernel's arrays: small ones in int64 ``bi``, 64-bit ones in uint64 ``bu``.
 (F_STATE, F_ROUND, F_CHUNK, F_HOLDING, F_NCONTRIB, F_EXPONENT, F_FLAGS, F_VERSION, F_KIND, F_PARAM,
@@ -172,13 +180,52 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i
 
 
 @njit(cache=True, nogil=True)
+def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim, rho):
+    """AggregatorModel._combine of a robust job's bank (s, b): its members' rows combined into its
+    sums (``kernels.combine``), each one's score terms added to ``scores``; returns the exponent."""
+    bitmap = bu[s, b, U_BITMAP]
+    n = _popcount(bitmap)
+    elements = values.shape[2]
+    picked = np.empty((n, elements), np.int32)
+    exps = np.empty(n, np.int64)
+    ranks = np.empty(n, np.int64)
+    k = 0
+    for r in range(world):
+        if bitmap >> np.uint64(r) & np.uint64(1):
+            picked[k] = rows[s, b, r]
+            exps[k], ranks[k] = row_exp[s, b, r], r
+            k += 1
+    t = (n - 1) // 2 if combine_kind != TRIMMED else min(trim, (n - 1) // 2)
+    exp = combine(picked, exps, t, combine_kind == ZENO, rho, values[s, b])
+    # score_terms: x = row * 2**-e_r, m = sums * 2**-exp / n
+    scale = math.ldexp(1.0, -exp) / n
+    ref = 0.0
+    for i in range(elements):
+        m = values[s, b, i] * scale
+        ref += m * m
+    for j in range(n):
+        xs = math.ldexp(1.0, -exps[j])
+        dot = 0.0
+        norm = 0.0
+        for i in range(elements):
+            x = picked[j, i] * xs
+            dot += x * (values[s, b, i] * scale)
+            norm += x * x
+        scores[ranks[j], S_DOT] += dot
+        scores[ranks[j], S_NORM] += norm
+        scores[ranks[j], S_REF] += ref
+    return exp
+
+
+@njit(cache=True, nogil=True)
 def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
         prec, member_ip, member_port, member_tag, table, bi, bu, steps, values, counters, drops, dirty, members,
-        out, out32, out16, out_len, out_kind, out_reason):
+        out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
     contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
     records as int32, int16 and int8); return the index of the first that is not (``n`` when all
-    were). See the module docstring."""
+    were). A robust job (``combine_kind`` not SUM) keeps each contribution in its member's row of
+    ``rows`` and combines them at the release (``_combine``). See the module docstring."""
     nslots, elements = values.shape[0], values.shape[2]
     size_ok = HDR + (4 if prec == INT32 else (2 if prec == INT16 else 1)) * elements
     i = start
@@ -188,7 +235,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job or p[O_CODE] != prec:
             break                                            # (the code byte: the job's precision)
         count, rank, chunk, step = _be16(p, O_COUNT), _be16(p, O_RANK), _be32(p, O_CHUNK), _be16(p, O_STEP)
-        if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS:
+        if count == 0 or count > elements or rank >= world or chunk >= max_chunks or step >= STEPS \
+                or (combine_kind != SUM and step != 0):     # (bad_step: the model's)
             break
         nm = names[i]
         if member_port[rank] != _be16(nm, 2) or member_ip[rank] != _be32(nm, 4) or \
@@ -276,6 +324,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 bi[s, b, F_PARAM], bi[s, b, F_TIMEOUT_US] = table[e, T_PARAM], table[e, T_TIMEOUT]
                 bi[s, b, F_UNANNOUNCED] = 0
                 bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST] = 0, 0, now
+                bi[s, b, F_EXPONENT] = ZERO_EXPONENT     # (Bank.open; a sum's first load sets it)
                 steps[s, b, :] = 0
                 fresh = True
         else:
@@ -297,7 +346,15 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             i += 1
             continue
         dirty[s] = 1
-        if prec == INT32:    # (one call a type: numba types each payload view on its own)
+        if combine_kind != SUM:     # a robust job's row (one call a type, as below)
+            if prec == INT32:
+                load(rows[s, b, rank], stage32[i, HDR32:HDR32 + elements])
+            elif prec == INT16:
+                load(rows[s, b, rank], stage16[i, HDR16:HDR16 + elements])
+            else:
+                load(rows[s, b, rank], stage8[i, HDR:HDR + elements])
+            row_exp[s, b, rank] = exponent
+        elif prec == INT32:    # (one call a type: numba types each payload view on its own)
             if fresh:
                 load(values[s, b], stage32[i, HDR32:HDR32 + elements])
             else:
@@ -315,7 +372,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             else:
                 bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
                                                   stage8[i, HDR:HDR + elements], exponent)
-        if fresh:
+        if fresh and combine_kind == SUM:
             bi[s, b, F_EXPONENT] = exponent
         weight = _be16(p, O_NCONTRIB)       # a rack's partial sum holds that many (a worker's: 0, one)
         bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + (weight if weight > 0 else 1)) & 0xFFFF
@@ -340,6 +397,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
         else:
             complete = bitmap == (np.uint64(1) << np.uint64(world)) - np.uint64(1)
         if complete:
+            if combine_kind != SUM:
+                bi[s, b, F_EXPONENT] = _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim, rho)
             bi[s, b, F_STATE] = RELEASED
             counters[C_RELEASED] += np.uint64(1)
             out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters,
@@ -363,6 +422,10 @@ def _ipv4(host: str) -> int | None:
     except OSError:
         return None
     return int.from_bytes(packed, "big") if socket.inet_ntoa(packed) == host else None
+
+
+#: A summing job's stand-in for the rows, their exponents and the score terms (typed as a robust job's).
+_NO_ROWS = (np.zeros((1, BANKS, 1, 1), np.int32), np.zeros((1, BANKS, 1), np.int64), np.zeros((1, 3), np.float64))
 
 
 class FastJob:
@@ -413,6 +476,10 @@ class FastJob:
         self.state.counters, self.state.members = arrays["counters"], arrays["members"]
         if self.robust:
             self.state.scores = arrays["scores"]
+        c = cfg.combine
+        #: the kernel's combine arguments (a summing job's rows are one empty stand-in)
+        self.combine_args = (int(c.kind), int(c.trim), float(c.rho),
+                             *((self.rows, self.row_exp, self.state.scores) if self.robust else _NO_ROWS))
         model._drops[job] = arrays["drops"]
         self.counters, self.drops, self.members = arrays["counters"], arrays["drops"], arrays["members"]
         self.dirty = np.zeros(slots, np.uint8)
@@ -591,13 +658,15 @@ class FastPath:
             # the model's rule 0 (Bank.settled), which the kernel does not have.
             # A rack job forwards complete rounds upwards (the model's rule), which the kernel does not.
             if fj is not None and fj.model.on_release is None and fj.state.awaited == (1 << fj.state.cfg.world) - 1 \
-                    and fj.state.cfg.upstream is None and not fj.slow_only and not fj.robust \
-                    and fj.state.cfg.bound is None:   # (a bounded job's values are checked by the model)
+                    and fj.state.cfg.upstream is None and not fj.slow_only \
+                    and fj.state.cfg.bound is None and fj.state.cfg.norm_bound is None:
+                # (a bounded job's values are checked by the model)
                 nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
                           fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,
                           int(fj.state.cfg.precision), fj.member_ip, fj.member_port, fj.member_tag,
                           fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
-                          batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason)
+                          batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason,
+                          *fj.combine_args)
                 if nxt > i:
                     i = nxt
                     continue
@@ -647,4 +716,5 @@ def warm_up() -> None:
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
-        np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason)
+        np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason,
+        0, 0, 0.05, *_NO_ROWS)

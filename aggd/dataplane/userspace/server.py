@@ -101,7 +101,7 @@ def _own_config(cfg) -> JobConfig:
                      members=dict(cfg.members), tags=dict(getattr(cfg, "tags", None) or {}), group=cfg.group,
                      elements=getattr(cfg, "elements", None), upstream=getattr(cfg, "upstream", None),
                      precision=getattr(cfg, "precision", Precision.INT32), bound=getattr(cfg, "bound", None),
-                     combine=getattr(cfg, "combine", SUM))
+                     norm_bound=getattr(cfg, "norm_bound", None), combine=getattr(cfg, "combine", SUM))
 
 
 class UserspaceAggregator(DataPlane):

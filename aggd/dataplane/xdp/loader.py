@@ -357,6 +357,9 @@ class XdpDataPlane(DataPlane):
         bound = getattr(cfg, "bound", None)
         if bound is not None:
             j.bound_mant, j.bound_exp, j.bounded = int(bound.mant), int(bound.exp), 1
+        norm = getattr(cfg, "norm_bound", None)
+        if norm is not None:
+            j.norm_mant, j.norm_exp, j.norm_bounded = int(norm.mant), int(norm.exp), 1
         j.slot_base = base
         j.n_slots = int(cfg.slots)
         j.kernel_slots = kernel_slots
