@@ -353,6 +353,21 @@ def _valid_strategy(strategy: str | strat.Strategy, world: int, headroom: int = 
     return parsed
 
 
+def _check_positive(key: str, value, what: str) -> None:
+    """RegistryError unless ``value`` is None or a positive finite number (``what`` it is)."""
+    if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                  and 0 < value < float("inf")):
+        raise RegistryError(f"{key} must be a positive number ({what}), not {value!r}", "bad_request")
+
+
+def _count(key: str, value, unit: str) -> int:
+    """``value`` (None: 0) if it is 0 or more; RegistryError naming ``key`` otherwise."""
+    value = 0 if value is None else value
+    if not _is_int(value) or value < 0:
+        raise RegistryError(f"{key} must be 0 (never) or a number of {unit}, not {value!r}", "bad_request")
+    return value
+
+
 def _valid_combine(combine, strategy: strat.Strategy, kernel_slots, upstream) -> robust.Combine:
     """``combine`` parsed and checked against the job's other keys; RegistryError naming the key."""
     try:
@@ -479,18 +494,9 @@ class Registry:
         if not _is_int(precision) or precision not in PRECISION_OF_BITS:
             raise RegistryError(f"precision must be one of 32, 16, 8 (bits of a contribution value), "
                                 f"not {precision!r}", "bad_request")
-        if max_abs is not None and not (isinstance(max_abs, (int, float)) and not isinstance(max_abs, bool)
-                                        and 0 < max_abs < float("inf")):
-            raise RegistryError(f"max_abs must be a positive number (the largest magnitude a member's "
-                                f"contribution may have), not {max_abs!r}", "bad_request")
-        if max_norm is not None and not (isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool)
-                                         and 0 < max_norm < float("inf")):
-            raise RegistryError(f"max_norm must be a positive number (the largest L2 norm of a member's "
-                                f"contribution, one packet's values), not {max_norm!r}", "bad_request")
-        quarantine_after = 0 if quarantine_after is None else quarantine_after
-        if not _is_int(quarantine_after) or quarantine_after < 0:
-            raise RegistryError(f"quarantine_after must be 0 (never) or a number of contributions, not "
-                                f"{quarantine_after!r}", "bad_request")
+        _check_positive("max_abs", max_abs, "the largest magnitude a member's contribution may have")
+        _check_positive("max_norm", max_norm, "the largest L2 norm of a member's contribution, one packet's values")
+        quarantine_after = _count("quarantine_after", quarantine_after, "contributions")
         if quarantine_after and max_abs is None and max_norm is None:
             raise RegistryError("quarantine_after needs max_abs or max_norm (the bound whose offences it counts)",
                                 "bad_request")
@@ -499,10 +505,7 @@ class Registry:
         if not (isinstance(score_rho, (int, float)) and not isinstance(score_rho, bool) and 0 <= score_rho < 1e6):
             raise RegistryError(f"score_rho must be a number, 0 or more (the score's weight of |x|^2), not "
                                 f"{score_rho!r}", "bad_request")
-        score_after = 0 if score_after is None else score_after
-        if not _is_int(score_after) or score_after < 0:
-            raise RegistryError(f"score_after must be 0 (never) or a number of policy windows, not "
-                                f"{score_after!r}", "bad_request")
+        score_after = _count("score_after", score_after, "policy windows")
         if score_after and not rule.robust:
             raise RegistryError("score_after needs a robust combine (median or trimmed:t): a summing job "
                                 "scores nobody", "bad_request")

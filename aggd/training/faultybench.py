@@ -16,6 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from aggd.training import precisionbench
+
 #: variant -> the job's keys (aggctl jobs create's), and whether a member is faulty
 VARIANTS = {"clean": ({}, False), "plain": ({}, True),
             "bound": ({"max_abs": 0.6, "quarantine_after": 3}, True),
@@ -36,10 +38,7 @@ class Config:
 
 
 def check_variants(names: list[str]) -> tuple[str, ...]:
-    bad = [n for n in names if n not in VARIANTS]
-    if bad or not names:
-        raise ValueError(f"unknown variant {', '.join(bad) or '(none)'}: use {', '.join(VARIANTS)}")
-    return tuple(names)
+    return precisionbench.check_variants(names, VARIANTS)
 
 
 def _end_accuracy(curve: list) -> float:

@@ -135,6 +135,23 @@ def worker_argv(params: RunParams, rank: int, scenario: Scenario, straggler: int
     return argv
 
 
+def _job_state(daemon: LabDaemon | None, job: dict | None) -> str:
+    """What the daemon says of a job whose workers failed: its strategies, each path's counters and
+    drops, its members (for the failure's message; empty when it cannot be read)."""
+    if daemon is None or job is None:
+        return ""
+    try:
+        shown = daemon.call("jobs.show", job=job["name"])
+        workers = daemon.call("workers", job=job["name"])
+    except Exception as exc:   # the daemon is gone too: say so, the workers' errors stand
+        return f"\n(the daemon could not be asked: {exc})"
+    paths = {p: {"counters": {k: v for k, v in st.get("counters", {}).items() if v},
+                 "drops": {k: v for k, v in st.get("drops", {}).items() if v}}
+             for p, st in shown.get("paths", {}).items()}
+    return (f"\njob {job['name']}: round {shown.get('round')}, strategies {shown.get('strategies')}\n"
+            f"paths {paths}\nworkers {[(w['rank'], w.get('last_round'), w.get('gone')) for w in workers['workers']]}")
+
+
 def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | str, params: RunParams,
         *, on_record: Callable[[int, dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
         tag: str = "", kill: tuple[int, int] | None = None, restart: bool = False,
@@ -217,7 +234,7 @@ def run(lab: Lab, daemon: LabDaemon | None, strategy: str, scenario: Scenario | 
                   and r.rank not in killed and (corrupt is None or r.rank != corrupt[0])]
         if failed:
             raise RuntimeError("\n".join(f"worker {r.rank} failed ({r.returncode}):\n{errors[r.rank][-1500:]}"
-                                         for r in failed))
+                                         for r in failed) + _job_state(daemon, job))
         records = {r.rank: [x for x in r.records if not x.get("summary")] for r in runs}
         decisions, members = [], []
         if job is not None:

@@ -32,10 +32,11 @@ class Config:
     variants: tuple[str, ...] = tuple(VARIANTS)
 
 
-def check_variants(names: list[str]) -> tuple[str, ...]:
-    bad = [n for n in names if n not in VARIANTS]
+def check_variants(names: list[str], known=VARIANTS) -> tuple[str, ...]:
+    """``names`` if each is one of ``known`` (a bench's variants); ValueError naming those that are not."""
+    bad = [n for n in names if n not in known]
     if bad or not names:
-        raise ValueError(f"unknown variant {', '.join(bad) or '(none)'}: use {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown variant {', '.join(bad) or '(none)'}: use {', '.join(known)}")
     return tuple(names)
 
 

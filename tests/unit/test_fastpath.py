@@ -124,6 +124,16 @@ def describe(v: Verdict | None) -> str:
     return f"{v.action} {v.dest} {v.addrs} {Header.unpack(v.out)} {np.frombuffer(v.out, '<i4', offset=HEADER_SIZE)}"
 
 
+def same_verdicts(got, steps):
+    """Each replayed packet's (verdict, who decided it), once its verdict is the model's."""
+    expected = [v for s, v in steps if s != "swap"]
+    assert len(got) == len(expected)
+    for i, ((v, kind), want) in enumerate(zip(got, expected)):
+        assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
+                           f"model {describe(want)}")
+        yield v, kind
+
+
 KIND_TEXTS = STRATEGY_TEXTS + ("quorum:2:1ms",)
 decided = collections.Counter()
 
@@ -138,11 +148,7 @@ decided = collections.Counter()
 def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision):
     setup, steps, ref = record(shape, ops, text, swaps, precision)
     got, m, fp = replay(setup, steps, cuts)
-    expected = [v for s, v in steps if s != "swap"]
-    assert len(got) == len(expected)
-    for i, ((v, kind), want) in enumerate(zip(got, expected)):
-        assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
-                           f"model {describe(want)}")
+    for v, kind in same_verdicts(got, steps):
         decided[kind] += 1
         if precision and kind != fastpath.SLOW:
             decided["narrow"] += 1
@@ -173,10 +179,7 @@ def test_fast_path_decides_as_the_model_for_robust_jobs(shape, ops, text, swaps,
     keeps rows and combines them at the release as the model does."""
     setup, steps, ref = record(shape, ops, text, swaps, precision, parse_combine(how))
     got, m, fp = replay(setup, steps, cuts)
-    expected = [v for s, v in steps if s != "swap"]
-    for i, ((v, kind), want) in enumerate(zip(got, expected)):
-        assert v == want, (f"packet {i} ({'model' if kind == fastpath.SLOW else 'kernel'}): got {describe(v)}, "
-                           f"model {describe(want)}")
+    for v, kind in same_verdicts(got, steps):
         decided["robust " + ("model" if kind == fastpath.SLOW else "kernel")] += 1
         if kind == fastpath.TO_GROUP:
             decided["robust released"] += 1

@@ -4,7 +4,6 @@ user-space path equal to the model and keeping rows across a restart, the Zeno s
 policy quarantines, the registry's checks."""
 from __future__ import annotations
 
-import dataclasses
 import random
 import socket
 from fractions import Fraction
@@ -23,8 +22,8 @@ from aggd.dataplane.userspace import kernels
 from aggd.dataplane.userspace.server import UserspaceAggregator
 from aggd_client.protocol import HEADER_SIZE, MAX_MEMBERS, ZERO_EXPONENT, DropReason, Header, MsgType
 
-from tests.fixtures.scenarios import JOB, job_config
-from tests.fixtures.traffic import Traffic
+from tests.fixtures.scenarios import JOB
+from tests.harness.arithmetic import play_both
 
 E = 8
 MEDIAN, TRIM1, ZENO = Combine(CombineKind.MEDIAN), Combine(CombineKind.TRIMMED, 1), Combine(CombineKind.ZENO)
@@ -189,20 +188,7 @@ def test_the_kernels_give_the_models_verdicts(text, how):
     rng = random.Random(f"{text}{how}")
     released = 0
     for _ in range(20):
-        models = []
-        for arith in (NUMPY_ARITHMETIC, kernels.KERNEL_ARITHMETIC):
-            m = AggregatorModel(32, userspace=True, arithmetic=arith)
-            m.add_job(dataclasses.replace(job_config(4, 2, 8), combine=how))
-            m.set_strategy(JOB, [to_entry(parse(text), 0, 0)])
-            models.append(m)
-        a, b = models
-        traffic = Traffic(world=4, slots=2, chunks=(2, 1, 3), max_chunks=8, window=3, elements=32)
-        for _ in range(75):
-            sent = traffic.next(rng.getrandbits(32))
-            va = a.process(sent.data, sent.src, sent.now_ns)
-            assert va == b.process(sent.data, sent.src, sent.now_ns)
-            traffic.observe(sent, va)
-        assert a.stats() == b.stats()
+        a, b = play_both(text, rng, (2, 1, 3), userspace=True, combine=how)
         assert np.allclose(a.jobs[JOB].scores, b.jobs[JOB].scores)
         released += a.counter(JOB, "released")
     assert released > 20

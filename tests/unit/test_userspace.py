@@ -107,27 +107,13 @@ def test_model_with_kernels_gives_identical_verdicts():
 @pytest.mark.parametrize("text", ["sync", "quorum:3:10ms", "ssp:2", "async", "wbsp"])
 def test_model_with_kernels_gives_identical_verdicts_for_every_strategy(text):
     """The user-space path is the model with the numba arithmetic: same bytes, same counters."""
-    from aggd.core.strategy import parse, to_entry
-    from tests.fixtures.scenarios import JOB, job_config
-    from tests.fixtures.traffic import Traffic
+    from tests.fixtures.scenarios import JOB
+    from tests.harness.arithmetic import play_both
 
     rng = random.Random(text)
     released = overflows = 0
     for _ in range(40):          # short runs: members of a long one can stall behind a stale key
-        models = []
-        for arith in (NUMPY_ARITHMETIC, kernels.KERNEL_ARITHMETIC):
-            m = AggregatorModel(32, arithmetic=arith)
-            m.add_job(job_config(4, 2, 8))
-            m.set_strategy(JOB, [to_entry(parse(text), 0, 0)])
-            models.append(m)
-        a, b = models
-        traffic = Traffic(world=4, slots=2, chunks=4, max_chunks=8, window=3, elements=32)
-        for _ in range(75):
-            sent = traffic.next(rng.getrandbits(32))
-            va = a.process(sent.data, sent.src, sent.now_ns)
-            assert va == b.process(sent.data, sent.src, sent.now_ns)
-            traffic.observe(sent, va)
-        assert a.stats() == b.stats()
+        a, _ = play_both(text, rng, 4)
         released += a.counter(JOB, "released")
         overflows += a.counter(JOB, "overflows")
     assert released >= 40 and overflows > 0
