@@ -35,7 +35,7 @@ from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
 from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, ZERO_EXPONENT, Counter, \
     DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
 
-from aggd.dataplane.userspace.kernels import accumulate, combine, load, narrow, narrow16
+from aggd.dataplane.userspace.kernels import accumulate, combine_ranks, load, narrow, narrow16
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
                              RESULT_RANK, S_DOT, S_NORM, S_REF, STEPS, AggregatorModel, Bank, BankState, JobState,
                              Slot, Verdict)
@@ -179,41 +179,47 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i
     return HDR + (2 if prec == INT8 else 4) * elements
 
 
-@njit(cache=True, nogil=True)
-def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim, rho):
-    """AggregatorModel._combine of a robust job's bank (s, b): its members' rows combined into its
-    sums (``kernels.combine``), each one's score terms added to ``scores``; returns the exponent."""
-    bitmap = bu[s, b, U_BITMAP]
-    n = _popcount(bitmap)
-    elements = values.shape[2]
-    picked = np.empty((n, elements), np.int32)
-    exps = np.empty(n, np.int64)
-    ranks = np.empty(n, np.int64)
-    k = 0
-    for r in range(world):
-        if bitmap >> np.uint64(r) & np.uint64(1):
-            picked[k] = rows[s, b, r]
-            exps[k], ranks[k] = row_exp[s, b, r], r
-            k += 1
-    t = (n - 1) // 2 if combine_kind != TRIMMED else min(trim, (n - 1) // 2)
-    exp = combine(picked, exps, t, combine_kind == ZENO, rho, values[s, b])
-    # score_terms: x = row * 2**-e_r, m = sums * 2**-exp / n
+@njit(cache=True, nogil=True, fastmath=True)
+def _add_scores(values, rows, row_exp, ranks, exp, scores):
+    """``score_terms`` of the rows ``ranks`` against the result ``values`` (at ``exp``), added to
+    their members' ``scores``: x = row * 2**-e_r, m = values * 2**-exp / n. (The sums in any order:
+    scores are compared to a tolerance, never bit for bit.)"""
+    n, size = ranks.shape[0], values.shape[0]
     scale = math.ldexp(1.0, -exp) / n
+    m = np.empty(size, np.float64)
     ref = 0.0
-    for i in range(elements):
-        m = values[s, b, i] * scale
-        ref += m * m
+    for i in range(size):
+        m[i] = values[i] * scale
+        ref += m[i] * m[i]
     for j in range(n):
-        xs = math.ldexp(1.0, -exps[j])
+        xs = math.ldexp(1.0, -row_exp[ranks[j]])
         dot = 0.0
         norm = 0.0
-        for i in range(elements):
-            x = picked[j, i] * xs
-            dot += x * (values[s, b, i] * scale)
+        for i in range(size):
+            x = rows[ranks[j], i] * xs
+            dot += x * m[i]
             norm += x * x
         scores[ranks[j], S_DOT] += dot
         scores[ranks[j], S_NORM] += norm
         scores[ranks[j], S_REF] += ref
+
+
+@njit(cache=True, nogil=True)
+def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim, rho):
+    """AggregatorModel._combine of a robust job's bank (s, b): its members' rows combined into its
+    sums (``kernels.combine_ranks``), each one's score terms added to ``scores`` (``_add_scores``);
+    returns the exponent."""
+    bitmap = bu[s, b, U_BITMAP]
+    n = _popcount(bitmap)
+    ranks = np.empty(n, np.int64)
+    k = 0
+    for r in range(world):
+        if bitmap >> np.uint64(r) & np.uint64(1):
+            ranks[k] = r
+            k += 1
+    t = (n - 1) // 2 if combine_kind != TRIMMED else min(trim, (n - 1) // 2)
+    exp = combine_ranks(rows[s, b], row_exp[s, b], ranks, t, combine_kind == ZENO, rho, values[s, b])
+    _add_scores(values[s, b], rows[s, b], row_exp[s, b], ranks, exp, scores)
     return exp
 
 

@@ -15,6 +15,8 @@ _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
 _MAX_SHIFT = 31
 _MAX_SUM_SHIFT = 63
+#: Rows up to this many are sorted by a network of min/max (branch-free); more by insertion.
+_NETWORK_MAX = 12
 
 
 @njit(cache=True, nogil=True)
@@ -71,43 +73,64 @@ def narrow16(values, out):
 
 
 @njit(cache=True, nogil=True)
-def combine(rows, exps, trim, zeno, rho, out):
-    """``aggd.core.robust.combine_rows`` for ``trim`` rows dropped at each end (already
-    ``effective_trim``), or with ``zeno`` the rows ``zeno_keeps`` (its sums in the same order),
-    into int64 ``out``; returns the common exponent (rows non-empty)."""
-    n, size = rows.shape[0], rows.shape[1]
-    exp = exps[0]
-    for r in range(1, n):
-        exp = min(exp, exps[r])
-    col = np.empty(n, np.int64)
-    m = np.empty(size if zeno else 0, np.float64)
-    k = n - 2 * trim
-    for i in range(size):
-        for r in range(n):                     # insertion sort: n is a handful of members
-            v = np.int64(rows[r, i]) >> min(exps[r] - exp, _MAX_SHIFT)
-            j = r
-            while j > 0 and col[j - 1] > v:
-                col[j] = col[j - 1]
-                j -= 1
-            col[j] = v
-        s = np.int64(0)
-        for r in range(trim, n - trim):
-            s += col[r]
-        out[i] = (2 * s * n + k) // (2 * k)    # floor division, as numpy's
-        if zeno:
-            if n % 2:
-                m[i] = np.float64(col[n // 2])
-            else:
-                m[i] = (np.float64(col[n // 2 - 1]) + np.float64(col[n // 2])) * 0.5
+def combine_ranks(rows, exps, ranks, trim, zeno, rho, out):
+    """``aggd.core.robust.combine_rows`` of rows ``ranks`` of ``rows`` (exponents ``exps``, by row)
+    for ``trim`` rows dropped at each end (already ``effective_trim``), or with ``zeno`` the rows
+    ``zeno_keeps`` (its float sums in element order, a row's own accumulator each), into int64
+    ``out``; returns the common exponent (``ranks`` non-empty)."""
+    n, size = ranks.shape[0], rows.shape[1]
+    exp = exps[ranks[0]]
+    for k in range(1, n):
+        exp = min(exp, exps[ranks[k]])
+    srt = np.empty((n, size), np.int64)        # the aligned rows, then sorted per coordinate
+    for r in range(n):
+        sh = min(exps[ranks[r]] - exp, _MAX_SHIFT)
+        for i in range(size):
+            srt[r, i] = np.int64(rows[ranks[r], i]) >> sh
     if zeno:
-        keep = np.zeros(n, np.bool_)
+        aligned = srt.copy()
+    if n <= _NETWORK_MAX:
+        # a bubble network of min/max, a whole row pair at a time: no branch to mispredict, and
+        # the loop over the values vectorises
+        for a in range(n - 1):
+            for j in range(n - 1 - a):
+                for i in range(size):
+                    lo, hi = srt[j, i], srt[j + 1, i]
+                    srt[j, i], srt[j + 1, i] = min(lo, hi), max(lo, hi)
+    else:                                      # insertion sort per coordinate: fewer steps for many rows
+        col = np.empty(n, np.int64)
+        for i in range(size):
+            for r in range(n):
+                v = srt[r, i]
+                j = r
+                while j > 0 and col[j - 1] > v:
+                    col[j] = col[j - 1]
+                    j -= 1
+                col[j] = v
+            for r in range(n):
+                srt[r, i] = col[r]
+    kk = n - 2 * trim
+    for i in range(size):
+        out[i] = 0
+    for r in range(trim, n - trim):
+        for i in range(size):
+            out[i] += srt[r, i]
+    for i in range(size):
+        out[i] = (2 * out[i] * n + kk) // (2 * kk)     # floor division, as numpy's
+    if zeno:
+        m = np.empty(size, np.float64)
+        for i in range(size):
+            if n % 2:
+                m[i] = np.float64(srt[n // 2, i])
+            else:
+                m[i] = (np.float64(srt[n // 2 - 1, i]) + np.float64(srt[n // 2, i])) * 0.5
         kept = 0
+        keep = np.zeros(n, np.bool_)
         for r in range(n):
-            sh = min(exps[r] - exp, _MAX_SHIFT)
             d = 0.0
             q = 0.0
-            for i in range(size):
-                x = np.float64(np.int64(rows[r, i]) >> sh)
+            for i in range(size):              # in element order, as the rule says
+                x = np.float64(aligned[r, i])
                 d += x * m[i]
                 q += x * x
             if d >= rho * q:
@@ -115,12 +138,20 @@ def combine(rows, exps, trim, zeno, rho, out):
                 kept += 1
         if kept:
             for i in range(size):
-                s = np.int64(0)
-                for r in range(n):
-                    if keep[r]:
-                        s += np.int64(rows[r, i]) >> min(exps[r] - exp, _MAX_SHIFT)
-                out[i] = (2 * s * n + kept) // (2 * kept)
+                out[i] = 0
+            for r in range(n):
+                if keep[r]:
+                    for i in range(size):
+                        out[i] += aligned[r, i]
+            for i in range(size):
+                out[i] = (2 * out[i] * n + kept) // (2 * kept)
     return exp
+
+
+@njit(cache=True, nogil=True)
+def combine(rows, exps, trim, zeno, rho, out):
+    """``combine_ranks`` of every row of ``rows``."""
+    return combine_ranks(rows, exps, np.arange(rows.shape[0]), trim, zeno, rho, out)
 
 
 def _combine(rows: np.ndarray, exps: np.ndarray, how) -> tuple[np.ndarray, int]:
