@@ -4,9 +4,10 @@ Prometheus runs in the lab's aggregator namespace (where the daemon's metrics en
 scrapes it every second and evaluates the shipped rules (configs/prometheus/aggd.rules.yml, with
 the alerts' ``for:`` shortened to 2 s). A job of three workers allreduces while rank 2 sleeps a
 second before each round, with half of the job's slots in user space. Then: the straggler alert
-fires for rank 2 only, the overflow-to-user-space alert for the job, every expression of every
-panel of configs/grafana/aggd.json and every recording rule returns data, ``aggctl top`` shows the
-job, and stopping the daemon fires the daemon-down alert.
+fires for rank 2 only, the overflow-to-user-space alert for the job (and not for a robust job,
+served in user space by design, whose members then give the dashboard their scores), every
+expression of every panel of configs/grafana/aggd.json and every recording rule returns data,
+``aggctl top`` shows the job, and stopping the daemon fires the daemon-down alert.
 
 Run as a script, this file is the lab's worker (join, then allreduce ``--rounds`` times, sleeping
 ``--delay`` seconds before each).
@@ -190,11 +191,20 @@ def test_dashboard_rules_and_alerts_in_prometheus(make_lab, make_daemon, tmp_pat
             out, err = p.communicate(timeout=120)
             assert p.returncode == 0, err[-3000:]
             assert json.loads(out.splitlines()[-1])["rounds"] == ROUNDS
+        # a robust job's members, so that the untrusted-members panel has scores (tensors of 1, 2
+        # and 3: their median times 3 is their sum, which the workers check)
+        robust = d.call("jobs.create", name="robust", world=3, slots=16, combine="median")
+        workers = [start_worker(lab, w, w, "robust", robust["token"], 0.0) for w in range(3)]
+        for p in workers:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+        prom.wait(lambda: prom.query('aggd_worker_score{aggd_job="robust"}'), 30, "a robust job's scores")
         time.sleep(2)  # a last scrape and rule evaluation after the last round
 
         # every panel's expression returns data
         dashboard = json.loads(DASHBOARD.read_text())
-        empty = [(title, expr) for title, expr in panel_expressions(dashboard, "train") if not prom.query(expr)]
+        empty = [(title, expr) for title, expr in panel_expressions(dashboard, "train|robust")
+                 if not prom.query(expr)]
         assert not empty, f"panels without data: {empty}"
         # ... and every recording rule (by the series it records)
         records = [r["name"] for r in prom.rules() if r["type"] == "recording"]

@@ -80,3 +80,7 @@ def test_what_a_robust_job_cannot_run_is_refused_and_a_norm_bound_is_taken(make_
     assert res.exit_code == 0, res.output
     shown = d.call("jobs.show", job="n")
     assert (shown["max_norm"], shown["quarantine_after"]) == (3.0, 2) and shown["kernel_slots"] > 0
+    text = d.aggctl("jobs", "show", "n").output
+    assert "bounds:    max_norm 3 a member's contribution; quarantine after 2 offences" in text, text
+    text = d.aggctl("jobs", "show", "r").output
+    assert "combine:   median (one row a member" in text, text

@@ -79,12 +79,17 @@ def test_alerts_fire_when_they_should(tmp_path):
              firing("AggdDropsRising", "13m", f'{j}, severity="warning"'),
              {"expr": 'aggd_job:aggd_drop_ratio:rate5m{aggd_job="train"}', "eval_time": "10m",
               "exp_samples": [{"labels": f'aggd_job:aggd_drop_ratio:rate5m{{{j}}}', "value": 0.1}]}),
-        # half of a job's packets handed to user space: after 15 minutes
+        # half of a job's packets handed to user space: after 15 minutes; a job with no kernel
+        # slot (user space by design, e.g. a robust one): never
         case({f'aggd_packets_total{{{j}, path="kernel"}}': "0+1000x100",
-              f"aggd_userspace_handoffs_total{{{j}}}": "0+500x100"},
+              f"aggd_userspace_handoffs_total{{{j}}}": "0+500x100",
+              f'aggd_job_slots{{{j}, path="kernel"}}': "8+0x100",
+              f'aggd_packets_total{{aggd_job="robust", {T}, path="kernel"}}': "0+1000x100",
+              f'aggd_userspace_handoffs_total{{aggd_job="robust", {T}}}': "0+1000x100",
+              f'aggd_job_slots{{aggd_job="robust", {T}, path="kernel"}}': "0+0x100"},
              firing("AggdOverflowToUserspace", "10m"),
              firing("AggdOverflowToUserspace", "21m", f'{j}, severity="warning"'),
-             {"expr": "aggd_job:aggd_userspace_handoff_ratio:rate5m", "eval_time": "10m",
+             {"expr": 'aggd_job:aggd_userspace_handoff_ratio:rate5m{aggd_job="train"}', "eval_time": "10m",
               "exp_samples": [{"labels": f"aggd_job:aggd_userspace_handoff_ratio:rate5m{{{j}}}", "value": 0.5}]}),
         # a rank declared gone for a minute
         case({f"aggd_worker_gone{{{w(3)}}}": "0 0 1 1 1 1 1 1 1", f"aggd_worker_gone{{{w(0)}}}": "0+0x8"},

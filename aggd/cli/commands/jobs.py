@@ -144,6 +144,11 @@ def show(job, as_json):
                f"round {'-' if j['round'] is None else j['round']}")
     click.echo(f"token:     {j['token']}")
     click.echo(f"strategy:  {j['strategy']} (version {j['strategy_version']})")
+    bounds = ", ".join(f"{k} {j[k]:g}" for k in ("max_abs", "max_norm") if j.get(k) is not None)
+    if bounds:
+        after = j.get("quarantine_after") or 0
+        click.echo(f"bounds:    {bounds} a member's contribution; "
+                   f"{f'quarantine after {after} offences' if after else 'no quarantine'}")
     if j.get("combine", "sum") != "sum":
         after = j.get("score_after") or 0
         click.echo(f"combine:   {j['combine']} (one row a member; score rho {j.get('score_rho')}, "
