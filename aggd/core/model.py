@@ -16,8 +16,9 @@ Header checks and counters
   member's client give up by a NACK sent to its address), bad_precision (``code`` is not the job's
   Precision), bad_chunk,
   then the hand-off to user space of a payload that is not exactly ``elements`` values of the job's
-  precision (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound``,
-  out_of_bounds (a value beyond it: the member's ``offences`` counted), then the slot rules.
+  precision (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound`` or a
+  ``norm_bound``, out_of_bounds (a value or the L2 norm beyond it: the member's ``offences``
+  counted), then, for a robust job's contribution with ``step > 0``, bad_step, then the slot rules.
   Malformed or foreign packets are refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
   0 up, where user space refuses a wrong one.)
   ``bad_count`` counts the values' bytes in the precision the packet's ``code`` names (int32 if it

@@ -368,14 +368,10 @@ def _count(key: str, value, unit: str) -> int:
     return value
 
 
-def _valid_combine(combine, strategy: strat.Strategy, kernel_slots, upstream) -> robust.Combine:
-    """``combine`` parsed and checked against the job's other keys; RegistryError naming the key."""
-    try:
-        rule = robust.parse_combine("sum" if combine is None else combine)
-    except ValueError as exc:
-        raise RegistryError(str(exc), "bad_request") from None
+def _check_combine(rule: robust.Combine, strategy: strat.Strategy, kernel_slots, upstream) -> None:
+    """The job's combine rule against its other keys; RegistryError naming the key."""
     if not rule.robust:
-        return rule
+        return
     try:
         robust.check_strategy(rule, strategy.kind)
     except ValueError as exc:
@@ -385,7 +381,6 @@ def _valid_combine(combine, strategy: strat.Strategy, kernel_slots, upstream) ->
                             f"kept apart there): leave kernel_slots out or 0", "bad_request")
     if upstream is not None:
         raise RegistryError(f"combine {rule}: a rack job (upstream) forwards sums", "bad_request")
-    return rule
 
 
 class Registry:
@@ -476,9 +471,10 @@ class Registry:
         if not _is_int(elements) or not 1 <= elements <= MAX_ELEMENTS:
             raise RegistryError(f"elements must be 1..{MAX_ELEMENTS}, not {elements!r}", "bad_request")
         try:
-            rows = world if robust.parse_combine("sum" if combine is None else combine).robust else 0
+            rule = robust.parse_combine("sum" if combine is None else combine)
         except ValueError as exc:
             raise RegistryError(str(exc), "bad_request") from None
+        rows = world if rule.robust else 0
         if slots_bytes(slots, elements, rows) > lim.max_job_memory:
             raise RegistryError(f"{slots} slots of {elements} values take {slots_bytes(slots, elements, rows)} bytes"
                                 f"{f' (with a row a member: combine {combine})' if rows else ''}, "
@@ -500,14 +496,14 @@ class Registry:
         if quarantine_after and max_abs is None and max_norm is None:
             raise RegistryError("quarantine_after needs max_abs or max_norm (the bound whose offences it counts)",
                                 "bad_request")
-        rule = _valid_combine(combine, parsed, kernel_slots, upstream)
+        _check_combine(rule, parsed, kernel_slots, upstream)
         score_rho = DEFAULT_SCORE_RHO if score_rho is None else score_rho
         if not (isinstance(score_rho, (int, float)) and not isinstance(score_rho, bool) and 0 <= score_rho < 1e6):
             raise RegistryError(f"score_rho must be a number, 0 or more (the score's weight of |x|^2), not "
                                 f"{score_rho!r}", "bad_request")
         score_after = _count("score_after", score_after, "policy windows")
         if score_after and not rule.robust:
-            raise RegistryError("score_after needs a robust combine (median or trimmed:t): a summing job "
+            raise RegistryError("score_after needs a robust combine (median, trimmed:t or zeno): a summing job "
                                 "scores nobody", "bad_request")
         spec = None if upstream is None else upstream_spec(upstream, world)
         if spec is not None and precision != 32:

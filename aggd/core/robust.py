@@ -8,8 +8,8 @@ to the client (divided by ``n_contrib`` it is the statistic), so the protocol is
 Zeno-style, which the policy reads to quarantine a member whose score stays bad
 (``aggd.core.departures.ScoreWatch``).
 
-Pure: numpy in, numpy out. ``combine_rows`` is the reference the user-space kernels
-(``aggd.dataplane.userspace.kernels.combine``) are tested equal to.
+Pure: numpy in, numpy out. ``combine_rows`` is the reference the user-space kernel
+(``aggd.dataplane.userspace.kernels.combine_ranks``) is tested equal to.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from aggd_client.quant import chunk_exponents, error_bound, output_rounding, pre
 
 from aggd.lab import hostcpu
 from aggd.core.addresses import host_port
+from aggd.core.robust import effective_trim, parse_combine
 from aggd.lab.memory import mapped_file_rss, peak_rss, reset_peak_rss, rss
 
 
@@ -127,7 +128,7 @@ def robust_statistic(rows: np.ndarray, combine: str) -> np.ndarray:
     """The coordinate-wise median or trimmed mean (``trimmed:t``) of float ``rows`` [n, values]:
     what a robust job's result is, over ``n``, without rounding."""
     n = rows.shape[0]
-    t = (n - 1) // 2 if combine == "median" else min(int(combine.split(":")[1]), (n - 1) // 2)
+    t = effective_trim(parse_combine(combine), n)
     return np.sort(rows, axis=0)[t:n - t].mean(axis=0)
 
 

@@ -109,22 +109,8 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    """Test accuracy against the round, a curve per variant of the first seed (a diverged one has none)."""
     seed = rows[0]["seed"] if rows else 0
-    for r in rows:
-        if r["seed"] == seed and r["curve"]:
-            x, y = zip(*r["curve"])
-            ax.plot(x, y, label=r["variant"], color=COLORS.get(r["variant"]), lw=1.4,
-                    ls=":" if r["variant"] == "plain" else "-")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.0, 1.0)
-    ax.set_title("digits MLP, sync, 4 workers, one sending its step x-10 from round 20")
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    precisionbench.draw_accuracy([(r["variant"], r["curve"], COLORS.get(r["variant"]), r["variant"] == "plain")
+                                  for r in rows if r["seed"] == seed],
+                                 "digits MLP, sync, 4 workers, one sending its step x-10 from round 20", path)

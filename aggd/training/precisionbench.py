@@ -87,21 +87,29 @@ def markdown_table(rows: list[dict], target: float) -> str:
 
 
 def plot(rows: list[dict], target: float, path) -> None:
+    draw_accuracy([(f"{r['variant']} bits" if r["variant"] != "8-nofb" else "8 bits, no feedback", r["curve"],
+                    COLORS.get(r["variant"]), r["variant"] == "8-nofb") for r in rows],
+                  "digits MLP, sync, 4 workers: accuracy by contribution precision", path, ymin=0.5, target=target)
+
+
+def draw_accuracy(curves: list[tuple], title: str, path, ymin: float = 0.0, target: float | None = None) -> None:
+    """A PNG of test accuracy against the round: ``curves`` of (label, [(round, accuracy)], colour,
+    dotted); a dashed line at ``target``. The training benches' plot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for r in rows:
-        if r["curve"]:
-            x, y = zip(*r["curve"])
-            ax.plot(x, y, label=f"{r['variant']} bits" if r["variant"] != "8-nofb" else "8 bits, no feedback",
-                    color=COLORS.get(r["variant"]), lw=1.4, ls=":" if r["variant"] == "8-nofb" else "-")
-    ax.axhline(target, color="#999999", lw=0.8, ls="--")
+    for label, points, colour, dotted in curves:
+        if points:
+            x, y = zip(*points)
+            ax.plot(x, y, label=label, color=colour, lw=1.4, ls=":" if dotted else "-")
+    if target is not None:
+        ax.axhline(target, color="#999999", lw=0.8, ls="--")
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.5, 1.0)
-    ax.set_title("digits MLP, sync, 4 workers: accuracy by contribution precision")
+    ax.set_ylim(ymin, 1.0)
+    ax.set_title(title)
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

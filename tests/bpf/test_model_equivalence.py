@@ -213,23 +213,31 @@ def test_narrow_packets_pass_up_in_multi_buffer_frames(frags_harness):
 BOUNDED_SEQUENCES = 100
 
 
+def bounded_sequences(harness, label: str, kind: str, precision: Precision, count: int, limits: tuple,
+                      key: str) -> int:
+    """``count`` sequences of a job whose ``key`` (``bound`` or ``norm_bound``) is one of
+    ``limits`` (each a ``Bound.of`` argument), counted under ``label``; returns how many
+    contributions were dropped out_of_bounds meanwhile."""
+    from aggd.core.model import Bound
+    before, refused = RUN[label], harness.seen[("drop", "out_of_bounds", None)]
+
+    @settings(SETTINGS, max_examples=count // BATCH)
+    @given(batch=st.lists(st.tuples(sequences, st.sampled_from(limits)), min_size=BATCH, max_size=BATCH))
+    def sequences_agree(batch):
+        for (shape, ops), limit in batch:
+            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, precision=precision,
+                         **{key: Bound.of(limit)})
+
+    sequences_agree()
+    assert RUN[label] - before >= count
+    return harness.seen[("drop", "out_of_bounds", None)] - refused
+
+
 @pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT8))
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_sequences_bounded(harness, kind, precision):
-    from aggd.core.model import Bound
-    label = f"bounded {precision.name.lower()} {kind}"
-    before = RUN[label]
-
-    @settings(SETTINGS, max_examples=BOUNDED_SEQUENCES // BATCH)
-    @given(batch=st.lists(st.tuples(sequences, st.sampled_from((0.5, 300.0, 900.0, 2.0**30))), min_size=BATCH,
-                          max_size=BATCH))
-    def sequences_agree(batch):
-        for (shape, ops), max_abs in batch:
-            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, precision=precision,
-                         bound=Bound.of(max_abs))
-
-    sequences_agree()
-    assert RUN[label] - before >= BOUNDED_SEQUENCES
+    bounded_sequences(harness, f"bounded {precision.name.lower()} {kind}", kind, precision, BOUNDED_SEQUENCES,
+                      (0.5, 300.0, 900.0, 2.0**30), "bound")
     assert harness.seen[("drop", "out_of_bounds", None)] > 0
 
 
@@ -241,18 +249,6 @@ NORM_SEQUENCES = 50      #: per strategy and precision, with a bound on the L2 n
 def test_random_sequences_norm_bounded(harness, kind, precision):
     """A bound on the L2 norm: sums of squares from a few values to 2**64 and beyond (saturated in
     the kernel), bounds now above, now below them."""
-    from aggd.core.model import Bound
-    label = f"norm-bounded {precision.name.lower()} {kind}"
-    before, refused = RUN[label], harness.seen[("drop", "out_of_bounds", None)]
-
-    @settings(SETTINGS, max_examples=NORM_SEQUENCES // BATCH)
-    @given(batch=st.lists(st.tuples(sequences, st.sampled_from((0.5, 3000.0, 20000.0, 2.0**35))), min_size=BATCH,
-                          max_size=BATCH))
-    def sequences_agree(batch):
-        for (shape, ops), max_norm in batch:
-            run_sequence(harness, RUN, label, table_for(kind, shape), shape, ops, precision=precision,
-                         norm_bound=Bound.of(max_norm))
-
-    sequences_agree()
-    assert RUN[label] - before >= NORM_SEQUENCES
-    assert harness.seen[("drop", "out_of_bounds", None)] > refused     # some contributions were beyond it
+    refused = bounded_sequences(harness, f"norm-bounded {precision.name.lower()} {kind}", kind, precision,
+                                NORM_SEQUENCES, (0.5, 3000.0, 20000.0, 2.0**35), "norm_bound")
+    assert refused > 0     # some contributions were beyond it

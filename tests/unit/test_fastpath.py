@@ -138,13 +138,18 @@ KIND_TEXTS = STRATEGY_TEXTS + ("quorum:2:1ms",)
 decided = collections.Counter()
 
 
-@settings(max_examples=400, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(shape=st.integers(0, 2**10 - 1),
-       ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
-       text=st.sampled_from(KIND_TEXTS),
-       swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(KIND_TEXTS), st.integers(0, 2)), max_size=3),
-       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8), precision=st.sampled_from((0, 0, 1, 2)))
+def sequence_property(texts, examples: int, **extra):
+    """The property tests' settings and a sequence's arguments (shape, ops, text, swaps, cuts), its
+    strategies from ``texts``; ``extra``: a test's other arguments."""
+    args = given(shape=st.integers(0, 2**10 - 1), ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
+                 text=st.sampled_from(texts),
+                 swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(texts), st.integers(0, 2)), max_size=3),
+                 cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8), **extra)
+    return lambda test: settings(max_examples=examples, deadline=None, database=None,
+                                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])(args(test))
+
+
+@sequence_property(KIND_TEXTS, 400, precision=st.sampled_from((0, 0, 1, 2)))
 def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision):
     setup, steps, ref = record(shape, ops, text, swaps, precision)
     got, m, fp = replay(setup, steps, cuts)
@@ -166,14 +171,8 @@ def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision
 ROBUST_TEXTS = ("sync", "quorum:3:10ms", "quorum:2:10ms", "ssp:1", "ssp:2", "quorum:2:1ms")
 
 
-@settings(max_examples=150, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(shape=st.integers(0, 2**10 - 1),
-       ops=st.lists(st.integers(0, 2**32 - 1), min_size=20, max_size=120),
-       text=st.sampled_from(ROBUST_TEXTS),
-       swaps=st.lists(st.tuples(st.integers(0, 119), st.sampled_from(ROBUST_TEXTS), st.integers(0, 2)), max_size=3),
-       cuts=st.lists(st.integers(0, 63), min_size=1, max_size=8), precision=st.sampled_from((0, 1, 2)),
-       how=st.sampled_from(("median", "trimmed:1", "zeno")))
+@sequence_property(ROBUST_TEXTS, 150, precision=st.sampled_from((0, 1, 2)),
+                   how=st.sampled_from(("median", "trimmed:1", "zeno")))
 def test_fast_path_decides_as_the_model_for_robust_jobs(shape, ops, text, swaps, cuts, precision, how):
     """A robust job's rows, results and score terms (docs/protocol.md, "Robust jobs"): the kernel
     keeps rows and combines them at the release as the model does."""

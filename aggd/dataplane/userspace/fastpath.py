@@ -11,7 +11,7 @@ observer) stops the kernel and goes to ``AggregatorModel.process`` unchanged; th
 on from the packet after it. tests/unit/test_fastpath.py plays random sequences through both.
 
 A robust job (docs/protocol.md, "Robust jobs") is served alike: the kernel keeps each contribution
-in its member's row and combines the rows at the release (``kernels.combine``), adding the score
+in its member's row and combines the rows at the release (``kernels.combine_ranks``), adding the score
 terms the model's ``_combine`` adds (the same sums, in another order: equal to rounding).
 
 A job's banks live twice: in the model's ``Bank`` objects (what the model and its readers use)
@@ -464,7 +464,7 @@ class FastJob:
         #: frames the XDP program could not grow, handed back to it: UserspaceAggregator.hand_back)
         self.slow_only = False
         cfg = self.state.cfg
-        #: a robust job's packets all go to the model (its rows are the model's business)
+        #: a robust job's banks keep a row a member, here and in the model's objects (views alike)
         self.robust = cfg.combine.robust
         slots = cfg.slots
         arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))

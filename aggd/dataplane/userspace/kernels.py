@@ -9,7 +9,7 @@ import numpy as np
 from numba import njit
 
 from aggd.core.model import Arithmetic
-from aggd.core.robust import CombineKind, common_exponent, effective_trim
+from aggd.core.robust import Combine, CombineKind, common_exponent, effective_trim
 
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
@@ -148,18 +148,13 @@ def combine_ranks(rows, exps, ranks, trim, zeno, rho, out):
     return exp
 
 
-@njit(cache=True, nogil=True)
-def combine(rows, exps, trim, zeno, rho, out):
-    """``combine_ranks`` of every row of ``rows``."""
-    return combine_ranks(rows, exps, np.arange(rows.shape[0]), trim, zeno, rho, out)
-
-
 def _combine(rows: np.ndarray, exps: np.ndarray, how) -> tuple[np.ndarray, int]:
+    """``combine_rows``'s contract: every row of ``rows`` combined by ``how``."""
     out = np.zeros(rows.shape[1], np.int64)
     if len(rows) == 0:
         return out, common_exponent(exps)
-    exp = combine(rows, np.ascontiguousarray(exps, np.int64), effective_trim(how, len(rows)),
-                  how.kind == CombineKind.ZENO, float(how.rho), out)
+    exp = combine_ranks(rows, np.ascontiguousarray(exps, np.int64), np.arange(len(rows)),
+                        effective_trim(how, len(rows)), how.kind == CombineKind.ZENO, float(how.rho), out)
     return out, int(exp)
 
 
@@ -182,7 +177,7 @@ def warm_up() -> None:
         _accumulate(acc, 0, src, 0)
     _narrow(acc)
     _narrow(acc, np.dtype("<i2"))
-    combine(np.zeros((2, 4), np.int32), np.zeros(2, np.int64), 0, True, 0.05, acc)
+    _combine(np.zeros((2, 4), np.int32), np.zeros(2, np.int64), Combine(CombineKind.ZENO))
 
 
 KERNEL_ARITHMETIC = Arithmetic(load, _accumulate, _narrow, _combine)
