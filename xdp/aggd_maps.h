@@ -108,6 +108,9 @@ struct bank {
 	__u8 holding;        /* opened by a carry, no own contribution yet: outside the key order,
 	                      * admission and deadline (docs/protocol.md, rule 4) */
 	__u16 skip;          /* the opening packet's skip: a rack job's forwarded sum carries it */
+	/* members known to hold this round's result (the model's Bank.held): a released ssp/async
+	 * bank is reused only once it has every awaited member */
+	__u64 held;
 	__u8 steps[AGGD_MAX_MEMBERS]; /* bitmask of the steps (0..7) added from each member */
 	/* Exact sums, kept biased so the hot loop needs no sign extension and no overflow test: every
 	 * contribution adds each int32 x as x - 2**31 (modulo 2**64) and 2**31 to `bias`, and a lane's
@@ -125,7 +128,7 @@ struct scratch {
 	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts, settled;
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
-	__u32 add_fresh, add_carried, late, out_group, partial, released, forward;
+	__u32 add_fresh, add_carried, late, out_group, partial, released, forward, in_order;
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };
@@ -141,6 +144,9 @@ struct slot {
 	__u64 late_round[AGGD_MAX_MEMBERS];
 	__u64 late_refused[AGGD_MAX_MEMBERS];
 	__u64 late_carried[AGGD_MAX_MEMBERS];
+	/* The smallest key rule 3 refused under ssp/async, plus one (0: none): no later key
+	 * opens before it (the model's Slot.pending) */
+	__u64 pending;
 	struct bank bank[NBANKS];
 };
 

@@ -16,6 +16,7 @@
 #define AGGD_STRATEGY_VERSIONS 4
 #define AGGD_ZERO_EXPONENT 16383
 #define AGGD_SKIP_MAX 65535
+#define AGGD_RESULT_WINDOW 3
 #define AGGD_HDR_SIZE 40
 
 enum aggd_msg_type {

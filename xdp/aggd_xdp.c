@@ -156,6 +156,7 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 	b->state = BANK_OPEN;
 	b->bitmap = 0;
 	b->late = 0;
+	b->held = 0;
 	b->n_contrib = 0;
 	b->flags = 0;
 	b->unannounced = 0;
@@ -172,6 +173,29 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 
 /* The kernel slot of `chunk`, or NULL and *action: dropped bad_chunk, or passed up (a slot beyond
  * the job's kernel slots, or a payload of another size: the daemon's user-space path serves it). */
+/* kind >> 1 == 1 names exactly the kinds whose released banks are kept (Slot.reusable) */
+_Static_assert(AGGD_STRATEGY_KIND_SSP == 2 && AGGD_STRATEGY_KIND_ASYNC == 3 && AGGD_STRATEGY_KIND_QUORUM < 2 &&
+	       AGGD_STRATEGY_KIND_SYNC < 2 && AGGD_STRATEGY_KIND_WBSP > 3, "kept kinds are 2 and 3");
+
+/* 1 if x is 0, else 0, without a branch */
+static __always_inline __u64 is_zero(__u64 x)
+{
+	return ((x | -x) >> 63) ^ 1;
+}
+
+/* 1 if a < b (unsigned), else 0, without a branch: the borrow out of a - b */
+static __always_inline __u64 below(__u64 a, __u64 b)
+{
+	return ((~a & b) | (~(a ^ b) & (a - b))) >> 63;
+}
+
+/* 1 if `key` must wait for the slot's pending key (Slot.pending: `pending` is it plus one, 0 for
+ * none): it is above it. Without a branch, as the decisions below that use it. */
+static __always_inline __u64 after_pending(__u64 key, __u64 pending)
+{
+	return (1 ^ is_zero(pending)) & (1 ^ below(key, pending));
+}
+
 static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_stats *jst, __u32 chunk,
 						__u32 payload_len, int *action)
 {
@@ -627,6 +651,14 @@ int aggd_xdp(struct xdp_md *ctx)
 			continue;
 		}
 		__u64 k = b->key;
+		/* a bank holds the pending key now: no longer pending (Slot.pending; no branch, below) */
+		s->pending *= 1 ^ is_zero((k + 1) ^ s->pending);
+		/* The sender holds this round's result if it sends a round RESULT_WINDOW later, or step 0
+		 * of the same round and a later chunk (Slot.note_sender). Without branches: the
+		 * verifier walks each of them for every bank (the jumbo build is near its limit). */
+		__u64 later = 1 ^ ((((__u64)round - (k >> 32) - AGGD_RESULT_WINDOW) >> 63) & 1);
+		__u64 same = is_zero(((__u64)round ^ (k >> 32)) | step) & (((__u64)(__u32)k - chunk) >> 63);
+		b->held |= bit & -(later | same);
 		if (k == key)
 			sc->ik = i;
 		if (b->holding) {
@@ -659,9 +691,13 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->itarget = i;
 			}
 		} else {
-			sc->nfree++;
-			if (k < sc->rel_old_key) {
-				sc->rel_old_key = k;
+			/* an ssp/async round is kept while an awaited member may re-read it (Slot.reusable):
+			 * a kept bank is no free one, and its key never the oldest (no branch, as above) */
+			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all));
+			sc->nfree += 1 ^ kept;
+			__u64 k_free = k | -kept;
+			if (k_free < sc->rel_old_key) {
+				sc->rel_old_key = k_free;
 				sc->irel_old = i;
 			}
 			if ((__u32)k == chunk) {
@@ -695,8 +731,12 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (b->state == BANK_OPEN)
 			if (counted)
 				sc->reason = AGGD_DROP_REASON_DUPLICATE;
-			else
-				sc->add = ik;
+			else {
+				/* busy if it would make a holding bank a round proper after the pending key */
+				__u64 wait = (b->holding & 1) & after_pending(key, s->pending);
+				sc->add = ik | -(__s32)wait;
+				sc->reason = -1 + (__s32)wait * (AGGD_DROP_REASON_BUSY + 1);
+			}
 		else if (counted && b->state == BANK_FORWARDED) {
 			sc->out = ik; /* the upper aggregator lost it, or we its answer: send it up again */
 			sc->forward = 1;
@@ -708,8 +748,12 @@ int aggd_xdp(struct xdp_md *ctx)
 		/* Rounds of a chunk open in order: a round whose predecessor was refused (busy) must
 		 * not open first, or the predecessor could never open after it. */
 		__u64 after = (__u64)(__u32)(sc->chunk_newest >> 32) + 1 + skip;
-		int in_order = !sc->have_chunk ||
-			       (skip >= AGGD_SKIP_MAX ? (__u64)round >= after : (__u64)round == after);
+		/* and a key refused before goes first (Slot.pending); kept in the scratch, read back
+		 * unknown, so that the verifier's paths through this test merge */
+		sc->in_order = (!sc->have_chunk ||
+				(skip >= AGGD_SKIP_MAX ? (__u64)round >= after : (__u64)round == after)) &
+			       (1 ^ after_pending(key, s->pending));
+		int in_order = sc->in_order;
 		if (in_order && sc->ihold >= 0) {
 			/* the carries held for the chunk's next round: this round takes them over */
 			struct bank *hb = &s->bank[sc->ihold & (NBANKS - 1)];
@@ -719,6 +763,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			hb->param = st_new ? st_new->param : 0;
 			hb->timeout_us = st_new ? st_new->timeout_us : 0;
 			hb->skip = skip;
+			hb->held = 0;
 			sc->add = sc->ihold;
 		} else if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
 			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0, skip);
@@ -726,7 +771,13 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->add_fresh = 1;
 		} else {
 			sc->reason = AGGD_DROP_REASON_BUSY;
+			/* refused under ssp/async: it goes first once sent again (Slot.pending) */
+			__u64 lower = is_zero(s->pending) | below(key + 1, s->pending);
+			__u64 wait = lower & is_zero(((__u64)(st_new ? st_new->kind : AGGD_STRATEGY_KIND_SYNC) >> 1) ^ 1);
+			s->pending ^= (s->pending ^ (key + 1)) & -wait;
 		}
+		/* the pending key opened (or was adopted): no longer pending */
+		s->pending *= 1 ^ (((__u32)sc->add >> 31 ^ 1) & is_zero(s->pending ^ (key + 1)));
 	} else {
 		sc->late = 1; /* older than every bank */
 	}

@@ -76,8 +76,16 @@ Slot rules (numbers as in docs/protocol.md)
   be their largest round + 1 + the packet's ``skip``, or at least that with ``skip`` = SKIP_MAX:
   ``follows``), then the chunk's holding bank if it has one (adopted: re-keyed to K, its strategy
   fields set from the entry governing K.round, no admission test), else admission of that entry,
-  then the bank: the first empty one, else the released one with the smallest key; any refusal is
-  ``busy``. The bank records version,
+  then the bank: the first empty one, else the released one with the smallest key among those a
+  new round may take (``Slot.reusable``: an ``ssp`` or ``async`` bank only once every awaited
+  member is in its ``held``: every contribution or re-read that reaches the slot rules first marks
+  its sender in ``held`` of each non-empty bank whose round it is at least RESULT_WINDOW past, or,
+  at step 0, whose round it shares with a larger chunk; ``open`` and ``adopt`` clear it); any refusal
+  is ``busy``. Before all this, a key above the slot's ``pending`` is refused ``busy``; any other key
+  rule 3 refuses becomes ``pending`` if ``ssp`` or ``async`` governs its round (it is not above a
+  pending one, which would have refused it); a bank holding the pending key (opened, adopted or a
+  carry's holding bank) clears it, checked before the rules; rule 1 refuses ``busy`` a member's own
+  contribution to a holding bank whose key is above the pending one (it would become the newest). The bank records version,
   kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
   ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
   async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
@@ -111,7 +119,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
-                                  SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
+                                  RESULT_WINDOW, SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
                                   Flag, Header, MsgType, NackCode, Precision, StrategyKind, payload_dtype)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
@@ -135,6 +143,10 @@ BANKS = 4
 ASYNC_MAX_OPEN = BANKS - 1
 #: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
 STEPS = 8
+#: Strategies whose members run rounds apart: a released bank of theirs is kept until every
+#: awaited member is known to hold its result (rule 3's bank), or one lost result would be lost
+#: for good while the others run ahead.
+KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
 RULES: dict[StrategyKind, str] = {
@@ -386,6 +398,11 @@ class Bank:
     #: that takes no part in the slot's key order or admission and whose deadline has not started.
     holding: bool = False
     steps: list[int] = field(default_factory=lambda: [0] * MAX_MEMBERS)  #: per member: steps taken, a bitmask
+    #: Members known to hold this round's result since the bank took its key: each sent the slot,
+    #: since then, a round at least RESULT_WINDOW later (a member sends round R + RESULT_WINDOW only
+    #: once it has every result of round R), or step 0 of the same round and a later chunk (chunk
+    #: ``c + slots`` is sent only once chunk ``c``'s result is in). ``Slot.note_sender`` marks them.
+    held: int = 0
     #: A robust job's rows: int32[world, elements], each member's own contribution (views, as
     #: ``values``), and their exponents int64[world]; None in a summing job.
     rows: np.ndarray | None = None
@@ -396,7 +413,7 @@ class Bank:
         self.skip = skip
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
-        self.bitmap = self.late = self.n_contrib = self.flags = 0
+        self.bitmap = self.late = self.n_contrib = self.flags = self.held = 0
         self.unannounced = False
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
@@ -404,7 +421,7 @@ class Bank:
     def adopt(self, key: Key, entry: TableEntry, skip: int = 0) -> None:
         """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
         carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
-        self.key, self.skip = key, skip
+        self.key, self.skip, self.held = key, skip, 0
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
 
@@ -489,6 +506,13 @@ class LateMemories(dict):
 class Slot:
     banks: list[Bank]
     late: LateMemories = field(default_factory=LateMemories)
+    #: The smallest key rule 3 refused (``busy``: out of its chunk's order, not admitted, or no bank
+    #: to take) whose round ``ssp`` or ``async`` governs, until a bank holds it: no later key opens
+    #: before it. Else a later key, sent after it by a member running rounds ahead, could open first,
+    #: and this one, older than the newest, would be late: carried, never released. Its senders send
+    #: it again (their members make every round; under sync and wbsp a member starts a round only
+    #: once the previous one is complete, and a quorum's straggler may skip one).
+    pending: Key | None = None
 
     def bank_of(self, key: Key) -> Bank | None:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
@@ -503,9 +527,22 @@ class Slot:
         return [b for b in self.banks if b.state in (BankState.OPEN, BankState.FORWARDED)
                 and (holding or not b.holding)]
 
-    def n_free(self) -> int:
-        """Banks a new round may take: empty or released."""
-        return sum(b.state in (BankState.EMPTY, BankState.RELEASED) for b in self.banks)
+    def n_free(self, awaited: int) -> int:
+        """Banks a new round may take: empty, or released and held by every awaited member."""
+        return sum(b.state == BankState.EMPTY or self.reusable(b, awaited) for b in self.banks)
+
+    def reusable(self, bank: Bank, awaited: int) -> bool:
+        """May a new round take this released bank? Under ``ssp`` and ``async`` only once every
+        awaited member is known to hold its result (``Bank.held``)."""
+        return bank.state == BankState.RELEASED and (bank.kind not in KEPT_KINDS or bank.held & awaited == awaited)
+
+    def note_sender(self, rank: int, key: Key, step: int) -> None:
+        """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
+        then (``Bank.held``)."""
+        for b in self.banks:
+            if b.state != BankState.EMPTY and (key[0] >= b.key[0] + RESULT_WINDOW
+                                               or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])):
+                b.held |= 1 << rank
 
     def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
@@ -518,12 +555,12 @@ class Slot:
     def holding_of(self, chunk: int) -> list[Bank]:
         return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
 
-    def free_bank(self) -> Bank | None:
-        """Rule 3's choice: an empty bank, else the released bank with the smallest key."""
+    def free_bank(self, awaited: int) -> Bank | None:
+        """Rule 3's choice: an empty bank, else the reusable released bank with the smallest key."""
         empty = [b for b in self.banks if b.state == BankState.EMPTY]
         if empty:
             return empty[0]
-        released = [b for b in self.banks if b.state == BankState.RELEASED]
+        released = [b for b in self.banks if self.reusable(b, awaited)]
         return min(released, key=lambda b: b.key, default=None)
 
 
@@ -867,6 +904,9 @@ class AggregatorModel:
                 bank.unannounced = True
                 self._release(job, bank, "complete")
         key = (hdr.round, hdr.chunk)
+        slot.note_sender(hdr.rank, key, hdr.step)
+        if slot.pending is not None and slot.bank_of(slot.pending) is not None:
+            slot.pending = None             # (a carry's holding bank took it, or it opened)
         bank, newest = slot.bank_of(key), slot.newest()
         if hdr.type == MsgType.REREAD:
             if bank is not None and bank.state == BankState.RELEASED:
@@ -878,6 +918,8 @@ class AggregatorModel:
         if bank is not None and bank.state == BankState.OPEN:                  # rule 1
             if bank.counted(hdr.rank, hdr.step):
                 return self._drop(job.cfg.job, DropReason.DUPLICATE)
+            if bank.holding and slot.pending is not None and key > slot.pending:
+                return self._drop(job.cfg.job, DropReason.BUSY)    # a round proper after the pending key
             return self._contribute(job, bank, hdr, values, src, fresh=False, now=now)
         if bank is not None:                                                     # rule 2
             if bank.counted(hdr.rank, hdr.step):     # carried ones are marked counted in B too
@@ -900,16 +942,26 @@ class AggregatorModel:
         newest = slot.newest()
         if newest is not None and (r2, chunk) <= newest:
             r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
-        if r2 > U32_MAX or slot.n_free() < 2:
+        if r2 > U32_MAX or slot.n_free(job.awaited) < 2:
             return None
-        bank = slot.free_bank()
+        bank = slot.free_bank(job.awaited)
         bank.open((r2, chunk), governing(job.table, r2), now, holding=True)
         return bank
 
     def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
-        """Rule 3: open a bank for a new round if it is the next round of its chunk (the packet's
-        ``skip`` says which round that follows) and its strategy admits it; the chunk's holding
-        bank, if any, becomes that round. None means busy."""
+        """Rule 3: open a bank for a new round if no key before it waits for a bank (``pending``),
+        it is the next round of its chunk (the packet's ``skip`` says which round that follows) and
+        its strategy admits it; the chunk's holding bank, if any, becomes that round. None means busy."""
+        if slot.pending is not None and key > slot.pending:
+            return None
+        bank = self._open_in_order(job, slot, key, skip, now)
+        if bank is None and governing(job.table, key[0]).kind in KEPT_KINDS:
+            slot.pending = key
+        elif key == slot.pending:
+            slot.pending = None
+        return bank
+
+    def _open_in_order(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
         rounds = [b.key[0] for b in slot.of_chunk(key[1]) if not b.holding]
         if rounds and not follows(key[0], skip, max(rounds)):
             return None           # a round whose predecessor was refused must not open first
@@ -920,7 +972,7 @@ class AggregatorModel:
             return held
         if not admits(entry, slot, key[0]):
             return None
-        bank = slot.free_bank()
+        bank = slot.free_bank(job.awaited)
         if bank is None:
             return None
         bank.open(key, entry, now, skip=skip)

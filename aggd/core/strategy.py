@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from aggd_client.protocol import MAX_MEMBERS, STRATEGY_VERSIONS, StrategyKind
+from aggd_client.protocol import MAX_MEMBERS, RESULT_WINDOW, STRATEGY_VERSIONS, StrategyKind
 
 DEFAULT_QUORUM_TIMEOUT_US = 50_000
-#: Banks a slot keeps: ssp:s needs s + 1 open rounds and one released round kept for re-reads.
-MAX_STALENESS = 2
+#: ssp:s lets a member have s + 1 rounds outstanding: at most the protocol's RESULT_WINDOW (a slot's
+#: banks hold s + 1 open rounds and one released round kept for re-reads).
+MAX_STALENESS = RESULT_WINDOW - 1
 
 
 class StrategyError(ValueError):

@@ -423,7 +423,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         """True: a new round may start; a round: a wbsp call becomes its next step; None: wait."""
         waiting = [r for r in self._rounds if not r.complete]
         info = self._strategy
-        if len(waiting) < info.max_outstanding:
+        # a window of consecutive rounds: a round still waiting (e.g. for a lost result) holds the
+        # member back as any slower member would (ssp's bound, the aggregator keeps that many banks)
+        if len(waiting) < info.max_outstanding and (
+                not waiting or min(r.number for r in waiting) > self._next_round - info.max_outstanding):
             return True
         if info.kind == StrategyKind.WBSP and len(waiting) == 1:
             r = waiting[0]

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from . import quant
-from .protocol.definition import StrategyKind
+from .protocol.definition import RESULT_WINDOW, StrategyKind
 
-#: Rounds a worker may have outstanding under ``async``.
-ASYNC_OUTSTANDING = 3
+#: Rounds a worker may have outstanding under ``async``: the aggregator's window.
+ASYNC_OUTSTANDING = RESULT_WINDOW
 #: Terms of one worker a ``wbsp`` round may hold (the quantisation headroom, ``quant.HEADROOM``): its
 #: own steps and its late steps of the previous round carried in (``_Round.carried_in``) together.
 WBSP_MAX_STEPS = quant.HEADROOM[StrategyKind.WBSP]

@@ -61,7 +61,9 @@ def test_ssp_outstanding_rounds(agg):
         for n, h in enumerate(hs + [h4], start=1):
             assert_close(h.wait(), [grad(0, n, size), grad(1, n, size)], world, world)
         slow_rounds.join()
-        assert drops(agg) == {}
+        # each slot keeps its round's last chunk for re-reads until both members sent it round + 3
+        # (docs/protocol.md, rule 3): a later key may wait for a bank, never anything else
+        assert set(drops(agg)) <= {"busy"}, drops(agg)
     finally:
         close_all(cs)
 

@@ -87,7 +87,7 @@ class Member:
         self.sim, self.rank, self.compute_ns = sim, rank, compute_ns
         self._strategy = StrategyInfo()
         self.strategy_round = -1
-        self.next_round = 0
+        self._next_round = 0
         self._rounds: list[_Round] = []
         self._sends: list[SimSend] = []
         self._last_round: _Round | None = None
@@ -118,7 +118,7 @@ class Member:
 
     def call(self, now: int) -> None:
         """An allreduce call: a new round, a wbsp step of the outstanding round, or wait."""
-        if self.next_round >= self.sim.rounds:
+        if self._next_round >= self.sim.rounds:
             self.done = True
             return
         into = self.admission()
@@ -128,14 +128,14 @@ class Member:
         self.blocked = False
         if into is True:
             self.catch_up()
-            n = self.next_round
+            n = self._next_round
             skips = [max(0, n - self.chunk_last[c] - 1) for c in range(self.sim.chunks)]
             for c in range(self.sim.chunks):
                 self.chunk_last[c] = n
             E = self.sim.elements
             rnd = _Round(n, (self.sim.chunks * E,), np.float32, self.sim.chunks * E, E, False)
             rnd.skips = skips
-            self.next_round += 1
+            self._next_round += 1
             self.start_round(rnd)
         else:
             rnd = into
@@ -182,9 +182,9 @@ class Member:
         if kind == StrategyKind.QUORUM:
             self.chunk_last[hdr.chunk] = max(self.chunk_last[hdr.chunk], hdr.round)
             if reread:
-                self.next_round = max(self.next_round, hdr.round + 1)
+                self._next_round = max(self._next_round, hdr.round + 1)
             else:
-                if hdr.round >= self.next_round - 1:
+                if hdr.round >= self._next_round - 1:
                     self.seen_quorum.setdefault(hdr.round, set()).add(hdr.chunk)
                 self.catch_up()
         self.tidy()
@@ -207,8 +207,8 @@ class Member:
         whole = [r for r, cs in seen.items() if len(cs) >= self.sim.chunks]
         if whole:
             target = max(target, max(whole) + 1)
-        self.next_round = max(self.next_round, target)
-        for r in [r for r in seen if r < self.next_round - 1]:
+        self._next_round = max(self._next_round, target)
+        for r in [r for r in seen if r < self._next_round - 1]:
             del seen[r]
 
     def tidy(self) -> None:

@@ -81,6 +81,7 @@ REG_JOB_COUNTERS = f"{PIPE}.job_counters"
 REG_MAX_ROUND = f"{PIPE}.max_round"
 REG_CLOCK = f"{PIPE}.clock"
 REG_SLOT_LOCK = f"{PIPE}.slot_lock"
+REG_SLOT_PENDING = f"{PIPE}.slot_pending"   #: a key rule 3 refused, plus one (0: none)
 REG_BANK_STATE = f"{PIPE}.bank_state"
 REG_BANK_ROUND = f"{PIPE}.bank_round"
 REG_BANK_BITMAP = f"{PIPE}.bank_bitmap"
@@ -89,14 +90,15 @@ REG_LATE_ROUND = f"{PIPE}.late_round"     #: index slot * 64 + rank; 0: no late 
 #: lane_0 stands for every v1model lane: exact 64-bit sums (TNA_REGISTERS: 32-bit lanes, which wrap)
 REGISTERS: dict[str, int] = {
     REG_JOB_COUNTERS: 64, REG_MAX_ROUND: 32, REG_CLOCK: 48, REG_SLOT_LOCK: 1, REG_BANK_STATE: 8,
-    REG_BANK_ROUND: 32, REG_BANK_BITMAP: 64, REG_LANE0: 64, REG_LATE_ROUND: 64,
+    REG_BANK_ROUND: 32, REG_BANK_BITMAP: 64, REG_LANE0: 64, REG_LATE_ROUND: 64, REG_SLOT_PENDING: 64,
 }
-#: Every per-bank register of a slot (the P4 program declares them; the backend clears bank_state
-#: and slot_lock when a job's slots are handed out, which makes the others unread until rewritten).
+#: Every per-bank register of a slot (the P4 program declares them; the backend clears bank_state,
+#: slot_lock and slot_pending when a job's slots are handed out, which makes the others unread until
+#: rewritten).
 BANK_REGISTERS: dict[str, int] = {
     "bank_state": 8, "bank_round": 32, "bank_chunk": 32, "bank_bitmap": 64, "bank_late": 64,
     "bank_n": 16, "bank_exp": 16, "bank_flags": 8, "bank_version": 16, "bank_kind": 8, "bank_param": 8,
-    "bank_timeout": 32, "bank_t_first": 48, "bank_unannounced": 8, "bank_holding": 8,
+    "bank_timeout": 32, "bank_t_first": 48, "bank_unannounced": 8, "bank_holding": 8, "bank_held": 64,
 }
 #: Per member of a slot (index slot * 64 + rank), its late memory (docs/protocol.md, rule 4): the round
 #: + 1 (0: none) and, by the chunk's index in the slot, its step-0 contributions to that round refused

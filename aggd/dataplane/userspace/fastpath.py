@@ -32,8 +32,8 @@ import numpy as np
 from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
-from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, SKIP_MAX, VERSION, ZERO_EXPONENT, Counter, \
-    DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
+from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, RESULT_WINDOW, SKIP_MAX, VERSION, ZERO_EXPONENT, \
+    Counter, DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
 
 from aggd.dataplane.userspace.kernels import accumulate, combine_ranks, load, narrow, narrow16
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
@@ -67,8 +67,8 @@ SUM, TRIMMED, ZENO = int(CombineKind.SUM), int(CombineKind.TRIMMED), int(Combine
 (F_STATE, F_ROUND, F_CHUNK, F_HOLDING, F_NCONTRIB, F_EXPONENT, F_FLAGS, F_VERSION, F_KIND, F_PARAM,
  F_TIMEOUT_US, F_UNANNOUNCED) = range(12)
 NF = 12
-U_BITMAP, U_LATE, U_TFIRST = range(3)
-NU = 3
+U_BITMAP, U_LATE, U_TFIRST, U_HELD = range(4)
+NU = 4
 #: Strategy table rows for the kernel: from_round, version, kind, param, timeout_us.
 T_FROM, T_VERSION, T_KIND, T_PARAM, T_TIMEOUT = range(5)
 
@@ -225,7 +225,7 @@ def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim,
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        prec, member_ip, member_port, member_tag, table, bi, bu, steps, values, counters, drops, dirty, members,
+        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, values, counters, drops, dirty, members,
         out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
     contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
@@ -233,6 +233,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
     were). A robust job (``combine_kind`` not SUM) keeps each contribution in its member's row of
     ``rows`` and combines them at the release (``_combine``). See the module docstring."""
     nslots, elements = values.shape[0], values.shape[2]
+    # the members every round awaits (the kernel runs only jobs that await them all)
+    everyone = np.uint64(0xFFFFFFFFFFFFFFFF) if world == 64 else (np.uint64(1) << np.uint64(world)) - np.uint64(1)
     size_ok = HDR + (4 if prec == INT32 else (2 if prec == INT16 else 1)) * elements
     i = start
     while i < n:
@@ -263,10 +265,17 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             state = bi[s, b, F_STATE]
             if state == EMPTY:
                 continue
+            r, c = bi[s, b, F_ROUND], bi[s, b, F_CHUNK]
+            if pending[s] != 0 and pending[s] == (np.uint64(r) << np.uint64(32) | np.uint64(c)) + np.uint64(1):
+                pending[s] = 0                               # a bank holds the pending key now
+                dirty[s] = 1
+            if round_ >= r + RESULT_WINDOW or (step == 0 and round_ == r and chunk > c):   # Slot.note_sender
+                if not bu[s, b, U_HELD] >> np.uint64(rank) & np.uint64(1):
+                    bu[s, b, U_HELD] |= np.uint64(1) << np.uint64(rank)
+                    dirty[s] = 1
             if state == OPEN and bi[s, b, F_KIND] == QUORUM and bi[s, b, F_HOLDING] == 0 and \
                     now - bu[s, b, U_TFIRST] >= np.uint64(bi[s, b, F_TIMEOUT_US] * 1000):
                 slow = True
-            r, c = bi[s, b, F_ROUND], bi[s, b, F_CHUNK]
             if found < 0 and r == round_ and c == chunk:
                 found = b
             if bi[s, b, F_HOLDING] == 0 and (not newest or _key_less(nr, nc, r, c)):
@@ -279,6 +288,9 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             if bi[s, found, F_STATE] != OPEN:
                 break                                        # rule 2: the model's
             b = found
+            if bi[s, b, F_HOLDING] and pending[s] != 0 and not steps[s, b, rank] >> step & 1 and \
+                    (np.uint64(round_) << np.uint64(32) | np.uint64(chunk)) >= pending[s]:
+                busy = True                                  # a round proper after the pending key
         elif not newest or _key_less(nr, nc, round_, chunk):  # rule 3: open a bank
             top = -1
             held = False
@@ -292,7 +304,11 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             e = _governing(table, round_)
             kind = table[e, T_KIND]
             skip = _be16(p, O_SKIP)
-            if top < 0:
+            key = np.uint64(round_) << np.uint64(32) | np.uint64(chunk)
+            queued = pending[s] != 0 and key >= pending[s]    # a key refused before goes first
+            if queued:
+                busy = True
+            elif top < 0:
                 busy = False
             elif skip >= SKIP_MAX:
                 busy = round_ < top + 1 + SKIP_MAX
@@ -312,24 +328,30 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                             busy = True
                 busy = busy or (kind == ASYNC and n_open >= ASYNC_MAX_OPEN)
             b = -1
-            if not busy:                                      # an empty bank, else the oldest released
+            if not busy:         # an empty bank, else the oldest released one a new round may take
                 for b2 in range(BANKS):
                     if bi[s, b2, F_STATE] == EMPTY:
                         b = b2
                         break
                 if b < 0:
                     for b2 in range(BANKS):
-                        if bi[s, b2, F_STATE] == RELEASED and (b < 0 or _key_less(
+                        if bi[s, b2, F_STATE] == RELEASED and (bi[s, b2, F_KIND] != SSP and bi[s, b2, F_KIND] != ASYNC
+                                                               or bu[s, b2, U_HELD] == everyone) and (b < 0 or _key_less(
                                 bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
                             b = b2
                 busy = b < 0
+            if busy and not queued and (kind == SSP or kind == ASYNC):     # Slot.pending: it goes first
+                pending[s] = key + np.uint64(1)
+                dirty[s] = 1
             if not busy:
+                if pending[s] == key + np.uint64(1):
+                    pending[s] = 0
                 bi[s, b, F_STATE], bi[s, b, F_ROUND], bi[s, b, F_CHUNK] = OPEN, round_, chunk
                 bi[s, b, F_HOLDING], bi[s, b, F_NCONTRIB], bi[s, b, F_FLAGS] = 0, 0, 0
                 bi[s, b, F_VERSION], bi[s, b, F_KIND] = table[e, T_VERSION], kind
                 bi[s, b, F_PARAM], bi[s, b, F_TIMEOUT_US] = table[e, T_PARAM], table[e, T_TIMEOUT]
                 bi[s, b, F_UNANNOUNCED] = 0
-                bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST] = 0, 0, now
+                bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST], bu[s, b, U_HELD] = 0, 0, now, 0
                 bi[s, b, F_EXPONENT] = ZERO_EXPONENT     # (Bank.open; a sum's first load sets it)
                 steps[s, b, :] = 0
                 fresh = True
@@ -442,7 +464,8 @@ class FastJob:
         """name -> (dtype, shape) of a job's arrays: the slots' and the counters'; with ``rows`` (a
         robust job's world), its banks' rows and the members' score terms too."""
         arrays = {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
-                  "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "values": (np.int64, (slots, BANKS, elements)),
+                  "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "pending": (np.uint64, (slots,)),
+                  "values": (np.int64, (slots, BANKS, elements)),
                   "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
                   "members": (np.uint64, (MAX_MEMBERS, 6))}
         if rows:
@@ -470,6 +493,7 @@ class FastJob:
         arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))
                   for name, (dt, shape) in self.layout(slots, model.elements, self.rows_of(cfg)).items()}
         self.bi, self.bu, self.steps, self.values = arrays["bi"], arrays["bu"], arrays["steps"], arrays["values"]
+        self.pending = arrays["pending"]         # Slot.pending: key + 1, 0 for none
         self.rows, self.row_exp = arrays.get("rows"), arrays.get("row_exp")
         restored = files is not None and files.restored
         # one array each, shared with the model: it counts (and sums) in place
@@ -529,7 +553,7 @@ class FastJob:
         so once the job's objects are dropped its memory maps are unmapped."""
         self.state.slots.make = None                 # (it refers back to this object)
         self.state.slots.made().clear()              # the banks' views of the values
-        self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = None
+        self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = self.pending = None
 
     def refresh(self) -> None:
         """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
@@ -557,8 +581,10 @@ class FastJob:
         for b, bank in enumerate(self.state.slots[s].banks):
             self.bi[s, b] = (bank.state, bank.key[0], bank.key[1], bank.holding, bank.n_contrib, bank.exponent,
                              bank.flags, bank.version, bank.kind, bank.param, bank.timeout_us, bank.unannounced)
-            self.bu[s, b] = (bank.bitmap, bank.late, bank.t_first % (1 << 64))
+            self.bu[s, b] = (bank.bitmap, bank.late, bank.t_first % (1 << 64), bank.held)
             self.steps[s, b] = [x & 0xFF for x in bank.steps]  # bits >= STEPS mean nothing (counted anyway)
+        p = self.state.slots[s].pending
+        self.pending[s] = 0 if p is None else (p[0] << 32 | p[1]) + 1
         self.dirty[s] = 0
 
     def to_objects(self, s: int) -> None:
@@ -574,6 +600,8 @@ class FastJob:
         self.dirty[s] = 0
 
     def _fill(self, s: int, slot: Slot) -> None:
+        p = int(self.pending[s])
+        slot.pending = None if p == 0 else ((p - 1) >> 32, (p - 1) & 0xFFFFFFFF)
         for b, bank in enumerate(slot.banks):
             if self.bi[s, b, F_STATE] == EMPTY:      # never used (a bank is never emptied again)
                 continue
@@ -581,7 +609,7 @@ class FastJob:
              bank.param, bank.timeout_us, unannounced) = self.bi[s, b].tolist()
             bank.state, bank.key, bank.holding = BankState(state), (round_, chunk), bool(holding)
             bank.kind, bank.unannounced = StrategyKind(kind), bool(unannounced)
-            bank.bitmap, bank.late, bank.t_first = self.bu[s, b].tolist()
+            bank.bitmap, bank.late, bank.t_first, bank.held = self.bu[s, b].tolist()
             bank.steps = self.steps[s, b].tolist()
 
     def sync(self) -> None:
@@ -670,7 +698,8 @@ class FastPath:
                 nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
                           fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,
                           int(fj.state.cfg.precision), fj.member_ip, fj.member_port, fj.member_tag,
-                          fj.table, fj.bi, fj.bu, fj.steps, fj.values, fj.counters, fj.drops, fj.dirty, fj.members,
+                          fj.table, fj.bi, fj.bu, fj.steps, fj.pending, fj.values, fj.counters, fj.drops, fj.dirty,
+                          fj.members,
                           batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason,
                           *fj.combine_args)
                 if nxt > i:
@@ -720,7 +749,8 @@ def warm_up() -> None:
     run(batch.stage, batch.stage32, batch.stage16, batch.stage8, batch.sizes, batch.names, batch.nows, 0, 0, 0, 1, 1,
         0, 0, np.zeros(64, np.int64),
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
-        np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros((1, BANKS, 2), np.int64),
+        np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros(1, np.uint64),
+        np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
         np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason,
         0, 0, 0.05, *_NO_ROWS)

@@ -46,6 +46,12 @@ MAX_JOBS = 256
 STRATEGY_VERSIONS = 4
 #: ``skip`` saturates here: "the chunk's previous round is at least this many rounds back".
 SKIP_MAX = 0xFFFF
+#: The most rounds a member has outstanding (sent, its result not all in) under any strategy
+#: (``ssp:2``'s three, ``async``'s three), and always a window of consecutive rounds: a member sends
+#: round ``R + RESULT_WINDOW`` only once it holds every result of round R. So an aggregator keeps a
+#: released ``ssp``/``async`` round for re-reads until every awaited member sent it such a round
+#: (docs/protocol.md, rule 3).
+RESULT_WINDOW = 3
 #: Exponent sent with an all-zero chunk: larger than any real one, so it never lowers the sum's scale.
 ZERO_EXPONENT = 0x3FFF
 

@@ -16,6 +16,7 @@ const bit<32> AGGD_MAX_JOBS = 256;
 const bit<32> AGGD_STRATEGY_VERSIONS = 4;
 const bit<32> AGGD_ZERO_EXPONENT = 16383;
 const bit<32> AGGD_SKIP_MAX = 65535;
+const bit<32> AGGD_RESULT_WINDOW = 3;
 const bit<32> AGGD_HDR_SIZE = 40;
 
 const bit<8> AGGD_MSG_TYPE_CONTRIB = 1;

@@ -18,7 +18,7 @@
 
 #define BANK_FIELDS(i) \
     bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i; bit<8> hd##i; \
-    bit<64> bm##i;
+    bit<64> bm##i; bit<64> hl##i;
 
 /* Metadata. Fields marked @field_list(1) survive recirculation (the later passes of one packet). */
 struct aggd_meta_t {
@@ -94,6 +94,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
 
     /* ---- slots ----------------------------------------------------------------------------- */
     register<bit<1>>(AGGD_SLOTS) slot_lock;
+    /* the smallest key rule 3 refused under ssp/async, plus one (0: none): no later key
+     * opens before it (aggd/core/model.py, Slot.pending) */
+    register<bit<64>>(AGGD_SLOTS) slot_pending;
     register<bit<8>>(AGGD_BANK_CELLS) bank_state;
     register<bit<32>>(AGGD_BANK_CELLS) bank_round;
     register<bit<32>>(AGGD_BANK_CELLS) bank_chunk;
@@ -113,6 +116,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
      * order, admission (but async's count of open banks) and the quorum deadline; the chunk's
      * next round adopts it */
     register<bit<8>>(AGGD_BANK_CELLS) bank_holding;
+    /* members known to hold the bank's result (Bank.held): a released ssp/async bank is reused
+     * only once it has every awaited member */
+    register<bit<64>>(AGGD_BANK_CELLS) bank_held;
     /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
      * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
     register<bit<8>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
@@ -337,6 +343,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<64> l_refused;
         bit<64> l_carried;
         bit<8> b_holding;
+        bit<64> pending;           /* slot_pending: a key refused before, plus one (0: none) */
         bit<64> b_bitmap;
         bit<64> b_late;
         bit<32> base;
@@ -473,6 +480,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             key = hdr.aggd.round ++ hdr.aggd.chunk;
             bit_x = (bit<64>)1 << (bit<8>)hdr.aggd.rank;
             base = meta.slot * AGGD_BANKS;
+            slot_pending.read(pending, meta.slot);
 
             /* Rule 0 (expiry) and the scan of the four banks. A carry's holding bank (bank_holding)
              * has no deadline and counts only as a target for later carries of its chunk, as the
@@ -488,6 +496,18 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bank_t_first.read(tf##i, base + i); \
             bank_holding.read(hd##i, base + i); \
             bank_bitmap.read(bm##i, base + i); \
+            bank_held.read(hl##i, base + i); \
+            if (st##i != BANK_EMPTY) { \
+                /* the sender holds this round's result (Slot.note_sender) */ \
+                if ((bit<33>)hdr.aggd.round >= (bit<33>)rd##i + (bit<33>)AGGD_RESULT_WINDOW || \
+                    (hdr.aggd.step == 0 && hdr.aggd.round == rd##i && hdr.aggd.chunk > ch##i)) { \
+                    hl##i = hl##i | bit_x; \
+                    bank_held.write(base + i, hl##i); \
+                } \
+                if (pending == (rd##i ++ ch##i) + 1) { \
+                    pending = 0;   /* a bank holds the pending key now */ \
+                } \
+            } \
             if (st##i == BANK_OPEN && kd##i == AGGD_STRATEGY_KIND_QUORUM && hd##i == 0 && \
                 now - tf##i >= (bit<48>)to##i) { \
                 st##i = BANK_RELEASED; \
@@ -534,8 +554,12 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         itarget = i; \
                     } \
                 } else { \
-                    nfree = nfree + 1; \
-                    if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
+                    /* an ssp/async round is kept while an awaited member may re-read it */ \
+                    if ((kd##i != AGGD_STRATEGY_KIND_SSP && kd##i != AGGD_STRATEGY_KIND_ASYNC) || \
+                        (hl##i & meta.all_members) == meta.all_members) { \
+                        nfree = nfree + 1; \
+                        if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
+                    } \
                     if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
                         rel_chunk_key = k; \
                         irel_chunk = i; \
@@ -557,6 +581,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_bitmap.read(b_bitmap, base + (bit<32>)ik);
                 bank_late.read(b_late, base + (bit<32>)ik);
                 bank_steps.read(b_steps, (base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank);
+                bank_holding.read(b_holding, base + (bit<32>)ik);
                 /* (member, step) taken: step >= 8, or its bit in the member's step mask */
                 counted = 0;
                 if (hdr.aggd.step >= 8) {
@@ -578,6 +603,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (b_state == BANK_OPEN) {
                     if (counted == 1) {                                   /* rule 1 */
                         reason = AGGD_DROP_REASON_DUPLICATE;
+                    } else if (b_holding != 0 && pending != 0 && key >= pending) {
+                        reason = AGGD_DROP_REASON_BUSY;   /* a round proper after the pending key */
                     } else {
                         add = ik;
                     }
@@ -679,6 +706,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         in_order = 0;
                     }
                 }
+                if (hold == 0 && pending != 0 && key >= pending) {
+                    in_order = 0;          /* a key refused before goes first (Slot.pending) */
+                }
                 if (hold == 1) {
                     /* a carry's holding bank: no admission, no order; only while another bank
                      * stays free for the rounds in progress */
@@ -706,6 +736,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_kind.write(base + (bit<32>)iheld, meta.s_kind);
                     bank_param.write(base + (bit<32>)iheld, meta.s_param);
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
+                    bank_held.write(base + (bit<32>)iheld, 0);
                     add = iheld;
                 } else if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
@@ -713,6 +744,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         refuse_late = 1;
                     }
                     carried = 0;
+                    /* refused under ssp/async: it goes first once sent again (Slot.pending) */
+                    if (hold == 0 && (meta.s_kind == AGGD_STRATEGY_KIND_SSP || meta.s_kind == AGGD_STRATEGY_KIND_ASYNC) &&
+                        (pending == 0 || key + 1 < pending)) {
+                        pending = key + 1;
+                    }
                 } else {
                     bank_state.write(base + (bit<32>)pick, BANK_OPEN);
                     bank_round.write(base + (bit<32>)pick, open_round);
@@ -729,6 +765,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_t_first.write(base + (bit<32>)pick, now);
                     bank_unannounced.write(base + (bit<32>)pick, 0);
                     bank_holding.write(base + (bit<32>)pick, (bit<8>)hold);
+                    bank_held.write(base + (bit<32>)pick, 0);
                     /* the step masks of the new round start empty (64 cells) */
 #define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
                     AGGD_LANES_64(CLEAR_STEP)
@@ -736,6 +773,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     fresh = 1;
                 }
             }
+
+            if (hold == 0 && want_open == 1 && add != NO_BANK && pending == key + 1) {
+                pending = 0;               /* the pending key opened, or was adopted */
+            }
+            slot_pending.write(meta.slot, pending);
 
             /* A carry refused busy: remembered, so that its retransmission is carried. */
             if (refuse_late == 1 && remembered == 1) {

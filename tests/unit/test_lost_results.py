@@ -1,0 +1,134 @@
+"""A result lost on its way to a member must stay to be re-read while the others run ahead.
+
+Under ``ssp:s`` and ``async`` members run up to three rounds apart (RESULT_WINDOW). Before, a member
+that lost round R's result went on to rounds R+1.. while R waited (its admission counted waiting
+rounds, not their span), the others ran ahead too, and their new rounds took round R's bank (the
+oldest released one); R's re-read was dropped ``stale`` until the member gave up. In simulated
+training with 5% of results lost every run of ``ssp``/``async``/``sync``/``wbsp`` swaps hung (30 of
+30 seeds); now none does.
+
+Two rules, one each side (docs/protocol.md, rule 3 and "What clients do"):
+- the client's rounds outstanding are a window of consecutive rounds: round ``R + RESULT_WINDOW``
+  is sent only once round R's results are all in;
+- the aggregator keeps a released ``ssp``/``async`` bank until every awaited member is known to
+  hold its result (``Bank.held``: it sent the slot a round RESULT_WINDOW later, or step 0 of the
+  same round and a later chunk); a key refused meanwhile is ``pending`` and goes first.
+The XDP program and the user-space fast path are held equal to the model on the same traffic
+(tests/bpf/test_model_equivalence.py, tests/unit/test_fastpath.py)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from aggd.core.model import AggregatorModel, BankState, JobConfig, check_table
+from aggd.core.strategy import StrategyTable, parse
+from aggd.testing.frames import worker_addr
+from aggd_client import AggClient
+from aggd_client.protocol import RESULT_WINDOW, Header, MsgType, StrategyKind
+from aggd_client.rounds import _Round
+from aggd_client.strategy import StrategyInfo
+
+from tests.fixtures.scenarios import GROUP, JOB, tag
+from tests.harness.member_sim import Sim
+
+#: every strategy whose members make every round, swapped among at random
+NOT_QUORUM = ("sync", "ssp:2", "ssp:1", "wbsp", "async")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_no_member_is_left_without_a_result_under_loss(seed):
+    sim = Sim(seed, loss=0.03, loss_down=0.05, rounds=120, strategies=NOT_QUORUM).run(until_ms=60_000)
+    stuck = {m.rank: [(r.number, r.n_have) for r in m.rounds] for m in sim.members if m.rounds}
+    assert not stuck, (stuck, sim.swaps)
+    assert all(m._next_round == sim.rounds for m in sim.members)
+    assert not sim.over_terms()
+
+
+@pytest.mark.parametrize("text", ["ssp:1", "ssp:2", "async"])
+def test_one_strategy_one_slot_a_chunk(text):
+    for seed in range(6):
+        sim = Sim(seed, loss=0.03, loss_down=0.05, rounds=150, slow=1.5, start=text, strategies=(text,),
+                  swap_every=10**9).run(until_ms=30_000)
+        assert all(m._next_round == 150 and not m.rounds for m in sim.members), (seed, text)
+
+
+# -- the aggregator's rule, packet by packet --------------------------------------------------
+
+def _model(text: str, world: int = 2, slots: int = 1) -> AggregatorModel:
+    model = AggregatorModel(8)
+    members = {r: worker_addr(r)[1:] for r in range(world)}
+    model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=1 << 16, members=members,
+                            tags={r: tag(r) for r in members}, group=GROUP))
+    model.set_strategy(JOB, check_table(StrategyTable(parse(text)).table_entries()))
+    return model
+
+
+def _send(model: AggregatorModel, rank: int, round_: int, chunk: int = 0, reread: bool = False):
+    hdr = Header(type=MsgType.REREAD if reread else MsgType.CONTRIB, job=JOB, rank=rank, round=round_,
+                 chunk=chunk, contributors=tag(rank), count=8, exponent=0)
+    return model.process(hdr.pack() + np.ones(8, "<i4").tobytes(), worker_addr(rank)[1:], 1_000_000_000)
+
+
+def test_a_released_ssp_round_stays_until_every_member_sent_a_round_the_window_later():
+    model = _model("ssp:2")
+    for r in range(4):                        # rounds 0..3 released: every bank of the slot used
+        for rank in (0, 1):
+            _send(model, rank, r)
+    slot = model.jobs[JOB].slots[0]
+    assert sorted(b.key[0] for b in slot.banks) == [0, 1, 2, 3]
+    # rank 0 sent round 3 = 0 + RESULT_WINDOW (so it holds round 0's result), rank 1 too: round 0
+    # may go. Had rank 1 sent only up to round 2, round 4 would wait:
+    assert RESULT_WINDOW == 3
+    assert _send(model, 0, 4).reason is None                # round 4 took round 0's bank
+    assert sorted(b.key[0] for b in slot.banks) == [1, 2, 3, 4]
+
+    model = _model("ssp:2")
+    for r in range(3):
+        for rank in (0, 1):
+            _send(model, rank, r)
+    _send(model, 0, 3)                                      # rank 1 has not sent round 3 yet
+    _send(model, 0, 4)                                      # round 3 open: rank 0 two ahead
+    slot = model.jobs[JOB].slots[0]
+    assert {b.key[0]: b.state for b in slot.banks}[0] == BankState.RELEASED
+    assert _send(model, 1, 0, reread=True).action == "tx"   # rank 1 lost round 0's result: kept
+    _send(model, 1, 3)                                      # now rank 1 holds it: round 3 released
+    assert _send(model, 1, 4).reason is None                # rounds 4 (open) and 5 may go on
+
+
+def test_a_refused_key_goes_first():
+    model = _model("ssp:2")
+    for r in range(3):
+        for rank in (0, 1):
+            _send(model, rank, r)
+    _send(model, 0, 3)
+    slot = model.jobs[JOB].slots[0]
+    assert _send(model, 0, 5).reason is not None            # round 4 not open yet: out of order
+    assert slot.pending == (5, 0)
+    assert _send(model, 0, 4).reason is not None            # below it, but rounds 0..2 are kept
+    assert slot.pending == (4, 0)                           # (rank 1 has not sent round 3)
+    _send(model, 1, 3)
+    assert _send(model, 1, 5).reason is not None            # above the pending key: waits
+    assert _send(model, 1, 4).reason is None                # takes round 0's bank
+    assert slot.pending is None
+
+
+# -- the client's window ----------------------------------------------------------------------
+
+def _round(n: int, complete: bool) -> _Round:
+    r = _Round(n, (4,), np.float32, 4, 4, False)
+    if complete:
+        r.have[:] = 1
+        r.n_have = r.n_chunks
+    return r
+
+
+@pytest.mark.parametrize("text,param", [("ssp", 2), ("ssp", 1), ("async", 0)])
+def test_the_client_keeps_its_rounds_outstanding_consecutive(text, param):
+    c = AggClient(("127.0.0.1", 9), 1, 0, 4)
+    c._strategy = StrategyInfo(StrategyKind.SSP if text == "ssp" else StrategyKind.ASYNC, param)
+    window = c._strategy.max_outstanding
+    c._rounds = [_round(0, complete=False)] + [_round(n, complete=True) for n in range(1, window + 1)]
+    c._next_round = window + 1
+    assert c._admission(None) is None        # round 0's result is missing: no round 0 + window
+    c._rounds[0] = _round(0, complete=True)
+    assert c._admission(None) is True
