@@ -129,6 +129,10 @@ struct scratch {
 	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released, forward, in_order;
+	/* as ifree/irel_old/nfree, for a new round quorum governs (no released bank is kept) */
+	__s32 irel_old_q;
+	__u32 nfree_q;
+	__u64 rel_old_key_q;
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };

@@ -183,6 +183,12 @@ static __always_inline __u64 is_zero(__u64 x)
 	return ((x | -x) >> 63) ^ 1;
 }
 
+/* Does the entry (NULL: sync) govern its rounds by quorum? */
+static __always_inline int quorum_kind(struct strategy_entry *e)
+{
+	return e && e->kind == AGGD_STRATEGY_KIND_QUORUM;
+}
+
 /* 1 if a < b (unsigned), else 0, without a branch: the borrow out of a - b */
 static __always_inline __u64 below(__u64 a, __u64 b)
 {
@@ -620,6 +626,9 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
 	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = sc->settled = 0;
 	sc->min_open_round = 0xffffffff;
+	sc->irel_old_q = -1;
+	sc->nfree_q = 0;
+	sc->rel_old_key_q = ~0ULL;
 	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
 	sc->rel_old_key = sc->target_key = sc->hold_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
@@ -648,6 +657,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			if (sc->ifree < 0)
 				sc->ifree = i;
 			sc->nfree++;
+			sc->nfree_q++;
 			continue;
 		}
 		__u64 k = b->key;
@@ -691,14 +701,22 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->itarget = i;
 			}
 		} else {
-			/* an ssp/async round is kept while an awaited member may re-read it (Slot.reusable):
-			 * a kept bank is no free one, and its key never the oldest (no branch, as above) */
-			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all));
+			/* an ssp/async round is kept from its chunk's next rounds while an awaited member may
+			 * re-read it, unless quorum governs the new round (Slot.reusable): a kept bank is no
+			 * free one, and its key never the oldest (no branch, as above); nfree_q and irel_old_q
+			 * count every released bank */
+			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all)) &
+				     is_zero((__u64)(__u32)k ^ chunk);
 			sc->nfree += 1 ^ kept;
+			sc->nfree_q++;
 			__u64 k_free = k | -kept;
 			if (k_free < sc->rel_old_key) {
 				sc->rel_old_key = k_free;
 				sc->irel_old = i;
+			}
+			if (k < sc->rel_old_key_q) { /* for a new round quorum governs: none is kept */
+				sc->rel_old_key_q = k;
+				sc->irel_old_q = i;
 			}
 			if ((__u32)k == chunk) {
 				if (sc->irel_chunk < 0 || k > sc->rel_chunk_key) {
@@ -713,7 +731,8 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 		}
 	}
-	int pick = sc->ifree >= 0 ? sc->ifree : sc->irel_old; /* bank a new round may take */
+	/* the bank a new round of the packet's round may take (Slot.free_bank) */
+	int pick = sc->ifree >= 0 ? sc->ifree : (quorum_kind(st_new) ? sc->irel_old_q : sc->irel_old);
 	int ik = sc->ik;
 
 	if (type == AGGD_MSG_TYPE_REREAD) {
@@ -815,9 +834,13 @@ int aggd_xdp(struct xdp_md *ctx)
 				r2 = (sc->newest >> 32) + (chunk > (__u32)sc->newest ? 0 : 1);
 			__u64 k2 = (r2 << 32) | chunk;
 			struct strategy_entry *e2 = strategy_for(cfg, (__u32)r2);
-			if (r2 <= 0xffffffffULL && pick >= 0 && sc->nfree >= 2) {
-				open_bank(&s->bank[pick & (NBANKS - 1)], k2, e2, now, 1, 0);
-				sc->add = pick;
+			/* the bank, and whether another stays free, for round r2 (its kind: Slot.reusable) */
+			int q2 = quorum_kind(e2);
+			int pick2 = sc->ifree >= 0 ? sc->ifree : (q2 ? sc->irel_old_q : sc->irel_old);
+			__u32 nfree2 = q2 ? sc->nfree_q : sc->nfree;
+			if (r2 <= 0xffffffffULL && pick2 >= 0 && nfree2 >= 2) {
+				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0);
+				sc->add = pick2;
 				sc->add_fresh = 1;
 			} else {
 				sc->reason = AGGD_DROP_REASON_BUSY;

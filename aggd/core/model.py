@@ -78,7 +78,7 @@ Slot rules (numbers as in docs/protocol.md)
   fields set from the entry governing K.round, no admission test), else admission of that entry,
   then the bank: the first empty one, else the released one with the smallest key among those a
   new round may take (``Slot.reusable``: an ``ssp`` or ``async`` bank only once every awaited
-  member is in its ``held``: every contribution or re-read that reaches the slot rules first marks
+  member is in its ``held``, if the new round is of its chunk and quorum does not govern it: every contribution or re-read that reaches the slot rules first marks
   its sender in ``held`` of each non-empty bank whose round it is at least RESULT_WINDOW past, or,
   at step 0, whose round it shares with a larger chunk; ``open`` and ``adopt`` clear it); any refusal
   is ``busy``. Before all this, a key above the slot's ``pending`` is refused ``busy``; any other key
@@ -527,14 +527,19 @@ class Slot:
         return [b for b in self.banks if b.state in (BankState.OPEN, BankState.FORWARDED)
                 and (holding or not b.holding)]
 
-    def n_free(self, awaited: int) -> int:
-        """Banks a new round may take: empty, or released and held by every awaited member."""
-        return sum(b.state == BankState.EMPTY or self.reusable(b, awaited) for b in self.banks)
+    def n_free(self, awaited: int, key: Key, kind: StrategyKind) -> int:
+        """Banks a new round ``key`` may take: empty, or released and reusable."""
+        return sum(b.state == BankState.EMPTY or self.reusable(b, awaited, key, kind) for b in self.banks)
 
-    def reusable(self, bank: Bank, awaited: int) -> bool:
-        """May a new round take this released bank? Under ``ssp`` and ``async`` only once every
-        awaited member is known to hold its result (``Bank.held``)."""
-        return bank.state == BankState.RELEASED and (bank.kind not in KEPT_KINDS or bank.held & awaited == awaited)
+    def reusable(self, bank: Bank, awaited: int, key: Key, kind: StrategyKind) -> bool:
+        """May a new round ``key`` that ``kind`` governs take this released bank? One of ``ssp`` or
+        ``async`` of the same chunk only once every awaited member is known to hold its result
+        (``Bank.held``), unless ``kind`` is quorum: a quorum goes on without its stragglers, whose
+        late contributions are answered with the chunk's newest result. (Only against its own
+        chunk's rounds: the chunk's banks then go in round order, which rule 3's order test needs;
+        a slot that serves several chunk indices reuses its other chunks' banks oldest first.)"""
+        return bank.state == BankState.RELEASED and (bank.kind not in KEPT_KINDS or kind == StrategyKind.QUORUM
+                                                     or bank.key[1] != key[1] or bank.held & awaited == awaited)
 
     def note_sender(self, rank: int, key: Key, step: int) -> None:
         """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
@@ -555,12 +560,12 @@ class Slot:
     def holding_of(self, chunk: int) -> list[Bank]:
         return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
 
-    def free_bank(self, awaited: int) -> Bank | None:
+    def free_bank(self, awaited: int, key: Key, kind: StrategyKind) -> Bank | None:
         """Rule 3's choice: an empty bank, else the reusable released bank with the smallest key."""
         empty = [b for b in self.banks if b.state == BankState.EMPTY]
         if empty:
             return empty[0]
-        released = [b for b in self.banks if self.reusable(b, awaited)]
+        released = [b for b in self.banks if self.reusable(b, awaited, key, kind)]
         return min(released, key=lambda b: b.key, default=None)
 
 
@@ -942,10 +947,13 @@ class AggregatorModel:
         newest = slot.newest()
         if newest is not None and (r2, chunk) <= newest:
             r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
-        if r2 > U32_MAX or slot.n_free(job.awaited) < 2:
+        if r2 > U32_MAX:
             return None
-        bank = slot.free_bank(job.awaited)
-        bank.open((r2, chunk), governing(job.table, r2), now, holding=True)
+        entry = governing(job.table, r2)
+        if slot.n_free(job.awaited, (r2, chunk), entry.kind) < 2:
+            return None
+        bank = slot.free_bank(job.awaited, (r2, chunk), entry.kind)
+        bank.open((r2, chunk), entry, now, holding=True)
         return bank
 
     def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
@@ -972,7 +980,7 @@ class AggregatorModel:
             return held
         if not admits(entry, slot, key[0]):
             return None
-        bank = slot.free_bank(job.awaited)
+        bank = slot.free_bank(job.awaited, key, entry.kind)
         if bank is None:
             return None
         bank.open(key, entry, now, skip=skip)

@@ -68,6 +68,37 @@ def test_ssp_outstanding_rounds(agg):
         close_all(cs)
 
 
+@pytest.mark.parametrize("text", ["ssp:2", "async"])
+def test_many_chunks_a_slot_and_buckets_of_two_sizes(agg, text):
+    """DDP-like: buckets of 527 and 218 chunks in turn on 64 slots (several chunk indices a slot),
+    up to three rounds outstanding. A released round is kept for re-reads only from its own chunk's
+    next rounds: kept from every later key, an older round of a chunk outlived its newer one, and
+    rule 3's order test refused the chunk's next round for good (every member stuck on round 3,
+    64 chunks short)."""
+    world = 4
+    cs = job(agg, world, text, slots=64, give_up_after=10.0)
+    sizes = (527 * E - 100, 218 * E - 50)
+
+    def run(r):
+        pending = []
+        for n in range(10):
+            pending.append((n, cs[r].allreduce_async(grad(r, n, sizes[n % 2]))))
+            while len(pending) > 3 or (pending and pending[0][1].done()):
+                n0, h = pending.pop(0)
+                if text == "ssp:2":
+                    assert_close(h.wait(), [grad(k, n0, sizes[n0 % 2]) for k in range(world)], world, world)
+                else:
+                    h.wait()
+        for _, h in pending:
+            h.wait()
+
+    try:
+        Workers(run, range(world)).join()
+        assert set(drops(agg)) <= {"busy", "duplicate"}, drops(agg)
+    finally:
+        close_all(cs)
+
+
 def test_wbsp_steps(agg):
     world = 2
     cs = job(agg, world, "wbsp")

@@ -200,8 +200,8 @@ def test_tofino_target(make_lab, make_daemon):
     """target = "tofino": the TNA program's P4Info, 32 values a packet, registers over BF Runtime
     (the SDE's bfrt_grpc: a stand-in here, tests/p4/fake_sde). Sync and quorum run; ssp, async and
     wbsp and slot counts that are not powers of two are refused by aggctl with the reason, and
-    nothing changes; counters the TNA program does not keep are absent. Without bfrt_grpc the
-    daemon does not start, saying so."""
+    nothing changes; a member is declared gone and readmitted on the switch; counters the TNA
+    program does not keep are absent. Without bfrt_grpc the daemon does not start, saying so."""
     from aggd.dataplane.p4.p4info import TNA_P4INFO, P4Info
     sim = SimSwitch(P4Info(TNA_P4INFO), {})
     lab = make_lab(1)
@@ -232,6 +232,15 @@ def test_tofino_target(make_lab, make_daemon):
         res = d.aggctl("strategy", "set", "tna", "sync")
         assert res.exit_code == 0, res.output
         assert settled_rows(sim.fake, job["id"])[-1].kind == proto.StrategyKind.SYNC
+        # a member declared gone: the jobs entry's all_members, which the TNA program's sync release
+        # test reads, leaves it out; readmitted, it is back
+        res = d.aggctl("workers", "remove", "tna", "1")
+        assert res.exit_code == 0, res.output
+        assert switch_config(sim.fake, hosts)[job["id"]].params["all_members"] == 0b01
+        assert d.call("workers", job="tna")["workers"][1]["gone"]
+        res = d.aggctl("workers", "readmit", "tna", "1")
+        assert res.exit_code == 0, res.output
+        assert switch_config(sim.fake, hosts)[job["id"]].params["all_members"] == 0b11
         counters = d.call("jobs.show", job="tna")["paths"]["kernel"]["counters"]
         assert set(counters) == {"rx_packets", "contributions", "released", "rereads", "to_userspace"}
         shown = d.aggctl("jobs", "show", "tna").output.splitlines()

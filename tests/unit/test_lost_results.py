@@ -112,6 +112,26 @@ def test_a_refused_key_goes_first():
     assert slot.pending is None
 
 
+def test_a_quorum_round_does_not_wait_for_a_kept_bank():
+    """After a swap to quorum the kept ssp banks are no reason to wait (a quorum goes on without
+    its stragglers): its round takes the oldest released bank, as before banks were kept."""
+    table = StrategyTable(parse("ssp:2"))
+    table.install(1, 3, parse("quorum:1:5ms"))
+    model = AggregatorModel(8)
+    members = {r: worker_addr(r)[1:] for r in range(2)}
+    model.add_job(JobConfig(job=JOB, world=2, slots=1, max_chunks=1 << 16, members=members,
+                            tags={r: tag(r) for r in members}, group=GROUP))
+    model.set_strategy(JOB, check_table(table.table_entries()))
+    for r in range(3):
+        for rank in (0, 1):
+            _send(model, rank, r)
+    assert _send(model, 0, 3).action == "tx"                # quorum:1: released at once
+    slot = model.jobs[JOB].slots[0]
+    assert not slot.reusable(slot.bank_of((0, 0)), 0b11, (4, 0), StrategyKind.SSP)   # rank 1 sent no round 3
+    assert _send(model, 0, 4).action == "tx"                # takes round 0's bank all the same
+    assert sorted(b.key[0] for b in slot.banks) == [1, 2, 3, 4]
+
+
 # -- the client's window ----------------------------------------------------------------------
 
 def _round(n: int, complete: bool) -> _Round:

@@ -320,12 +320,10 @@ class P4DataPlane(DataPlane):
         self.client.write(ups)
 
     def set_awaited(self, job: int, awaited: int) -> None:
-        """The members a round of ``job`` waits for: the jobs entry's ``all_members``, which the
-        v1model program's rule 0 and release test read (the Tofino program counts contributions
-        and cannot tell who is missing)."""
+        """The members a round of ``job`` waits for: the jobs entry's ``all_members``, which both
+        programs' release tests read (sync: every awaited member's bit in the bank's bitmap), and
+        their rule 0: a packet to a round that has them all releases it to the group."""
         j = self._job(job)
-        if self.target == "tofino":
-            raise P4Error("the Tofino program cannot release a round without a member: use a quorum strategy")
         try:
             j.awaited = check_awaited(awaited, j.world)
         except ValueError as exc:

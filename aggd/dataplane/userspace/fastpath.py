@@ -336,7 +336,9 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 if b < 0:
                     for b2 in range(BANKS):
                         if bi[s, b2, F_STATE] == RELEASED and (bi[s, b2, F_KIND] != SSP and bi[s, b2, F_KIND] != ASYNC
-                                                               or bu[s, b2, U_HELD] == everyone) and (b < 0 or _key_less(
+                                                               or kind == QUORUM or bi[s, b2, F_CHUNK] != chunk
+                                                               or bu[s, b2, U_HELD] == everyone) \
+                                and (b < 0 or _key_less(
                                 bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
                             b = b2
                 busy = b < 0

@@ -16,6 +16,9 @@
  *   - the stateful ALU cannot shift: every contribution of a round must carry the exponent of the
  *     round's first one (SwitchML's shared scaling factor); another is dropped as bad_count;
  *   - no modulo: a job's slot count is a power of two (the backend checks it for target="tofino");
+ *   - sync releases once every member of the jobs entry's all_members is in the bank's bitmap
+ *     (members declared gone are not), and a survivor's retransmission to a round that has them
+ *     all releases it to the group (rule 0);
  *   - quorum releases at k contributions or at its deadline; a straggler's late contribution is
  *     answered with the result but not carried into the next round (counted stale): carrying needs
  *     a second access to the lane registers, i.e. a recirculation;
@@ -75,6 +78,9 @@ struct aggd_meta_t {
     bit<16> exp;
     bit<1>  release;
     bit<1>  was_released;
+    bit<1>  settle;             /* released now by a packet not counted: rule 0, members gone */
+    bit<32> awaited_lo;         /* the members a round waits for (the jobs entry's all_members) */
+    bit<32> awaited_hi;
     bit<8>  reason;
 }
 
@@ -220,6 +226,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
                    bit<16> result_port, bit<16> mcast_grp) {
         meta.job_ok = 1;
         meta.world = world;
+        meta.awaited_lo = all_members[31:0];
+        meta.awaited_hi = all_members[63:32];
         meta.n_slots = n_slots;
         meta.slot_base = slot_base;
         meta.switch_slots = switch_slots;
@@ -448,8 +456,18 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             if (meta.n >= (bit<16>)meta.s_param || meta.now - meta.t_first >= meta.s_timeout) {
                 meta.release = 1;
             }
-        } else if (meta.n == (bit<16>)meta.world) {
-            meta.release = 1;
+        } else {
+            /* every member the round waits for is in (the sender too, unless it only reads):
+             * members declared gone are not awaited (docs/protocol.md, "Members declared gone") */
+            bit<32> have_lo = meta.seen_lo;
+            bit<32> have_hi = meta.seen_hi;
+            if (hdr.aggd.type != AGGD_MSG_TYPE_REREAD) {
+                have_lo = have_lo | meta.bit_lo;
+                have_hi = have_hi | meta.bit_hi;
+            }
+            if ((have_lo & meta.awaited_lo) == meta.awaited_lo && (have_hi & meta.awaited_hi) == meta.awaited_hi) {
+                meta.release = 1;
+            }
         }
         if (meta.round_state == ROUND_NEW) {
             meta.was_released = (bit<1>)open_bank.execute(meta.cell);
@@ -461,6 +479,13 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
             if (meta.was_released == 1) {
                 meta.do_out = 1;                 /* a re-send from the bank (read lanes below) */
                 hdr.aggd.flags = AGGD_FLAG_REREAD;
+            } else if (meta.release == 1) {
+                /* rule 0: the round waited only for members declared gone since it opened; the
+                 * survivors' retransmission releases it, to the whole group (read lanes below) */
+                meta.do_out = 1;
+                meta.to_group = 1;
+                meta.settle = 1;
+                hdr.aggd.flags = 0;
             } else if (dup == 1) {
                 meta.reason = AGGD_DROP_REASON_DUPLICATE;
             } else {
@@ -489,7 +514,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta,
 #define TNA_LANE_APPLY(i) \
         if (meta.round_state == ROUND_NEW) { \
             rv = load_##i.execute(meta.cell); \
-        } else if (meta.do_out == 1 && meta.to_group == 0) { \
+        } else if (meta.do_out == 1 && (meta.to_group == 0 || meta.settle == 1)) { \
             rv = read_##i.execute(meta.cell); \
         } else { \
             rv = add_##i.execute(meta.cell); \

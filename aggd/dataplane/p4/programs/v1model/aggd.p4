@@ -344,6 +344,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<64> l_carried;
         bit<8> b_holding;
         bit<64> pending;           /* slot_pending: a key refused before, plus one (0: none) */
+        bit<32> nfree_q = 0;       /* as nfree and irel_old, for a new round quorum governs: */
+        bit<8> irel_old_q = NO_BANK;   /* no released bank is kept (Slot.reusable) */
+        bit<64> rel_old_key_q = 0xFFFFFFFFFFFFFFFF;
         bit<64> b_bitmap;
         bit<64> b_late;
         bit<32> base;
@@ -525,6 +528,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             if (st##i == BANK_EMPTY) { \
                 if (ifree == NO_BANK) { ifree = i; } \
                 nfree = nfree + 1; \
+                nfree_q = nfree_q + 1; \
             } else { \
                 k = rd##i ++ ch##i; \
                 if (k == key) { ik = i; } \
@@ -554,12 +558,16 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         itarget = i; \
                     } \
                 } else { \
-                    /* an ssp/async round is kept while an awaited member may re-read it */ \
+                    /* an ssp/async round is kept from its chunk's next rounds while an awaited */ \
+                    /* member may re-read it, */ \
+                    /* unless quorum governs the new round (Slot.reusable) */ \
                     if ((kd##i != AGGD_STRATEGY_KIND_SSP && kd##i != AGGD_STRATEGY_KIND_ASYNC) || \
-                        (hl##i & meta.all_members) == meta.all_members) { \
+                        ch##i != hdr.aggd.chunk || (hl##i & meta.all_members) == meta.all_members) { \
                         nfree = nfree + 1; \
                         if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
                     } \
+                    nfree_q = nfree_q + 1; \
+                    if (k < rel_old_key_q) { rel_old_key_q = k; irel_old_q = i; } \
                     if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
                         rel_chunk_key = k; \
                         irel_chunk = i; \
@@ -691,6 +699,13 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 /* Rule 3: admission under the entry governing the new round, then the bank. */
                 meta.s_round = open_round;
                 strategy.apply();
+                /* the bank, and whether another stays free, for a round of this kind (Slot.reusable) */
+                if (meta.s_kind == AGGD_STRATEGY_KIND_QUORUM) {
+                    nfree = nfree_q;
+                    if (ifree == NO_BANK) {
+                        pick = irel_old_q;
+                    }
+                }
                 bit<1> admitted = 0;
                 /* a round of a chunk opens only as the next round of that chunk: the one `skip`
                  * rounds after its newest (SKIP_MAX: at least that many); 48 bits do not wrap */
