@@ -13,7 +13,7 @@ import pytest
 from aggd.training.labtrain import RunParams, run
 
 pytestmark = pytest.mark.root
-ROUNDS = 80
+ROUNDS = 60
 
 
 @pytest.mark.parametrize("strategy", ["ssp"])   # async: tests/netns/test_strategies.py

@@ -93,7 +93,7 @@ def test_ddp_sized_buckets_on_64_slots(make_lab, text):
         job = LabJob(job=1, workers=list(range(WORLD)), slots=64)
         dp.install_job(job.config(lab))
         dp.set_strategy(1, strat.StrategyTable(strat.parse(text).validate(WORLD)).table_entries())
-        r = StrategyRun(lab, job, WORLD, steps=12, delay=0.005, slow={WORLD - 1: 2.0}, jitter=0.5,
+        r = StrategyRun(lab, job, WORLD, steps=8, delay=0.005, slow={WORLD - 1: 2.0}, jitter=0.5,
                         sizes="134912,55808").start()
         records, releases, errors = r.finish(timeout=300)
         pending = dp.pending_sum(1)
