@@ -77,15 +77,17 @@ Slot rules (numbers as in docs/protocol.md)
   ``follows``), then the chunk's holding bank if it has one (adopted: re-keyed to K, its strategy
   fields set from the entry governing K.round, no admission test), else admission of that entry,
   then the bank: the first empty one, else the released one with the smallest key among those a
-  new round may take (``Slot.reusable``: an ``ssp`` or ``async`` bank only once every awaited
-  member is in its ``held``, if the new round is of its chunk and quorum does not govern it: every contribution or re-read that reaches the slot rules first marks
-  its sender in ``held`` of each non-empty bank whose round it is at least RESULT_WINDOW past, or,
-  at step 0, whose round it shares with a larger chunk; ``open`` and ``adopt`` clear it); any refusal
-  is ``busy``. Before all this, a key above the slot's ``pending`` is refused ``busy``; any other key
-  rule 3 refuses becomes ``pending`` if ``ssp`` or ``async`` governs its round (it is not above a
-  pending one, which would have refused it); a bank holding the pending key (opened, adopted or a
-  carry's holding bank) clears it, checked before the rules; rule 1 refuses ``busy`` a member's own
-  contribution to a holding bank whose key is above the pending one (it would become the newest). The bank records version,
+  new round may take (``Slot.reusable``: a new round of its chunk that quorum does not govern takes
+  an ``ssp`` or ``async`` bank only once every awaited member is in its ``held``. Every
+  contribution or re-read that reaches the slot rules first marks its sender in ``held`` of each
+  non-empty bank whose round it is at least RESULT_WINDOW past, or, at step 0, whose round it
+  shares with a larger chunk; ``open`` and ``adopt`` clear it); any refusal is ``busy``. Before
+  all this, a key above the slot's ``pending`` is refused ``busy``; any other key rule 3 refuses
+  becomes ``pending`` if ``ssp`` or ``async`` governs its round (it is not above a pending one,
+  which would have refused it); a bank holding the pending key (opened, adopted or a carry's
+  holding bank) clears it, checked before the rules; rule 1 refuses ``busy`` a member's own
+  contribution to a holding bank whose key is above the pending one (it would become the
+  newest). The bank records version,
   kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
   ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
   async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
@@ -119,8 +121,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
-                                  RESULT_WINDOW, SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter, DropReason,
-                                  Flag, Header, MsgType, NackCode, Precision, StrategyKind, payload_dtype)
+                                  RESULT_WINDOW, SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter,
+                                  DropReason, Flag, Header, MsgType, NackCode, Precision, StrategyKind,
+                                  payload_dtype)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from aggd.core.robust import SUM, Combine, check_strategy, combine_rows, score_terms
@@ -143,9 +146,9 @@ BANKS = 4
 ASYNC_MAX_OPEN = BANKS - 1
 #: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
 STEPS = 8
-#: Strategies whose members run rounds apart: a released bank of theirs is kept until every
-#: awaited member is known to hold its result (rule 3's bank), or one lost result would be lost
-#: for good while the others run ahead.
+#: Strategies whose members run rounds apart: a released bank of theirs is kept from its chunk's
+#: next rounds until every awaited member is known to hold its result (``Slot.reusable``), or a
+#: result lost on its way would be gone for good while the others run ahead.
 KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
@@ -957,8 +960,8 @@ class AggregatorModel:
         return bank
 
     def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
-        """Rule 3: open a bank for a new round if no key before it waits for a bank (``pending``),
-        it is the next round of its chunk (the packet's ``skip`` says which round that follows) and
+        """Rule 3: open a bank for a new round if no key before it was refused (``pending``), it
+        is the next round of its chunk (the packet's ``skip`` says which round that follows) and
         its strategy admits it; the chunk's holding bank, if any, becomes that round. None means busy."""
         if slot.pending is not None and key > slot.pending:
             return None

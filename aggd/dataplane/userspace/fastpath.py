@@ -225,8 +225,8 @@ def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim,
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, values, counters, drops, dirty, members,
-        out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
+        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, values, counters, drops, dirty,
+        members, out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
     contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
     records as int32, int16 and int8); return the index of the first that is not (``n`` when all
