@@ -230,6 +230,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
         self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
+        # The newest round that sent a chunk index for the first time (-1: none yet): the next
+        # round waits for its results (docs/protocol.md, "What clients do"), so no round of a
+        # chunk reaches its slot before the chunk's first one has opened there.
+        self._chunks_sent = 0
+        self._new_chunks_round = -1
         self._strategy = info
         self._strategy_round = -1
         self._init_rounds()
@@ -395,6 +400,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._catch_up()  # a quorum round seen whole, now that we know what whole is
             rnd = _Round(self._next_round, a.shape, a.dtype, x.size, self._elements, mean, out)
             rnd.skips = self._skips_for(rnd)
+            if rnd.n_chunks > self._chunks_sent:
+                self._chunks_sent, self._new_chunks_round = rnd.n_chunks, rnd.number
             self._next_round += 1
             self._own_next = self._next_round
             self._start_round(rnd)
@@ -425,8 +432,13 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         info = self._strategy
         # a window of consecutive rounds: a round still waiting (e.g. for a lost result) holds the
         # member back as any slower member would (ssp's bound, the aggregator keeps that many banks)
+        # ... and a round that sent a chunk index for the first time is answered before the next
+        # one starts: until that chunk's first round has opened in its slot, a later round of it
+        # arriving first would open there and make the first one late (carried, never released)
+        oldest = min((r.number for r in waiting), default=None)
         if len(waiting) < info.max_outstanding and (
-                not waiting or min(r.number for r in waiting) > self._next_round - info.max_outstanding):
+                oldest is None or (oldest > self._next_round - info.max_outstanding
+                                   and oldest > self._new_chunks_round)):
             return True
         if info.kind == StrategyKind.WBSP and len(waiting) == 1:
             r = waiting[0]

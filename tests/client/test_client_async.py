@@ -477,22 +477,22 @@ def test_ssp_three_rounds_outstanding_then_waits(slots):
 
 def test_pushing_too_early_only_wastes_packets():
     """A client that believes in ssp:2 while the job runs sync: the aggregator refuses its rounds
-    ahead (busy), it retransmits them until admitted and learns the strategy from the results."""
+    ahead (busy), it retransmits them until admitted and learns the strategy from the results. (It
+    believes so from round 0's result: a client's first round is answered before its next starts.)"""
     world = 2
-    with StrategyFake(world, "sync") as fake:
+    with StrategyFake(world, [(0, "ssp:2"), (1, "sync")]) as fake:
         cs = make_clients(fake, world, retransmit_timeout=0.02)
-        cs[0] = AggClient(fake.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E,
-                          strategy="ssp:2", retransmit_timeout=0.02, give_up_after=10)
         try:
-            assert cs[0].strategy == StrategyInfo(SSP, 2, 0)
-            hs = [cs[0].allreduce_async(grad(0, n)) for n in range(3)]  # admitted by its belief
+            Workers(lambda r: cs[r].allreduce(grad(r, 0)), range(world)).join()
+            assert cs[0].strategy == StrategyInfo(SSP, 2, 1)
+            hs = [cs[0].allreduce_async(grad(0, n)) for n in range(1, 4)]  # admitted by its belief
             assert cs[0].outstanding == 3
-            slow = Workers(lambda r: [cs[1].allreduce(grad(1, n)) for n in range(3)], [1])
-            for n, h in enumerate(hs):
+            slow = Workers(lambda r: [cs[1].allreduce(grad(1, n)) for n in range(1, 4)], [1])
+            for n, h in enumerate(hs, 1):
                 assert_close(h.wait(), [grad(0, n), grad(1, n)], world, world)
             slow.join()
             assert fake.drops["busy"] > 0
-            assert cs[0].strategy == StrategyInfo(SYNC, 0, 1) and cs[0].must_wait() is False
+            assert cs[0].strategy == StrategyInfo(SYNC, 0, 2) and cs[0].must_wait() is False
         finally:
             close_all(cs)
 
@@ -707,18 +707,19 @@ def test_no_answer_fails_every_outstanding_round():
         c = AggClient(fake.address, JOB, 0, 2, bind=("127.0.0.1", 0), elements=E,
                       give_up_after=0.5, strategy="async")
         with c:
+            c.allreduce(grad(0, 0))   # (a round that sends new chunk indices is answered before the next)
             fake.pause()
-            hs = [c.allreduce_async(grad(0, n)) for n in range(3)]
+            hs = [c.allreduce_async(grad(0, n)) for n in range(1, 4)]
             with pytest.raises(NoAnswerError) as ei:
                 hs[1].wait()
-            assert "rounds 0, 1, 2" in str(ei.value)
+            assert "rounds 1, 2, 3" in str(ei.value)
             for h in hs:
                 assert h.done()
                 with pytest.raises(NoAnswerError):
                     h.wait()
             assert c.outstanding == 0 and not c.must_wait()
             fake.resume()
-            assert_close(c.allreduce(grad(0, 3)), [grad(0, 3)], 2, 2)  # usable again
+            assert_close(c.allreduce(grad(0, 4)), [grad(0, 4)], 2, 2)  # usable again
 
 
 def test_closed_client_refuses():

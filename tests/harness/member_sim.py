@@ -92,6 +92,7 @@ class Member:
         self._sends: list[SimSend] = []
         self._last_round: _Round | None = None
         self.chunk_last = [-1] * sim.chunks
+        self._new_chunks_round = -1     # the client's: every chunk index is new in its first round
         self.seen_quorum: dict[int, set] = {}
         self.blocked = False
         self.done = False
@@ -132,6 +133,8 @@ class Member:
             skips = [max(0, n - self.chunk_last[c] - 1) for c in range(self.sim.chunks)]
             for c in range(self.sim.chunks):
                 self.chunk_last[c] = n
+            if self._new_chunks_round < 0:
+                self._new_chunks_round = n
             E = self.sim.elements
             rnd = _Round(n, (self.sim.chunks * E,), np.float32, self.sim.chunks * E, E, False)
             rnd.skips = skips

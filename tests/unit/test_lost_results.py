@@ -152,3 +152,28 @@ def test_the_client_keeps_its_rounds_outstanding_consecutive(text, param):
     assert c._admission(None) is None        # round 0's result is missing: no round 0 + window
     c._rounds[0] = _round(0, complete=True)
     assert c._admission(None) is True
+
+
+# -- a chunk's first round -----------------------------------------------------------------------
+
+def test_a_chunks_first_round_opens_before_its_next_under_async():
+    """Seed 78: rank 1's round-0 copy of chunk 1 is lost and it sends round 1 before anyone's round 0
+    of chunk 1 reached the slot. Round 1 opened there first (the slot held no round of chunk 1 to
+    check its order against), round 0 came late, was carried, never released, and every member hung
+    at round 0 (the CI failure of tests/netns/test_strategies.py's ``async`` case). Now the client
+    waits for the results of a round that sent a chunk index for the first time before the next."""
+    for seed in (78, 3, 11):
+        sim = Sim(seed, loss=0.05, loss_down=0.05, rounds=60, chunks=2, slow=2.0, start="async",
+                  strategies=("async",), swap_every=10**9).run(until_ms=30_000)
+        assert all(m._next_round == 60 and not m.rounds for m in sim.members), seed
+
+
+def test_the_client_waits_for_a_round_that_sent_new_chunk_indices():
+    c = AggClient(("127.0.0.1", 9), 1, 0, 4)
+    c._strategy = StrategyInfo(StrategyKind.ASYNC, 0)
+    c._rounds, c._next_round, c._new_chunks_round = [_round(0, complete=False)], 1, 0
+    assert c._admission(None) is None        # round 0 sent every chunk index for the first time
+    c._new_chunks_round = -1                 # (had an earlier round sent them, round 1 could go)
+    assert c._admission(None) is True
+    c._new_chunks_round, c._rounds[0] = 0, _round(0, complete=True)
+    assert c._admission(None) is True
