@@ -125,11 +125,14 @@ struct bank {
  * read back from map memory are not tracked precisely), which keeps it far below its limits. */
 struct scratch {
 	__s32 ik, ifree, irel_old, itarget, irel_chunk, irel_chunk2, ihold;
-	__u32 used, nopen, nhold, nfree, min_open_round, have_chunk, timeouts, settled;
-	__u64 newest, rel_old_key, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
+	__u32 used, nopen, nhold, nfree, nempty, min_open_round, have_chunk, timeouts, settled;
+	/* whether the oldest released bank is kept (ssp/async, not every awaited member holds it):
+	 * released banks go oldest first, so then a new round quorum does not govern takes none */
+	__u64 old_kept;
+	__u64 newest, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released, forward, in_order;
-	/* as ifree/irel_old/nfree, for a new round quorum governs (no released bank is kept) */
+	/* as irel_old/nfree, for a new round quorum governs (no released bank is kept) */
 	__s32 irel_old_q;
 	__u32 nfree_q;
 	__u64 rel_old_key_q;

@@ -624,16 +624,33 @@ int aggd_xdp(struct xdp_md *ctx)
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
-	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->have_chunk = sc->timeouts = sc->settled = 0;
+	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->nempty = sc->have_chunk = sc->timeouts = sc->settled = 0;
+	sc->old_kept = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->irel_old_q = -1;
 	sc->nfree_q = 0;
 	sc->rel_old_key_q = ~0ULL;
 	sc->newest = sc->rel_chunk_key = sc->rel_chunk2_key = sc->chunk_newest = 0;
-	sc->rel_old_key = sc->target_key = sc->hold_key = ~0ULL;
+	sc->target_key = sc->hold_key = ~0ULL;
 	sc->add = sc->out = sc->reason = -1;
 	sc->add_fresh = sc->add_carried = sc->late = sc->out_group = 0;
 	sc->partial = sc->released = sc->written = sc->forward = 0;
+	/* The sender holds a round's result if it sends a round RESULT_WINDOW later, or step 0 of the
+	 * same round and a later chunk, or any later round when the bank's chunk or the packet's is
+	 * n_slots or beyond (Slot.note_sender; an empty bank's mark is cleared when it opens). In a
+	 * loop of its own, without branches, before the scan's branches multiply the paths the
+	 * verifier walks (the jumbo build is near its limit). */
+	__u64 wide_sent = ((__u64)cfg->n_slots - 1 - chunk) >> 63;
+#pragma unroll
+	for (int i = 0; i < NBANKS; i++) {
+		struct bank *b = &s->bank[i];
+		__u64 k = b->key;
+		__u64 wide = (((__u64)cfg->n_slots - 1 - (__u32)k) >> 63) | wide_sent;
+		__u64 later = 1 ^ ((((__u64)round - (k >> 32) - AGGD_RESULT_WINDOW + wide * (AGGD_RESULT_WINDOW - 1))
+				    >> 63) & 1);
+		__u64 same = is_zero(((__u64)round ^ (k >> 32)) | step) & (((__u64)(__u32)k - chunk) >> 63);
+		b->held |= bit & -(later | same);
+	}
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
@@ -658,17 +675,12 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->ifree = i;
 			sc->nfree++;
 			sc->nfree_q++;
+			sc->nempty++;
 			continue;
 		}
 		__u64 k = b->key;
 		/* a bank holds the pending key now: no longer pending (Slot.pending; no branch, below) */
 		s->pending *= 1 ^ is_zero((k + 1) ^ s->pending);
-		/* The sender holds this round's result if it sends a round RESULT_WINDOW later, or step 0
-		 * of the same round and a later chunk (Slot.note_sender). Without branches: the
-		 * verifier walks each of them for every bank (the jumbo build is near its limit). */
-		__u64 later = 1 ^ ((((__u64)round - (k >> 32) - AGGD_RESULT_WINDOW) >> 63) & 1);
-		__u64 same = is_zero(((__u64)round ^ (k >> 32)) | step) & (((__u64)(__u32)k - chunk) >> 63);
-		b->held |= bit & -(later | same);
 		if (k == key)
 			sc->ik = i;
 		if (b->holding) {
@@ -701,22 +713,16 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->itarget = i;
 			}
 		} else {
-			/* an ssp/async round is kept from its chunk's next rounds while an awaited member may
-			 * re-read it, unless quorum governs the new round (Slot.reusable): a kept bank is no
-			 * free one, and its key never the oldest (no branch, as above); nfree_q and irel_old_q
-			 * count every released bank */
-			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all)) &
-				     is_zero((__u64)(__u32)k ^ chunk);
+			/* an ssp/async round is kept from new rounds while an awaited member may re-read
+			 * it, unless quorum governs the new round (Slot.reusable; no branch, as above);
+			 * nfree_q counts every released bank */
+			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all));
 			sc->nfree += 1 ^ kept;
 			sc->nfree_q++;
-			__u64 k_free = k | -kept;
-			if (k_free < sc->rel_old_key) {
-				sc->rel_old_key = k_free;
-				sc->irel_old = i;
-			}
-			if (k < sc->rel_old_key_q) { /* for a new round quorum governs: none is kept */
+			if (k < sc->rel_old_key_q) { /* released banks go oldest first (Slot.free_bank) */
 				sc->rel_old_key_q = k;
 				sc->irel_old_q = i;
+				sc->old_kept = kept;
 			}
 			if ((__u32)k == chunk) {
 				if (sc->irel_chunk < 0 || k > sc->rel_chunk_key) {
@@ -731,6 +737,11 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 		}
 	}
+	/* a kept oldest released bank leaves none to a new round quorum does not govern (no branch:
+	 * the verifier would walk the rest twice) */
+	__u32 kept_mask = -(__u32)sc->old_kept;
+	sc->nfree = sc->nfree ^ ((sc->nfree ^ sc->nempty) & kept_mask);
+	sc->irel_old = sc->irel_old_q | (__s32)kept_mask;
 	/* the bank a new round of the packet's round may take (Slot.free_bank) */
 	int pick = sc->ifree >= 0 ? sc->ifree : (quorum_kind(st_new) ? sc->irel_old_q : sc->irel_old);
 	int ik = sc->ik;

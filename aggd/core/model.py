@@ -76,12 +76,13 @@ Slot rules (numbers as in docs/protocol.md)
   be their largest round + 1 + the packet's ``skip``, or at least that with ``skip`` = SKIP_MAX:
   ``follows``), then the chunk's holding bank if it has one (adopted: re-keyed to K, its strategy
   fields set from the entry governing K.round, no admission test), else admission of that entry,
-  then the bank: the first empty one, else the released one with the smallest key among those a
-  new round may take (``Slot.reusable``: a new round of its chunk that quorum does not govern takes
-  an ``ssp`` or ``async`` bank only once every awaited member is in its ``held``. Every
+  then the bank: the first empty one, else the released one with the smallest key if a new round
+  may take it (``Slot.reusable``: a new round that quorum does not govern takes an ``ssp`` or
+  ``async`` bank only once every awaited member is in its ``held``; when it is kept, none. Every
   contribution or re-read that reaches the slot rules first marks its sender in ``held`` of each
   non-empty bank whose round it is at least RESULT_WINDOW past, or, at step 0, whose round it
-  shares with a larger chunk; ``open`` and ``adopt`` clear it); any refusal is ``busy``. Before
+  shares with a larger chunk, or whose round it is past when that bank's chunk or K's is
+  ``slots`` or beyond; ``open`` and ``adopt`` clear it); any refusal is ``busy``. Before
   all this, a key above the slot's ``pending`` is refused ``busy``; any other key rule 3 refuses
   becomes ``pending`` if ``ssp`` or ``async`` governs its round (it is not above a pending one,
   which would have refused it); a bank holding the pending key (opened, adopted or a carry's
@@ -146,8 +147,7 @@ BANKS = 4
 ASYNC_MAX_OPEN = BANKS - 1
 #: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
 STEPS = 8
-#: Strategies whose members run rounds apart: a released bank of theirs is kept from its chunk's
-#: next rounds until every awaited member is known to hold its result (``Slot.reusable``), or a
+#: Strategies whose members run rounds apart: a released bank of theirs is kept from new rounds until every awaited member is known to hold its result (``Slot.reusable``), or a
 #: result lost on its way would be gone for good while the others run ahead.
 KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
 
@@ -404,7 +404,10 @@ class Bank:
     #: Members known to hold this round's result since the bank took its key: each sent the slot,
     #: since then, a round at least RESULT_WINDOW later (a member sends round R + RESULT_WINDOW only
     #: once it has every result of round R), or step 0 of the same round and a later chunk (chunk
-    #: ``c + slots`` is sent only once chunk ``c``'s result is in). ``Slot.note_sender`` marks them.
+    #: ``c + slots`` is sent only once chunk ``c``'s result is in), or a later round when this chunk
+    #: or the one sent is ``slots`` or beyond (where slots serve several chunk indices a member
+    #: sends its next key of a slot only once its previous one there is answered: "What clients
+    #: do"). ``Slot.note_sender`` marks them.
     held: int = 0
     #: A robust job's rows: int32[world, elements], each member's own contribution (views, as
     #: ``values``), and their exponents int64[world]; None in a summing job.
@@ -530,26 +533,30 @@ class Slot:
         return [b for b in self.banks if b.state in (BankState.OPEN, BankState.FORWARDED)
                 and (holding or not b.holding)]
 
-    def n_free(self, awaited: int, key: Key, kind: StrategyKind) -> int:
-        """Banks a new round ``key`` may take: empty, or released and reusable."""
-        return sum(b.state == BankState.EMPTY or self.reusable(b, awaited, key, kind) for b in self.banks)
+    def n_free(self, awaited: int, kind: StrategyKind) -> int:
+        """Banks a new round that ``kind`` governs may take in turn: the empty ones, and the
+        released ones unless the oldest is kept (``free_bank``)."""
+        empty = sum(b.state == BankState.EMPTY for b in self.banks)
+        released = [b for b in self.banks if b.state == BankState.RELEASED]
+        if not released or not self.reusable(min(released, key=lambda b: b.key), awaited, kind):
+            return empty
+        return empty + sum(self.reusable(b, awaited, kind) for b in released)
 
-    def reusable(self, bank: Bank, awaited: int, key: Key, kind: StrategyKind) -> bool:
-        """May a new round ``key`` that ``kind`` governs take this released bank? One of ``ssp`` or
-        ``async`` of the same chunk only once every awaited member is known to hold its result
-        (``Bank.held``), unless ``kind`` is quorum: a quorum goes on without its stragglers, whose
-        late contributions are answered with the chunk's newest result. (Only against its own
-        chunk's rounds: the chunk's banks then go in round order, which rule 3's order test needs;
-        a slot that serves several chunk indices reuses its other chunks' banks oldest first.)"""
+    def reusable(self, bank: Bank, awaited: int, kind: StrategyKind) -> bool:
+        """May a new round that ``kind`` governs take this released bank? One of ``ssp`` or
+        ``async`` only once every awaited member is known to hold its result (``Bank.held``),
+        unless ``kind`` is quorum: a quorum goes on without its stragglers, whose late
+        contributions are answered with the chunk's newest result."""
         return bank.state == BankState.RELEASED and (bank.kind not in KEPT_KINDS or kind == StrategyKind.QUORUM
-                                                     or bank.key[1] != key[1] or bank.held & awaited == awaited)
+                                                     or bank.held & awaited == awaited)
 
-    def note_sender(self, rank: int, key: Key, step: int) -> None:
+    def note_sender(self, rank: int, key: Key, step: int, slots: int) -> None:
         """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
         then (``Bank.held``)."""
         for b in self.banks:
             if b.state != BankState.EMPTY and (key[0] >= b.key[0] + RESULT_WINDOW
-                                               or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])):
+                                               or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])
+                                               or (key[0] > b.key[0] and max(b.key[1], key[1]) >= slots)):
                 b.held |= 1 << rank
 
     def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
@@ -563,13 +570,15 @@ class Slot:
     def holding_of(self, chunk: int) -> list[Bank]:
         return [b for b in self.banks if b.state == BankState.OPEN and b.holding and b.key[1] == chunk]
 
-    def free_bank(self, awaited: int, key: Key, kind: StrategyKind) -> Bank | None:
-        """Rule 3's choice: an empty bank, else the reusable released bank with the smallest key."""
+    def free_bank(self, awaited: int, kind: StrategyKind) -> Bank | None:
+        """Rule 3's choice: an empty bank, else the released bank with the smallest key if it is
+        reusable (none if it is kept). Released banks go strictly oldest first, so a chunk's
+        older round never outlives its newer one in the slot, which rule 3's order test needs."""
         empty = [b for b in self.banks if b.state == BankState.EMPTY]
         if empty:
             return empty[0]
-        released = [b for b in self.banks if self.reusable(b, awaited, key, kind)]
-        return min(released, key=lambda b: b.key, default=None)
+        oldest = min((b for b in self.banks if b.state == BankState.RELEASED), key=lambda b: b.key, default=None)
+        return oldest if oldest is not None and self.reusable(oldest, awaited, kind) else None
 
 
 def follows(round_: int, skip: int, previous: int) -> bool:
@@ -912,7 +921,7 @@ class AggregatorModel:
                 bank.unannounced = True
                 self._release(job, bank, "complete")
         key = (hdr.round, hdr.chunk)
-        slot.note_sender(hdr.rank, key, hdr.step)
+        slot.note_sender(hdr.rank, key, hdr.step, job.cfg.slots)
         if slot.pending is not None and slot.bank_of(slot.pending) is not None:
             slot.pending = None             # (a carry's holding bank took it, or it opened)
         bank, newest = slot.bank_of(key), slot.newest()
@@ -953,9 +962,9 @@ class AggregatorModel:
         if r2 > U32_MAX:
             return None
         entry = governing(job.table, r2)
-        if slot.n_free(job.awaited, (r2, chunk), entry.kind) < 2:
+        if slot.n_free(job.awaited, entry.kind) < 2:
             return None
-        bank = slot.free_bank(job.awaited, (r2, chunk), entry.kind)
+        bank = slot.free_bank(job.awaited, entry.kind)
         bank.open((r2, chunk), entry, now, holding=True)
         return bank
 
@@ -983,7 +992,7 @@ class AggregatorModel:
             return held
         if not admits(entry, slot, key[0]):
             return None
-        bank = slot.free_bank(job.awaited, key, entry.kind)
+        bank = slot.free_bank(job.awaited, entry.kind)
         if bank is None:
             return None
         bank.open(key, entry, now, skip=skip)

@@ -139,6 +139,7 @@ class _Send:
         self.retries = np.zeros(self.n, np.uint8)
         self.next = 0        # next chunk to admit
         self.lo = 0          # lowest chunk without an answer
+        self.open_lo = 0     # lowest chunk without an answer, sent or not (first_open)
         self.inflight = 0
         self.hi_answered = -1  # highest chunk answered: chunks below it still in flight were lost
         self.answered_at = -np.inf  # when an answer last stopped a chunk in flight
@@ -171,6 +172,15 @@ class _Send:
         self.ring = None
         self.x = None
         self.dropped = True
+
+    def first_open(self) -> int:
+        """The lowest chunk not answered yet, sent or not (``n``: none): where slots serve several
+        chunk indices, a later round's key of its slot waits for it (``RoundScheduler._limit``)."""
+        t = self.open_lo
+        if t < self.next:
+            open_ = np.flatnonzero(self.state[t:self.next] != _DONE)
+            t = self.open_lo = self.next if open_.size == 0 else t + int(open_[0])
+        return min(t, self.n)
 
     # -- admission ----------------------------------------------------------------------------
     def admit(self, limit: int, budget: int) -> tuple[int, bool]:
@@ -442,19 +452,27 @@ class RoundScheduler:
 
     def _limit(self, i: int, s: "_Send") -> int:
         """First chunk of send ``i`` that must wait for an earlier send: one whose slot still has an
-        unsent chunk of an earlier round (keys grow per slot), or, for an earlier step of the same
+        unsent chunk of an earlier round (keys grow per slot), or, once a round of ours had more
+        chunks than slots, an unanswered one (a slot then serves several chunk indices and its
+        order test knows only a chunk's own rounds still in its banks: a later key arriving first
+        would open and leave that one late, carried for good), or, for an earlier step of the same
         round, a chunk that step has not sent yet."""
         limit, S = s.n, self._slots
+        shared = self._chunks_sent > S
         for p in self._sends[:i]:
-            left = p.n - p.next
+            if p.rnd is s.rnd:
+                if p.next < p.n:
+                    limit = min(limit, p.next)
+                continue
+            start = p.next
+            if shared and not p.rnd.complete:   # (a complete round's keys have all opened)
+                start = min(start, p.first_open())
+            left = p.n - start
             if left <= 0:
                 continue
-            if p.rnd is s.rnd:
-                limit = min(limit, p.next)
-                continue
-            if left >= S:  # every slot still has a chunk of p to send
+            if left >= S:  # every slot still has a chunk of p to send or to hear about
                 return s.next
-            d = (s.next - p.next) % S  # p's unsent chunks cover slots p.next % S .. + left - 1
+            d = (s.next - start) % S  # p's chunks from start cover slots start % S .. + left - 1
             if d < left:
                 return s.next
             limit = min(limit, s.next + S - d)

@@ -21,10 +21,10 @@ WORLD, OBSERVER, STRAGGLER = 4, 4, 3
 
 
 def run(make_lab, text, *, steps, delay, slow=None, jitter=0.0, during=None, slow_steps="", loss=0.0,
-        sizes=None, give_up_after=30.0):
+        sizes=None, give_up_after=30.0, slots=16):
     lab = make_lab(WORLD + 1, loss_percent=loss)
     with xdp_aggregator(lab) as dp:
-        job = LabJob(job=1, workers=list(range(WORLD)), slots=16)
+        job = LabJob(job=1, workers=list(range(WORLD)), slots=slots)
         dp.install_job(job.config(lab))
         table = strat.StrategyTable(strat.parse(text).validate(WORLD))
         dp.set_strategy(1, table.table_entries())
@@ -94,8 +94,9 @@ def test_a_lost_result_is_kept_while_the_others_run_ahead(make_lab, text, sizes)
     rounds ahead of it. The aggregator keeps that round's bank until every member sent the slot a
     round RESULT_WINDOW later (before, the others' new rounds took it, the re-read was dropped
     `stale` and the member gave up: 'rounds 0, 20: 2 of 4 chunks answered'). ssp with tensors of
-    300 and 3000 values in turn (2 and 12 chunks on 16 slots); async with one size (with several,
-    a chunk's first round can be overtaken under loss: docs/protocol.md, "Known limit")."""
+    300 and 3000 values in turn (2 and 12 chunks on 16 slots); async with one size from round 0
+    (its round 1 once overtook round 0 in a slot: the client now answers a round that sent a chunk
+    index for the first time before it starts the next)."""
     handles, finals, releases, stats, _ = run(make_lab, text, steps=60, delay=0.004, slow={STRAGGLER: 2.0},
                                               jitter=0.5, loss=5.0, sizes=sizes, give_up_after=15.0)
     assert stats.counters["retransmits"] > 0 and stats.counters["rereads"] > 0
@@ -108,6 +109,27 @@ def test_a_lost_result_is_kept_while_the_others_run_ahead(make_lab, text, sizes)
         assert all(len(v) == 1 for v in rounds.values())
         assert abs(sum(next(iter(v)) for v in rounds.values()) - total_sent(finals)) < 1e-6
 
+
+
+@pytest.mark.parametrize("text,sizes", [("ssp:2", "300,5000"), ("async", "300,5000")])
+def test_rounds_in_parallel_with_more_chunks_than_slots_under_loss(make_lab, text, sizes):
+    """12 chunks on 4 slots (three chunk indices a slot), 5% loss both ways, rounds in parallel. A
+    member whose copies of (R, c + 4) were lost, or were on their way, sent its round R + 1 of slot c
+    (the slot's next key) and that one opened first: (R, c + 4) was late, carried, never released,
+    and the job stopped at that chunk. Now a member sends a slot's key of a later round only once
+    its key of another chunk index before it in that slot is answered (docs/protocol.md, "What
+    clients do")."""
+    handles, finals, releases, stats, _ = run(make_lab, text, steps=40, delay=0.004, slow={STRAGGLER: 2.0},
+                                              jitter=0.5, loss=5.0, sizes=sizes, give_up_after=15.0, slots=4)
+    assert stats.counters["retransmits"] > 0
+    rounds = {}
+    for r in range(WORLD):
+        assert [h["round"] for h in handles[r]] == list(range(40)), r     # every round answered, in order
+        for h in handles[r]:
+            rounds.setdefault(h["round"], set()).add(h["sum"])
+    if text == "ssp:2":     # every member got the same sum of every member's gradient, every round
+        assert all(len(v) == 1 for v in rounds.values())
+        assert abs(sum(next(iter(v)) for v in rounds.values()) - total_sent(finals)) < 1e-6
 
 SEQUENCE = ["quorum:3:200ms", "ssp:2", "async", "wbsp", "sync"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aggd.core.model import AggregatorModel, BankState, JobConfig, check_table
+from aggd.core.model import AggregatorModel, BankState, JobConfig, check_table, new_slot
 from aggd.core.strategy import StrategyTable, parse
 from aggd.testing.frames import worker_addr
 from aggd_client import AggClient
@@ -127,7 +127,7 @@ def test_a_quorum_round_does_not_wait_for_a_kept_bank():
             _send(model, rank, r)
     assert _send(model, 0, 3).action == "tx"                # quorum:1: released at once
     slot = model.jobs[JOB].slots[0]
-    assert not slot.reusable(slot.bank_of((0, 0)), 0b11, (4, 0), StrategyKind.SSP)   # rank 1 sent no round 3
+    assert not slot.reusable(slot.bank_of((0, 0)), 0b11, StrategyKind.SSP)   # rank 1 sent no round 3
     assert _send(model, 0, 4).action == "tx"                # takes round 0's bank all the same
     assert sorted(b.key[0] for b in slot.banks) == [1, 2, 3, 4]
 
@@ -177,3 +177,39 @@ def test_the_client_waits_for_a_round_that_sent_new_chunk_indices():
     assert c._admission(None) is True
     c._new_chunks_round, c._rounds[0] = 0, _round(0, complete=True)
     assert c._admission(None) is True
+
+
+# -- slots that serve several chunk indices ------------------------------------------------------
+
+def _banks(*specs):
+    """A slot whose banks are (key, state, kind, held) as given."""
+    slot = new_slot(8)
+    for bank, (key, state, kind, held) in zip(slot.banks, specs):
+        bank.key, bank.state, bank.kind, bank.held = key, state, kind, held
+    return slot
+
+
+def test_released_banks_go_oldest_first_and_a_kept_one_holds_back_the_rest():
+    """Were a newer released bank taken while an older one is kept, a chunk's older round could
+    outlive its newer one in the slot, and rule 3's order test (against the chunk's newest round
+    left) would refuse the chunk's next round for good."""
+    R, O, SSP = BankState.RELEASED, BankState.OPEN, StrategyKind.SSP
+    slot = _banks(((0, 0), R, SSP, 0b01), ((0, 4), R, SSP, 0b11), ((1, 0), O, SSP, 0), ((1, 4), O, SSP, 0))
+    assert slot.free_bank(0b11, SSP) is None and slot.n_free(0b11, SSP) == 0   # rank 1 may re-read (0, 0)
+    assert slot.free_bank(0b11, StrategyKind.QUORUM) is slot.banks[0]          # a quorum does not wait
+    slot.banks[0].held = 0b11
+    assert slot.free_bank(0b11, SSP) is slot.banks[0] and slot.n_free(0b11, SSP) == 2
+
+
+def test_a_later_round_proves_the_result_held_where_slots_serve_several_chunks():
+    """Where a slot serves several chunk indices a member sends its next key of the slot only once
+    its previous one there is answered, so a later round's key proves it (the bank's chunk or the
+    key's at or beyond ``slots``); with one chunk index a slot only a round RESULT_WINDOW later does."""
+    R, SSP = BankState.RELEASED, StrategyKind.SSP
+    slot = _banks(((0, 1), R, SSP, 0), ((0, 5), R, SSP, 0))
+    slot.note_sender(1, (1, 1), 0, slots=4)
+    assert [b.held for b in slot.banks[:2]] == [0, 0b10]     # (0, 5) proven; (0, 1) not by (1, 1)
+    slot.note_sender(0, (1, 5), 0, slots=4)
+    assert [b.held for b in slot.banks[:2]] == [0b01, 0b11]
+    slot.note_sender(1, (3, 1), 0, slots=4)
+    assert slot.banks[0].held == 0b11

@@ -269,7 +269,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             if pending[s] != 0 and pending[s] == (np.uint64(r) << np.uint64(32) | np.uint64(c)) + np.uint64(1):
                 pending[s] = 0                               # a bank holds the pending key now
                 dirty[s] = 1
-            if round_ >= r + RESULT_WINDOW or (step == 0 and round_ == r and chunk > c):   # Slot.note_sender
+            if round_ >= r + RESULT_WINDOW or (step == 0 and round_ == r and chunk > c) or \
+                    (round_ > r and (c >= nslots or chunk >= nslots)):             # Slot.note_sender
                 if not bu[s, b, U_HELD] >> np.uint64(rank) & np.uint64(1):
                     bu[s, b, U_HELD] |= np.uint64(1) << np.uint64(rank)
                     dirty[s] = 1
@@ -328,19 +329,19 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                             busy = True
                 busy = busy or (kind == ASYNC and n_open >= ASYNC_MAX_OPEN)
             b = -1
-            if not busy:         # an empty bank, else the oldest released one a new round may take
+            if not busy:         # an empty bank, else the oldest released one if a new round may take it
                 for b2 in range(BANKS):
                     if bi[s, b2, F_STATE] == EMPTY:
                         b = b2
                         break
                 if b < 0:
                     for b2 in range(BANKS):
-                        if bi[s, b2, F_STATE] == RELEASED and (bi[s, b2, F_KIND] != SSP and bi[s, b2, F_KIND] != ASYNC
-                                                               or kind == QUORUM or bi[s, b2, F_CHUNK] != chunk
-                                                               or bu[s, b2, U_HELD] == everyone) \
-                                and (b < 0 or _key_less(
+                        if bi[s, b2, F_STATE] == RELEASED and (b < 0 or _key_less(
                                 bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
                             b = b2
+                    if b >= 0 and (bi[s, b, F_KIND] == SSP or bi[s, b, F_KIND] == ASYNC) and kind != QUORUM \
+                            and bu[s, b, U_HELD] != everyone:
+                        b = -1                                       # kept (Slot.reusable)
                 busy = b < 0
             if busy and not queued and (kind == SSP or kind == ASYNC):     # Slot.pending: it goes first
                 pending[s] = key + np.uint64(1)

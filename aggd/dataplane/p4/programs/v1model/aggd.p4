@@ -307,7 +307,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<8> iheld = NO_BANK;    /* the chunk's open holding bank with the smallest key */
         bit<64> held_key = 0;
         bit<64> target_key = 0xFFFFFFFFFFFFFFFF;
-        bit<64> rel_old_key = 0xFFFFFFFFFFFFFFFF;
+        bit<32> nempty = 0;
+        bit<1> kept = 0;
+        bit<1> old_kept = 0;       /* the oldest released bank is kept */
         bit<64> rel_chunk_key = 0;
         bit<8> add = NO_BANK;
         bit<8> out = NO_BANK;
@@ -503,7 +505,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             if (st##i != BANK_EMPTY) { \
                 /* the sender holds this round's result (Slot.note_sender) */ \
                 if ((bit<33>)hdr.aggd.round >= (bit<33>)rd##i + (bit<33>)AGGD_RESULT_WINDOW || \
-                    (hdr.aggd.step == 0 && hdr.aggd.round == rd##i && hdr.aggd.chunk > ch##i)) { \
+                    (hdr.aggd.step == 0 && hdr.aggd.round == rd##i && hdr.aggd.chunk > ch##i) || \
+                    (hdr.aggd.round > rd##i && (ch##i >= meta.n_slots || hdr.aggd.chunk >= meta.n_slots))) { \
                     hl##i = hl##i | bit_x; \
                     bank_held.write(base + i, hl##i); \
                 } \
@@ -529,6 +532,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (ifree == NO_BANK) { ifree = i; } \
                 nfree = nfree + 1; \
                 nfree_q = nfree_q + 1; \
+                nempty = nempty + 1; \
             } else { \
                 k = rd##i ++ ch##i; \
                 if (k == key) { ik = i; } \
@@ -558,16 +562,17 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         itarget = i; \
                     } \
                 } else { \
-                    /* an ssp/async round is kept from its chunk's next rounds while an awaited */ \
-                    /* member may re-read it, */ \
-                    /* unless quorum governs the new round (Slot.reusable) */ \
-                    if ((kd##i != AGGD_STRATEGY_KIND_SSP && kd##i != AGGD_STRATEGY_KIND_ASYNC) || \
-                        ch##i != hdr.aggd.chunk || (hl##i & meta.all_members) == meta.all_members) { \
-                        nfree = nfree + 1; \
-                        if (k < rel_old_key) { rel_old_key = k; irel_old = i; } \
+                    /* an ssp/async round is kept from new rounds while an awaited member may */ \
+                    /* re-read it, unless quorum governs the new round (Slot.reusable); */ \
+                    /* released banks go oldest first (Slot.free_bank) */ \
+                    kept = 0; \
+                    if ((kd##i == AGGD_STRATEGY_KIND_SSP || kd##i == AGGD_STRATEGY_KIND_ASYNC) && \
+                        (hl##i & meta.all_members) != meta.all_members) { \
+                        kept = 1; \
                     } \
+                    if (kept == 0) { nfree = nfree + 1; } \
                     nfree_q = nfree_q + 1; \
-                    if (k < rel_old_key_q) { rel_old_key_q = k; irel_old_q = i; } \
+                    if (k < rel_old_key_q) { rel_old_key_q = k; irel_old_q = i; old_kept = kept; } \
                     if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
                         rel_chunk_key = k; \
                         irel_chunk = i; \
@@ -578,6 +583,12 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             SCAN(1)
             SCAN(2)
             SCAN(3)
+            /* a kept oldest released bank leaves none to a new round quorum does not govern */
+            if (old_kept == 1) {
+                nfree = nempty;
+            } else {
+                irel_old = irel_old_q;
+            }
             pick = ifree;
             if (pick == NO_BANK) {
                 pick = irel_old;
