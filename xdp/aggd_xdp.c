@@ -183,10 +183,24 @@ static __always_inline __u64 is_zero(__u64 x)
 	return ((x | -x) >> 63) ^ 1;
 }
 
+/* Is a strategy kind one whose members run rounds apart (ssp, async: 2 and 3), so that its
+ * released banks are kept for re-reads and its refused keys go first? (KEPT_KINDS; no branch) */
+static __always_inline __u64 kept_kind(__u64 kind)
+{
+	return is_zero((kind >> 1) ^ 1);
+}
+
 /* Does the entry (NULL: sync) govern its rounds by quorum? */
 static __always_inline int quorum_kind(struct strategy_entry *e)
 {
 	return e && e->kind == AGGD_STRATEGY_KIND_QUORUM;
+}
+
+/* Slot.free_bank's choice for a new round: an empty bank, else the oldest released one (with
+ * `quorum` governing the round, whether or not it is kept; -1: none) */
+static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
+{
+	return sc->ifree >= 0 ? sc->ifree : (quorum ? sc->irel_old_q : sc->irel_old);
 }
 
 /* 1 if a < b (unsigned), else 0, without a branch: the borrow out of a - b */
@@ -716,7 +730,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			/* an ssp/async round is kept from new rounds while an awaited member may re-read
 			 * it, unless quorum governs the new round (Slot.reusable; no branch, as above);
 			 * nfree_q counts every released bank */
-			__u64 kept = is_zero(((__u64)b->kind >> 1) ^ 1) & (1 ^ is_zero((b->held & all) ^ all));
+			__u64 kept = kept_kind(b->kind) & (1 ^ is_zero((b->held & all) ^ all));
 			sc->nfree += 1 ^ kept;
 			sc->nfree_q++;
 			if (k < sc->rel_old_key_q) { /* released banks go oldest first (Slot.free_bank) */
@@ -743,7 +757,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->nfree = sc->nfree ^ ((sc->nfree ^ sc->nempty) & kept_mask);
 	sc->irel_old = sc->irel_old_q | (__s32)kept_mask;
 	/* the bank a new round of the packet's round may take (Slot.free_bank) */
-	int pick = sc->ifree >= 0 ? sc->ifree : (quorum_kind(st_new) ? sc->irel_old_q : sc->irel_old);
+	int pick = free_bank(sc, quorum_kind(st_new));
 	int ik = sc->ik;
 
 	if (type == AGGD_MSG_TYPE_REREAD) {
@@ -781,7 +795,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		/* and a key refused before goes first (Slot.pending); kept in the scratch, read back
 		 * unknown, so that the verifier's paths through this test merge */
 		sc->in_order = (!sc->have_chunk ||
-				(skip >= AGGD_SKIP_MAX ? (__u64)round >= after : (__u64)round == after)) &
+				(skip >= AGGD_SKIP_MAX ? (__u64)round >= after : (__u64)round <= after)) &
 			       (1 ^ after_pending(key, s->pending));
 		int in_order = sc->in_order;
 		if (in_order && sc->ihold >= 0) {
@@ -803,7 +817,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->reason = AGGD_DROP_REASON_BUSY;
 			/* refused under ssp/async: it goes first once sent again (Slot.pending) */
 			__u64 lower = is_zero(s->pending) | below(key + 1, s->pending);
-			__u64 wait = lower & is_zero(((__u64)(st_new ? st_new->kind : AGGD_STRATEGY_KIND_SYNC) >> 1) ^ 1);
+			__u64 wait = lower & kept_kind(st_new ? st_new->kind : AGGD_STRATEGY_KIND_SYNC);
 			s->pending ^= (s->pending ^ (key + 1)) & -wait;
 		}
 		/* the pending key opened (or was adopted): no longer pending */
@@ -832,6 +846,10 @@ int aggd_xdp(struct xdp_md *ctx)
 					sc->out = sc->irel_chunk;
 				else
 					sc->reason = AGGD_DROP_REASON_NOT_READY;
+			} else if (sc->irel_chunk >= 0 && quorum_kind(st_new)) {
+				/* a quorum's straggler, its round gone: the chunk's newest result (never
+				 * carried: it could be a copy of one counted) */
+				sc->out = sc->irel_chunk;
 			} else {
 				sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one counted */
 			}
@@ -847,7 +865,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			struct strategy_entry *e2 = strategy_for(cfg, (__u32)r2);
 			/* the bank, and whether another stays free, for round r2 (its kind: Slot.reusable) */
 			int q2 = quorum_kind(e2);
-			int pick2 = sc->ifree >= 0 ? sc->ifree : (q2 ? sc->irel_old_q : sc->irel_old);
+			int pick2 = free_bank(sc, q2);
 			__u32 nfree2 = q2 ? sc->nfree_q : sc->nfree;
 			if (r2 <= 0xffffffffULL && pick2 >= 0 && nfree2 >= 2) {
 				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0);

@@ -73,7 +73,7 @@ Slot rules (numbers as in docs/protocol.md)
   marks the (member, step) counted in its origin B too, so its retransmission is answered and a
   later wbsp step of the same member to B is carried as well.
 * Rule 3 order: the chunk order (when the slot holds non-holding banks of K's chunk, K.round must
-  be their largest round + 1 + the packet's ``skip``, or at least that with ``skip`` = SKIP_MAX:
+  be at most their largest round + 1 + the packet's ``skip``, or at least that with ``skip`` = SKIP_MAX:
   ``follows``), then the chunk's holding bank if it has one (adopted: re-keyed to K, its strategy
   fields set from the entry governing K.round, no admission test), else admission of that entry,
   then the bank: the first empty one, else the released one with the smallest key if a new round
@@ -582,11 +582,14 @@ class Slot:
 
 
 def follows(round_: int, skip: int, previous: int) -> bool:
-    """Is ``round_``, whose packet says ``skip``, the round after ``previous`` of its chunk?
-    ``skip`` counts the rounds in between that left the chunk out; SKIP_MAX means that many or more."""
+    """May ``round_``, whose packet says ``skip``, open after ``previous``, the chunk's newest round
+    in the slot? ``skip`` counts the rounds in between that left the chunk out (SKIP_MAX: that
+    many or more), so the sender's predecessor is ``round_ - 1 - skip``: it must have opened, that
+    is be ``previous`` or older (a newer one than the sender knew of: a quorum straggler that
+    missed a result, or whose quorum skipped a round it sent, counts from an older round)."""
     if skip >= SKIP_MAX:
         return round_ >= previous + 1 + SKIP_MAX
-    return round_ == previous + 1 + skip
+    return round_ <= previous + 1 + skip
 
 
 def admits(entry: TableEntry, slot: Slot, round_: int) -> bool:
@@ -974,18 +977,19 @@ class AggregatorModel:
         its strategy admits it; the chunk's holding bank, if any, becomes that round. None means busy."""
         if slot.pending is not None and key > slot.pending:
             return None
-        bank = self._open_in_order(job, slot, key, skip, now)
-        if bank is None and governing(job.table, key[0]).kind in KEPT_KINDS:
+        entry = governing(job.table, key[0])
+        bank = self._open_in_order(job, slot, key, skip, entry, now)
+        if bank is None and entry.kind in KEPT_KINDS:
             slot.pending = key
         elif key == slot.pending:
             slot.pending = None
         return bank
 
-    def _open_in_order(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
+    def _open_in_order(self, job: JobState, slot: Slot, key: Key, skip: int, entry: TableEntry,
+                       now: int) -> Bank | None:
         rounds = [b.key[0] for b in slot.of_chunk(key[1]) if not b.holding]
         if rounds and not follows(key[0], skip, max(rounds)):
             return None           # a round whose predecessor was refused must not open first
-        entry = governing(job.table, key[0])
         held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
         if held is not None:      # the carries wait for the chunk's next round: this one
             held.adopt(key, entry, skip)
@@ -1040,6 +1044,11 @@ class AggregatorModel:
                 answer = slot.newest_released(hdr.chunk)
                 if answer is None:
                     return self._drop(job.cfg.job, DropReason.NOT_READY)
+                return self._resend(job, answer, hdr, src)
+            answer = slot.newest_released(hdr.chunk)
+            if answer is not None and governing(job.table, hdr.round).kind == StrategyKind.QUORUM:
+                # a quorum's straggler, its round gone: the chunk's newest result, as the quorum
+                # answers its stragglers (never carried: it may be a copy of one counted)
                 return self._resend(job, answer, hdr, src)
             return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]

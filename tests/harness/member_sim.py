@@ -143,15 +143,38 @@ class Member:
         else:
             rnd = into
         k = self.sim.chunks
-        send = SimSend(rnd, rnd.steps, [INFLIGHT] * k, [now] * k, [0] * k, now)
+        send = SimSend(rnd, rnd.steps, [PENDING] * k, [now] * k, [0] * k, now)
         rnd.steps += 1
         rnd.sends.append(send)
         self.sends.append(send)
         self.sim.top_round = max(self.sim.top_round, rnd.number)
-        for c in range(k):
-            self.sim.to_aggregator(self, rnd, send, c, now, retransmit=False)
+        self.pump(now)
         self.calls += 1
         self.sim.schedule(now + self.sim.compute(self), "compute", self.rank)
+
+    # -- sending (the client's order rules, RoundScheduler._limit and _Send.admit) -------------
+    def pump(self, now: int) -> None:
+        """Send every chunk the order rules let go: chunk ``c + slots`` once chunk ``c`` of its
+        send is answered; no key of a slot before an earlier round's unsent one there, nor, once
+        slots serve several chunk indices, before its unanswered one; no step's chunk before the
+        earlier step of its round sent it."""
+        S = self.sim.slots
+        shared = self.sim.chunks > S
+        for i, s in enumerate(self.sends):
+            for c in range(s.rnd.n_chunks):
+                if s.state[c] != PENDING or (c >= S and s.state[c - S] != DONE):
+                    continue
+                if any(self._holds_back(p, s, c, shared) for p in self.sends[:i]):
+                    continue
+                s.state[c], s.sent_at[c] = INFLIGHT, now
+                self.sim.to_aggregator(self, s.rnd, s, c, now, retransmit=False)
+
+    def _holds_back(self, p: SimSend, s: SimSend, c: int, shared: bool) -> bool:
+        if p.rnd is s.rnd:
+            return p.state[c] == PENDING
+        S = self.sim.slots
+        return any(p.state[x] == PENDING or (shared and not p.rnd.complete and p.state[x] != DONE)
+                   for x in range(c % S, p.rnd.n_chunks, S))
 
     # -- results -----------------------------------------------------------------------------
     def on_result(self, hdr: Header, now: int) -> None:
@@ -190,6 +213,7 @@ class Member:
                 if hdr.round >= self._next_round - 1:
                     self.seen_quorum.setdefault(hdr.round, set()).add(hdr.chunk)
                 self.catch_up()
+        self.pump(now)
         self.tidy()
         if self.blocked and not self.done:
             self.call(now)
@@ -236,6 +260,7 @@ class Member:
                     s.sent_at[c] = now
                     s.retries[c] += 1
                     sim.to_aggregator(self, s.rnd, s, c, now, retransmit=True)
+        self.pump(now)          # (a send given up on may have held chunks back)
         self.tidy()
         if self.blocked and not self.done:
             self.call(now)
@@ -269,15 +294,18 @@ class Release:
 
 
 class Sim:
-    """``world`` members (the last one ``slow`` times slower), ``chunks`` chunks a round, one slot a
-    chunk, the strategy swapped every ``swap_every`` rounds to a random one of ``strategies``."""
+    """``world`` members (the last one ``slow`` times slower), ``chunks`` chunks a round on
+    ``slots`` slots (default one a chunk), the strategy swapped every ``swap_every`` rounds to a
+    random one of ``strategies``."""
 
     def __init__(self, seed: int, *, world: int = 4, chunks: int = 3, rounds: int = 120,
                  headroom: int = 4, slow: float = 2.0, loss: float = 0.02, loss_down: float | None = None, swap_every: int = 12,
                  strategies=STRATEGIES, start: str = "sync", admission=client_admission,
-                 compute_ms: float = 8.0, jitter: float = 0.5, delay_ms: float = 0.3, plane=None):
+                 compute_ms: float = 8.0, jitter: float = 0.5, delay_ms: float = 0.3, plane=None,
+                 slots: int | None = None):
         self.seed, self.rng = seed, random.Random(seed)
         self.world, self.chunks, self.rounds, self.headroom = world, chunks, rounds, headroom
+        self.slots = chunks if slots is None else slots
         self.terms = world * headroom
         self.q = quant.q_max(world, self.terms)
         self.loss, self.swap_every, self.strategies = loss, swap_every, strategies
@@ -288,7 +316,7 @@ class Sim:
         self.plane = ModelPlane() if plane is None else plane
         self.elements = self.plane.elements
         self.table = StrategyTable(parse(start))
-        self.plane.start(world, chunks, 1 << 16, check_table(self.table.table_entries()))
+        self.plane.start(world, self.slots, 1 << 16, check_table(self.table.table_entries()))
         self.model = self.plane.model
         self.model.on_release = self._released
         self.releases: list[Release] = []

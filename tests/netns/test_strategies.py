@@ -131,6 +131,7 @@ def test_rounds_in_parallel_with_more_chunks_than_slots_under_loss(make_lab, tex
         assert all(len(v) == 1 for v in rounds.values())
         assert abs(sum(next(iter(v)) for v in rounds.values()) - total_sent(finals)) < 1e-6
 
+
 SEQUENCE = ["quorum:3:200ms", "ssp:2", "async", "wbsp", "sync"]
 
 

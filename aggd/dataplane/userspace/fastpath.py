@@ -314,7 +314,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             elif skip >= SKIP_MAX:
                 busy = round_ < top + 1 + SKIP_MAX
             else:
-                busy = round_ != top + 1 + skip
+                busy = round_ > top + 1 + skip
             if held and not busy:
                 break                                         # a holding bank to adopt: the model's
             if not busy:

@@ -672,7 +672,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                             reason = AGGD_DROP_REASON_NOT_READY;
                         }
                     } else {
-                        reason = AGGD_DROP_REASON_STALE;   /* could be a copy of one counted */
+                        /* a quorum's straggler, its round gone: the chunk's newest result (never */
+                        /* carried: it could be a copy of one counted) */
+                        meta.s_round = hdr.aggd.round;
+                        strategy.apply();
+                        if (irel_chunk != NO_BANK && meta.s_kind == AGGD_STRATEGY_KIND_QUORUM) {
+                            out = irel_chunk;
+                        } else {
+                            reason = AGGD_DROP_REASON_STALE;   /* could be a copy of one counted */
+                        }
                     }
                 } else {
                     carried = 1;
@@ -718,12 +726,12 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     }
                 }
                 bit<1> admitted = 0;
-                /* a round of a chunk opens only as the next round of that chunk: the one `skip`
-                 * rounds after its newest (SKIP_MAX: at least that many); 48 bits do not wrap */
+                /* a round of a chunk opens only once its predecessor, `skip` rounds before it, has:
+                 * at most that many after the chunk's newest (SKIP_MAX: at least); no wrap in 48 bits */
                 bit<1> in_order = 1;
                 if (hold == 0 && have_chunk == 1) {
                     if (hdr.aggd.skip < (bit<16>)AGGD_SKIP_MAX) {
-                        if ((bit<48>)open_round !=
+                        if ((bit<48>)open_round >
                             (bit<48>)chunk_newest[63:32] + 1 + (bit<48>)hdr.aggd.skip) {
                             in_order = 0;
                         }
