@@ -846,9 +846,10 @@ int aggd_xdp(struct xdp_md *ctx)
 					sc->out = sc->irel_chunk;
 				else
 					sc->reason = AGGD_DROP_REASON_NOT_READY;
-			} else if (sc->irel_chunk >= 0 && quorum_kind(st_new)) {
-				/* a quorum's straggler, its round gone: the chunk's newest result (never
-				 * carried: it could be a copy of one counted) */
+			} else if (sc->irel_chunk >= 0 &&
+				   s->bank[sc->irel_chunk & (NBANKS - 1)].kind == AGGD_STRATEGY_KIND_QUORUM) {
+				/* a quorum went on without the sender, its round gone: the quorum's newest
+				 * result of the chunk (never carried: it could be a copy of one counted) */
 				sc->out = sc->irel_chunk;
 			} else {
 				sc->reason = AGGD_DROP_REASON_STALE; /* could be a copy of one counted */

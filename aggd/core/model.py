@@ -1046,9 +1046,10 @@ class AggregatorModel:
                     return self._drop(job.cfg.job, DropReason.NOT_READY)
                 return self._resend(job, answer, hdr, src)
             answer = slot.newest_released(hdr.chunk)
-            if answer is not None and governing(job.table, hdr.round).kind == StrategyKind.QUORUM:
-                # a quorum's straggler, its round gone: the chunk's newest result, as the quorum
-                # answers its stragglers (never carried: it may be a copy of one counted)
+            if answer is not None and answer.kind == StrategyKind.QUORUM:
+                # a quorum went on without the sender, its round gone: the quorum's newest result
+                # of the chunk, as a quorum answers its stragglers (never carried: it may be a copy
+                # of one counted)
                 return self._resend(job, answer, hdr, src)
             return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]

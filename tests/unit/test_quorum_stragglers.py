@@ -4,7 +4,7 @@ A quorum goes on without its stragglers, so a straggler's round can be gone from
 the quorum's newer rounds) before the straggler's retransmission comes. Before, that
 retransmission was dropped ``stale`` (the slot cannot tell it from a copy of one counted) and the
 straggler's call ended with ``NoAnswerError``; now it is answered with the chunk's newest result, as
-the quorum answers its stragglers (never carried). And a straggler that missed a result of a chunk
+the quorum answers its stragglers (never carried), when that result is a quorum's. And a straggler that missed a result of a chunk
 counts its ``skip`` from an older round than the slot's newest of that chunk: rule 3's order test
 asks that its predecessor have opened, not that it be the newest. In simulated training (3% of
 contributions, 5% of results lost) pure quorum hung in 5 of 40 runs with one chunk index a slot and

@@ -672,11 +672,14 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                             reason = AGGD_DROP_REASON_NOT_READY;
                         }
                     } else {
-                        /* a quorum's straggler, its round gone: the chunk's newest result (never */
-                        /* carried: it could be a copy of one counted) */
-                        meta.s_round = hdr.aggd.round;
-                        strategy.apply();
-                        if (irel_chunk != NO_BANK && meta.s_kind == AGGD_STRATEGY_KIND_QUORUM) {
+                        /* a quorum went on without the sender, its round gone: the quorum's */
+                        /* newest result of the chunk (never carried: it could be a copy of one */
+                        /* counted) */
+                        b_kind = 0;
+                        if (irel_chunk != NO_BANK) {
+                            bank_kind.read(b_kind, base + (bit<32>)irel_chunk);
+                        }
+                        if (irel_chunk != NO_BANK && b_kind == AGGD_STRATEGY_KIND_QUORUM) {
                             out = irel_chunk;
                         } else {
                             reason = AGGD_DROP_REASON_STALE;   /* could be a copy of one counted */
