@@ -230,9 +230,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
         self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
-        # The newest round that sent a chunk index for the first time (-1: none yet): the next
-        # round waits for its results (docs/protocol.md, "What clients do"), so no round of a
-        # chunk reaches its slot before the chunk's first one has opened there.
+        # The most chunks a round of ours had (beyond `slots`, slots serve several chunk indices:
+        # RoundScheduler._limit), and the newest round that sent a chunk index for the first time
+        # (-1: none yet): the next round waits for its results (docs/protocol.md, "What clients
+        # do"), so no round of a chunk reaches its slot before the chunk's first one opened there.
         self._chunks_sent = 0
         self._new_chunks_round = -1
         self._strategy = info
