@@ -132,7 +132,8 @@ struct scratch {
 	__u64 newest, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released, forward, in_order;
-	/* as irel_old/nfree, for a new round quorum governs (no released bank is kept) */
+	/* the oldest released bank, kept or not, and nfree counting every released bank: a new round
+	 * quorum governs takes it (none is kept for a quorum); irel_old is it unless old_kept */
 	__s32 irel_old_q;
 	__u32 nfree_q;
 	__u64 rel_old_key_q;

@@ -147,8 +147,9 @@ BANKS = 4
 ASYNC_MAX_OPEN = BANKS - 1
 #: Steps a member can push into one round (0..7, wbsp); a larger step number counts as a duplicate.
 STEPS = 8
-#: Strategies whose members run rounds apart: a released bank of theirs is kept from new rounds until every awaited member is known to hold its result (``Slot.reusable``), or a
-#: result lost on its way would be gone for good while the others run ahead.
+#: Strategies whose members run rounds apart: a released bank of theirs is kept from new rounds
+#: until every awaited member is known to hold its result (``Slot.reusable``), or a result lost on
+#: its way would be gone for good while the others run ahead.
 KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
@@ -537,10 +538,10 @@ class Slot:
         """Banks a new round that ``kind`` governs may take in turn: the empty ones, and the
         released ones unless the oldest is kept (``free_bank``)."""
         empty = sum(b.state == BankState.EMPTY for b in self.banks)
-        released = [b for b in self.banks if b.state == BankState.RELEASED]
-        if not released or not self.reusable(min(released, key=lambda b: b.key), awaited, kind):
+        oldest = self.oldest_released()
+        if oldest is None or not self.reusable(oldest, awaited, kind):
             return empty
-        return empty + sum(self.reusable(b, awaited, kind) for b in released)
+        return empty + sum(self.reusable(b, awaited, kind) for b in self.banks)
 
     def reusable(self, bank: Bank, awaited: int, kind: StrategyKind) -> bool:
         """May a new round that ``kind`` governs take this released bank? One of ``ssp`` or
@@ -563,6 +564,10 @@ class Slot:
         return [b for b in self.banks if b.state != BankState.EMPTY and b.key[1] == chunk
                 and (state is None or b.state == state)]
 
+    def oldest_released(self) -> Bank | None:
+        """The released bank with the smallest key: the only one a new round may take."""
+        return min((b for b in self.banks if b.state == BankState.RELEASED), key=lambda b: b.key, default=None)
+
     def newest_released(self, chunk: int) -> Bank | None:
         """The released bank of ``chunk`` with the largest key: what answers a late contribution."""
         return max(self.of_chunk(chunk, BankState.RELEASED), key=lambda b: b.key, default=None)
@@ -577,7 +582,7 @@ class Slot:
         empty = [b for b in self.banks if b.state == BankState.EMPTY]
         if empty:
             return empty[0]
-        oldest = min((b for b in self.banks if b.state == BankState.RELEASED), key=lambda b: b.key, default=None)
+        oldest = self.oldest_released()
         return oldest if oldest is not None and self.reusable(oldest, awaited, kind) else None
 
 

@@ -188,7 +188,6 @@ def test_simulated_training_losing_results(harness, seed):
     assert all(m._next_round == sim.rounds and not m.rounds for m in sim.members)
 
 
-
 def test_simulated_training_several_chunks_a_slot(harness):
     """6 chunks a round on 2 slots under loss and swaps: a released round kept from every new round
     until held, released banks strictly oldest first, and a later round's key proving a result held
@@ -199,6 +198,7 @@ def test_simulated_training_several_chunks_a_slot(harness):
               strategies=("sync", "ssp:2", "ssp:1", "wbsp", "async")).run(until_ms=30_000)
     harness.check_counters(f"simulation seed 3, swaps {sim.swaps}")
     assert all(m._next_round == sim.rounds and not m.rounds for m in sim.members)
+
 
 #: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
 #: lanes and narrowed into int16 / int32 results in a frame the program grows (docs/protocol.md,

@@ -71,10 +71,10 @@ def test_ssp_outstanding_rounds(agg):
 @pytest.mark.parametrize("text", ["ssp:2", "async"])
 def test_many_chunks_a_slot_and_buckets_of_two_sizes(agg, text):
     """DDP-like: buckets of 527 and 218 chunks in turn on 64 slots (several chunk indices a slot),
-    up to three rounds outstanding. A released round is kept for re-reads only from its own chunk's
-    next rounds: kept from every later key, an older round of a chunk outlived its newer one, and
-    rule 3's order test refused the chunk's next round for good (every member stuck on round 3,
-    64 chunks short)."""
+    up to three rounds outstanding. Released rounds are taken strictly oldest first: when a newer
+    one could be taken while an older kept one stayed, an older round of a chunk outlived its newer
+    one, and rule 3's order test refused the chunk's next round for good (every member stuck on
+    round 3, 64 chunks short)."""
     world = 4
     cs = job(agg, world, text, slots=64, give_up_after=10.0)
     sizes = (527 * E - 100, 218 * E - 50)
