@@ -46,6 +46,8 @@ class LabJob:
     #: Fail over from an aggregator that answers nothing for this many seconds (aggd_client.shards),
     #: agreeing through the same store.
     failover_after: float | None = None
+    #: Seconds between rank 0's JOINs to a failed aggregator (None: never; ``--revive`` brings it back).
+    probe_every: float | None = None
     #: Served by the lab's aggregator ``aggregator`` (one aggregator: no ``weights``).
     aggregator: int = 0
     #: Rank ``i`` contributes the tensors of worker ``tensor_rank_base + i`` (a rack job: the
@@ -107,6 +109,8 @@ def run_workers(lab: Lab, job: LabJob, *, timeout: float = 300, elements: int = 
             shards += ["--rebalance-every", str(job.rebalance_every)]
         if job.failover_after is not None:
             shards += ["--failover-after", str(job.failover_after)]
+        if job.probe_every is not None:
+            shards += ["--probe-every", str(job.probe_every)]
         if job.rebalance_every is not None or job.failover_after is not None:
             shards += ["--store", f"{lab.worker_ip(job.workers[0])}:{STORE_PORT}"]
         for rank, w in enumerate(job.workers):

@@ -179,6 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rebalance-every", type=int, help="move partitions between the aggregators every N calls")
     ap.add_argument("--failover-after", type=float,
                     help="drop an aggregator that answers nothing for this many seconds (needs --store)")
+    ap.add_argument("--probe-every", type=float, default=None,
+                    help="(rank 0) seconds between JOINs to a failed aggregator; once it answers, every "
+                         "member joins it again at the next agreed call (default: never, as --revive does)")
     ap.add_argument("--revive", metavar="CALL:AGGREGATOR",
                     help="(rank 0, with --token) bring a failed aggregator back from about that call")
     ap.add_argument("--set-weights", metavar="CALL:W,W,..",
@@ -278,7 +281,8 @@ def main(argv=None) -> int:
                              timeout=datetime.timedelta(seconds=args.give_up_after * 4))
         client = clients[0] if k == 1 else ShardedClient(clients, ShardMap(args.weights or (1,) * k), store=store,
                                                          rebalance_every=args.rebalance_every,
-                                                         failover_after=args.failover_after, rejoin=rejoin)
+                                                         failover_after=args.failover_after, rejoin=rejoin,
+                                                         probe_every=args.probe_every)
     requests = _leader_requests(args, client)   # parsed on every rank, made by rank 0
     my_tensors = args.rank if args.tensor_rank is None else args.tensor_rank
     if combine == "zeno" and args.check != "none":

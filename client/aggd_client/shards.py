@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Sequence
 
@@ -34,6 +35,10 @@ log = logging.getLogger(__name__)
 #: How long a wait on one aggregator's answers lasts before the next aggregator's are read, while
 #: several are outstanding (each client makes progress only inside its own calls).
 POLL_SLICE = 0.002
+#: Seconds between the leader's JOINs to a failed-over aggregator (the first one that many seconds
+#: after the failover), doubled each time that aggregator fails again, up to PROBE_MAX.
+PROBE_EVERY = 5.0
+PROBE_MAX = 300.0
 
 
 def send_report(client: AggClient, *, version: int, call: int, weights: Sequence[float], index: int,
@@ -64,12 +69,17 @@ class ShardedClient:
     ``get`` that waits for the key): under torchrun, the process group's store. So every call is cut
     by exactly one map, the same on every member, and a switch moves nothing in flight. ``history``
     lists ``(from call, map, reason)``.
+
+    Failover (``failover_after=T``, sync jobs): an aggregator every member has stalled on for T
+    seconds is dropped by agreement (``_fail_over``). With ``rejoin`` (``join_all`` gives one) and
+    agreed calls, the leader JOINs it again every ``probe_every`` seconds (None: never; the leader
+    may still call ``revive``): once it answers, every member joins it at the next agreed call.
     """
 
     def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None, *,
                  store=None, rebalance_every: int | None = None, policy: RebalancePolicy | None = None,
                  leader: int = 0, prefix: str = "aggd/shards/", failover_after: float | None = None,
-                 rejoin=None):
+                 rejoin=None, probe_every: float | None = PROBE_EVERY):
         self.clients = list(clients)
         if not self.clients:
             raise ValueError("a sharded client needs at least one aggregator's client")
@@ -109,7 +119,16 @@ class ShardedClient:
                                  "or the process group's store under torchrun)")
             if len(self.clients) < 2:
                 raise ValueError("failover needs at least two aggregators")
+        if probe_every is not None and not float(probe_every) > 0:
+            raise ValueError(f"probe_every must be a positive number of seconds or None, not {probe_every}")
         self.failover_after = None if failover_after is None else float(failover_after)
+        # the leader's probes of failed-over aggregators (``_probe_failed``): when each is due, how
+        # often each has failed, which are under way (a probe's thread writes _revive: _lock)
+        self.probe_every = None if probe_every is None else float(probe_every)
+        self._probe_due: dict[int, float] = {}
+        self._failures: dict[int, int] = {}
+        self._probing: set[int] = set()
+        self._lock = threading.Lock()
         self.dead: set[int] = set()          # aggregators failed over (never used again)
         self._epoch = 0                      # failovers agreed so far (the store's key space)
         self._switch: tuple[int, ShardMap, str] | None = None   # a map to take from a call on
@@ -238,12 +257,16 @@ class ShardedClient:
                 self._add.clear()
                 chosen = ShardMap(tuple(weights), chosen.version + 1)
                 reason = f"aggregator{'s' if len(added) > 1 else ''} {', '.join(f'{h}:{p}' for h, p in added)} added"
-            if self._revive and self._switch is None:   # (not while a failover's map is pending)
-                back = sorted(i for i in self._revive if i in self.dead)
+            self._probe_failed()
+            with self._lock:
+                revive = dict(self._revive) if self._switch is None else {}
+                if self._switch is None:   # (not while a failover's map is pending)
+                    self._revive.clear()
+            if revive:
+                back = sorted(i for i in revive if i in self.dead)
                 weights = list(chosen.weights)
                 for i in back:
-                    weights[i] = self._revive[i] or max(weights)
-                self._revive.clear()
+                    weights[i] = revive[i] or max(weights)
                 if back:
                     chosen = ShardMap(tuple(weights), chosen.version + 1)
                     reason = (f"{reason}; " if added else "") + \
@@ -302,7 +325,38 @@ class ShardedClient:
         self._leader_request("brings an aggregator back")
         if aggregator not in self.dead:
             raise ValueError(f"aggregator {aggregator} has not failed (failed: {sorted(self.dead)})")
-        self._revive[aggregator] = weight
+        with self._lock:
+            self._revive[aggregator] = weight
+
+    def _probe_failed(self) -> None:
+        """(The leader, at an agreed call.) JOIN each failed-over aggregator every ``probe_every``
+        seconds, in the background: one that answers is brought back at the next agreed call, as
+        ``revive`` does. An aggregator that fails again is probed half as often each time (at most
+        PROBE_MAX s apart), so a host that keeps failing does not stall the job at every return."""
+        if self.probe_every is None or self._rejoin_fn is None or not self._every:
+            return
+        now = time.monotonic()
+        for i in sorted(self.dead - self._probing):
+            if now >= self._probe_due.setdefault(i, now + self._probe_gap(i)):
+                self._probing.add(i)
+                threading.Thread(target=self._probe, args=(i,), name=f"aggd-probe-{i}", daemon=True).start()
+
+    def _probe_gap(self, i: int) -> float:
+        return min(self.probe_every * 2 ** (self._failures.get(i, 1) - 1), PROBE_MAX)
+
+    def _probe(self, i: int) -> None:
+        try:
+            self._rejoin_fn(i)      # a JOIN answered: the daemon is up, the job there, our token good
+        except Exception as exc:  # noqa: BLE001 - no answer, or a refusal: try again later
+            log.info("aggregator %d still failed (%s); next probe in %.0f s", i, exc, self._probe_gap(i))
+            with self._lock:
+                self._probe_due[i] = time.monotonic() + self._probe_gap(i)
+                self._probing.discard(i)
+            return
+        log.warning("aggregator %d answers again: back at the next agreed call", i)
+        with self._lock:
+            self._revive.setdefault(i, None)
+            self._probing.discard(i)
 
     def set_weights(self, weights: Sequence[float]) -> None:
         """(The leader.) The map's weights from the next agreed call (a 0 drains that aggregator:
@@ -329,7 +383,8 @@ class ShardedClient:
         key = f"{self._prefix}{what}/{call}/{len(self.clients) if what == 'add' else target}/"
         self._store.set(f"{key}{self.rank}", str(int(info.round)))
         first = max(int(self._store.get(f"{key}{r}")) for r in range(self.clients[0]._world))
-        client = client_for(server, info, address, self.rank, first_round=first, **options)
+        client = client_for(server, info, address, self.rank, first_round=first,
+                            **{"strategy": info.strategy, **options})
         if info.elements != self.elements or info.world != self.clients[0]._world:
             client.close()
             raise AggdError(f"the job on {server[0]}:{server[1]} has {info.world} members and {info.elements} "
@@ -340,6 +395,7 @@ class ShardedClient:
         """Join aggregator ``i`` again and start its rounds where every member agrees."""
         self.clients[i] = self._joined(i, call, "revive")
         self.dead.discard(i)
+        self._probe_due.pop(i, None)
         log.warning("aggregator %d back from call %d", i, call)
 
     def _join_new(self, server: tuple[str, int], call: int) -> None:
@@ -394,6 +450,8 @@ class ShardedClient:
             raise AggdError(f"failover {epoch}: members are more than one call apart ({sorted(calls)})")
         ahead = min(r for r, rep_ in enumerate(reports) if rep_["call"] == last)
         self.dead |= dead
+        for i in dead:
+            self._failures[i] = self._failures.get(i, 0) + 1
         weights = tuple(0 if i in self.dead else w for i, w in enumerate(self.shard_map.weights))
         if not any(weights):
             weights = tuple(0 if i in self.dead else 1 for i in range(len(self.clients)))
@@ -588,18 +646,18 @@ class ShardedHandle:
 def join_all(servers: Sequence[tuple[str, int]], job: int | str, rank: int, token: str, *,
              weights: Sequence[float] | None = None, bind_host: str = "0.0.0.0", timeout: float = 5.0,
              store=None, rebalance_every: int | None = None, failover_after: float | None = None,
-             **client_options) -> ShardedClient:
+             probe_every: float | None = PROBE_EVERY, **client_options) -> ShardedClient:
     """Join job ``job`` (name or id) on every aggregator in ``servers`` with its one token, and
     return a ``ShardedClient`` over them (``weights``: the shard map's, default even; ``store``,
-    ``rebalance_every`` and ``failover_after``: see ``ShardedClient``; it can join a failed
-    aggregator again when the leader calls ``revive``)."""
+    ``rebalance_every``, ``failover_after`` and ``probe_every``: see ``ShardedClient``; it joins a
+    failed aggregator again once the leader's probe finds it back, or the leader calls ``revive``)."""
     clients: list[AggClient] = []
     try:
         for server in servers:
             clients.append(join(server, job, rank, token, bind=(bind_host, 0), timeout=timeout, **client_options))
         return ShardedClient(clients, None if weights is None else ShardMap(tuple(weights)), store=store,
                              rebalance_every=rebalance_every, failover_after=failover_after,
-                             rejoin=rejoiner(servers, job, rank, token, bind_host, timeout, client_options))
+                             probe_every=probe_every, rejoin=rejoiner(servers, job, rank, token, bind_host, timeout, client_options))
     except BaseException:
         for c in clients:
             c.close()

@@ -186,3 +186,47 @@ def test_every_strategy_over_three_aggregators_loses_and_doubles_nothing(strateg
             exact = np.sum([tensors[r][k].astype(np.float64) for r in range(world)], axis=0)
             for r in range(world):
                 assert np.array_equal(results[r][k], exact), (strategy, r, k)
+
+
+def test_the_leader_probes_a_failed_aggregator_and_brings_it_back(aggs):
+    """probe_every: the leader JOINs a failed-over aggregator in the background, first
+    ``probe_every`` s after the failover, then as often until it answers; an aggregator that failed
+    twice is probed half as often. Once one answers, the next agreed map brings it back."""
+    from tests.harness.ranks import DictStore
+    a = AggClient(aggs[0].address, JOB, 0, 1, bind=("127.0.0.1", 0))
+    b = AggClient(aggs[1].address, JOB, 0, 1, bind=("127.0.0.1", 0))
+    answers, asked = [False, True], []
+
+    def rejoin(i):
+        asked.append(i)
+        if not answers.pop(0):
+            raise TimeoutError("no JOIN_ACK")
+        return None
+
+    client = ShardedClient([a, b], store=DictStore(), rebalance_every=1, failover_after=1.0,
+                           rejoin=rejoin, probe_every=0.05)
+    try:
+        client.dead.add(1)                       # as _fail_over leaves it
+        client._failures[1] = 1
+        client._probe_failed()
+        assert not asked and client._probe_due[1] > time.monotonic()    # not before probe_every
+
+        def probe_when_due():
+            time.sleep(max(0.0, client._probe_due[1] - time.monotonic()))
+            client._probe_failed()
+            deadline = time.monotonic() + 5
+            while 1 in client._probing and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        probe_when_due()                          # unanswered: due again a probe_every later
+        assert asked == [1] and not client._revive
+        probe_when_due()                          # answered: revived at the next agreed call
+        assert asked == [1, 1] and client._revive == {1: None}
+        client._failures[1] = 2                   # a host that failed twice: half as often
+        assert client._probe_gap(1) == pytest.approx(0.1)
+        with pytest.raises(ValueError, match="probe_every"):
+            ShardedClient([a, b], probe_every=0)
+    finally:
+        client._revive.clear()
+        a.close()
+        b.close()

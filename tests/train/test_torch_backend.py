@@ -206,12 +206,15 @@ def test_sharded_settings():
     assert s.server == ("10.0.0.1", 47000) and s.servers == (("10.0.0.1", 47000), ("10.0.0.2", 47000))
     assert s.weights == (1.0, 2.5) and s.rebalance_every == 50 and s.failover_after is None
     assert Settings.resolve(None, {**env, "AGGD_FAILOVER_AFTER": "3"}).failover_after == 3.0
+    assert s.probe_every == 5.0 and Settings.resolve(None, {**env, "AGGD_PROBE_EVERY": "0.5"}).probe_every == 0.5
+    assert Settings.resolve(None, {**env, "AGGD_PROBE_EVERY": "0"}).probe_every is None
     for bad, text in ((("AGGD_WEIGHTS", "1"), "AGGD_WEIGHTS has 1 weights for 2 servers"),
                       (("AGGD_WEIGHTS", "1,x"), "could not convert|AGGD_WEIGHTS"),
                       (("AGGD_WEIGHTS", "0,0"), "AGGD_WEIGHTS: at least one weight must be above 0"),
                       (("AGGD_REBALANCE_EVERY", "0"), "AGGD_REBALANCE_EVERY must be at least 1"),
                       (("AGGD_SERVER", "h:1,h:1"), "names a server twice"),
-                      (("AGGD_FAILOVER_AFTER", "-2"), "AGGD_FAILOVER_AFTER must be positive")):
+                      (("AGGD_FAILOVER_AFTER", "-2"), "AGGD_FAILOVER_AFTER must be positive"),
+                      (("AGGD_PROBE_EVERY", "soon"), "AGGD_PROBE_EVERY must be a number of seconds")):
         with pytest.raises((SettingsError, ValueError), match=text):
             Settings.resolve(None, {**env, bad[0]: bad[1]})
     with pytest.raises(SettingsError, match="AGGD_REBALANCE_EVERY needs several servers"):

@@ -109,14 +109,16 @@ def test_torchrun_restarts_every_worker_after_a_crash_and_they_rejoin_where_the_
     assert info["round_answered"] == first[0] + len(run.ranks[0]["sent"]) - 1, (first, info)
 
 
-@pytest.mark.parametrize("fault", [None, "second aggregator's link goes down", "second daemon killed"])
+@pytest.mark.parametrize("fault", [None, "second aggregator's link goes down", "second daemon killed",
+                                   "second aggregator's link goes down and comes back"])
 def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, gloo, tmp_path, fault):
     """The job on two aggregator hosts (two daemons in two aggregator namespaces, one token):
     AGGD_SERVER names both, AGGD_WEIGHTS cuts each bucket 1:2 and AGGD_REBALANCE_EVERY makes the
     members agree on maps through torchrun's store every 2 allreduces. Training equals gloo within
     the bound; both hosts released rounds in the kernel. With a fault, the second host's link goes
     down mid-training: the members fail over to the first (AGGD_FAILOVER_AFTER) and training
-    still equals gloo within the bound."""
+    still equals gloo within the bound. When the link comes back, rank 0's probe (AGGD_PROBE_EVERY)
+    finds the host answering and every rank joins it again at the next agreed allreduce."""
     import signal
     import threading
     import time
@@ -129,9 +131,10 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
         daemons[1].call("jobs.create", name="tr-shard", world=WORLD, strategy="sync", token=job["token"])
         servers = ",".join(f"{lab.agg_ip_of(i)}:{job['port']}" for i in range(2))
         settings = {"AGGD_WEIGHTS": "1,2", "AGGD_REBALANCE_EVERY": "2"}
-        cut = threading.Event()
+        cut, back = threading.Event(), {}
         if fault:
-            settings.update(AGGD_FAILOVER_AFTER="1", STEP_DELAY="0.2")   # the fault lands mid-training
+            settings.update(AGGD_FAILOVER_AFTER="1", STEP_DELAY="0.2",   # the fault lands mid-training
+                            AGGD_PROBE_EVERY="0.5")
 
             def kill_second():
                 deadline = time.monotonic() + 200
@@ -143,16 +146,22 @@ def test_ddp_sharded_over_two_daemons_equals_gloo_within_the_bound(make_lab, glo
                 else:
                     lab.set_aggregator_link(1, up=False)
                 cut.set()
+                if fault.endswith("comes back"):
+                    time.sleep(2)
+                    back["released"] = released(daemons[1], job)["kernel"]
+                    lab.set_aggregator_link(1, up=True)
             killer = threading.Thread(target=kill_second, daemon=True)
             killer.start()
         run = lab_launch(lab, servers, job, tmp_path, nodes=2, nproc_per_node=1, settings=settings)
         info = check_against_gloo(run, gloo, job)
         assert info["round_answered"] == len(run.ranks[0]["sent"]) - 1   # calls, numbered from 0
-        for d in daemons[:1] if fault else daemons:
+        for d in daemons[:1] if fault and not back else daemons:
             paths = released(d, job)
             assert paths["kernel"] > 0 and paths["userspace"] == 0, paths
         if fault:
             assert cut.is_set() and "stopped answering" in run.output and "failed over" in run.output
+            if back:    # found back by rank 0's probe, and its rounds went on
+                assert "answers again" in run.output and released(daemons[1], job)["kernel"] > back["released"]
             # the stall: the slowest step over the usual one, on every rank
             for r in run.ranks:
                 steps = np.asarray(r["step_seconds"])

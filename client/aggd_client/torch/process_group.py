@@ -111,12 +111,17 @@ class AggdProcessGroup(dist.ProcessGroup):
                 if len(clients) == 1:
                     client = clients[0]
                 else:
-                    from ..shards import ShardedClient, ShardMap
+                    from ..shards import ShardedClient, ShardMap, rejoiner
                     shard_store = (dist.PrefixStore(f"aggd/{attempt}/shards/", store)
                                    if settings.rebalance_every or settings.failover_after else None)
+                    # a failed-over server joined again (rank 0's probe found it back): from a new port
+                    rejoin = rejoiner(settings.servers, settings.job, member, settings.token, host,
+                                      settings.join_timeout, {"give_up_after": settings.give_up_after,
+                                                              "catch_up": False})
                     client = ShardedClient(clients, None if settings.weights is None else ShardMap(settings.weights),
                                            store=shard_store, rebalance_every=settings.rebalance_every, prefix="",
-                                           failover_after=settings.failover_after)
+                                           failover_after=settings.failover_after, rejoin=rejoin,
+                                           probe_every=settings.probe_every)
             except BaseException:
                 for c in clients:
                     c.close()

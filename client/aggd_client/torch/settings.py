@@ -24,6 +24,10 @@ option             environment             meaning
 ``failover_after``   ``AGGD_FAILOVER_AFTER``  with several servers: drop one that answers nothing for
                                            this many seconds, agreed through the group's store
                                            (default: never; sync jobs)
+``probe_every``      ``AGGD_PROBE_EVERY``   with failover and rebalance_every: seconds between rank
+                                           0's JOINs to a failed-over server; once one answers,
+                                           every rank joins it again at the next agreed allreduce
+                                           (5; 0: never)
 ``rank``             ``AGGD_RANK``          this worker's rank in the aggd job, when that is not its
                                            group rank: ``local`` (torchrun's LOCAL_RANK: a rack
                                            job a node, docs/hierarchy.md) or a number (default:
@@ -114,6 +118,8 @@ class Settings:
     weights: tuple[float, ...] | None = None
     rebalance_every: int | None = None
     failover_after: float | None = None
+    #: seconds between probes of a failed-over server (None: never)
+    probe_every: float | None = 5.0
     #: the member's rank in the job: None (the group rank), "local" (LOCAL_RANK) or a number
     rank: int | str | None = None
     #: error feedback: None (on for a job of precision 8 or 16), True or False
@@ -211,6 +217,9 @@ class Settings:
             if len(servers) < 2:
                 raise SettingsError(f"{where} needs several servers in {ENV_PREFIX}SERVER")
             kw["failover_after"] = _seconds(value, where)
+        value, where = raw("probe_every")
+        if value is not None:
+            kw["probe_every"] = None if str(value).strip() in ("0", "0.0") else _seconds(value, where)
         bind, where = raw("bind")
         if bind is not None:
             kw["bind"] = bind if isinstance(bind, tuple) else _host_port(bind, where, port_required=False)
