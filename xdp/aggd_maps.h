@@ -127,16 +127,19 @@ struct scratch {
 	__s32 ik, ifree, irel_old, itarget, irel_chunk, irel_chunk2, ihold;
 	__u32 used, nopen, nhold, nfree, nempty, min_open_round, have_chunk, timeouts, settled;
 	/* whether the oldest released bank is kept (ssp/async, not every awaited member holds it):
-	 * released banks go oldest first, so then a new round quorum does not govern takes none */
-	__u64 old_kept;
+	 * released banks go oldest first, so then a new round quorum does not govern takes none;
+	 * old_kept_q: kept from a quorum round too (a slot serving several chunk indices: Slot.shared) */
+	__u64 old_kept, old_kept_q;
 	__u64 newest, target_key, rel_chunk_key, rel_chunk2_key, chunk_newest, hold_key;
 	__s32 add, out, reason;
 	__u32 add_fresh, add_carried, late, out_group, partial, released, forward, in_order;
-	/* the oldest released bank, kept or not, and nfree counting every released bank: a new round
-	 * quorum governs takes it (none is kept for a quorum); irel_old is it unless old_kept */
+	/* the oldest released bank unless old_kept_q, and nfree counting the released banks a new
+	 * round quorum governs may take (only those of a shared slot are kept from it); irel_old is
+	 * the oldest unless old_kept */
 	__s32 irel_old_q;
 	__u32 nfree_q;
 	__u64 rel_old_key_q;
+	__u32 uncarried;    /* a late contribution answered without being added (rule 4) */
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };
@@ -155,6 +158,9 @@ struct slot {
 	/* The smallest key rule 3 refused under ssp/async, plus one (0: none): no later key
 	 * opens before it (the model's Slot.pending) */
 	__u64 pending;
+	/* 1 once a key of chunk n_slots or beyond came: the slot serves several chunk indices a
+	 * round (the model's Slot.shared) */
+	__u64 shared;
 	struct bank bank[NBANKS];
 };
 

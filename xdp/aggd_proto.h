@@ -100,7 +100,8 @@ enum aggd_counter {
 	AGGD_COUNTER_PARTIALS = 11,
 	AGGD_COUNTER_FORWARDED = 12,
 	AGGD_COUNTER_RELAYED = 13,
-	AGGD_COUNTER__COUNT = 14,
+	AGGD_COUNTER_UNCARRIED = 14,
+	AGGD_COUNTER__COUNT = 15,
 };
 
 /* Header fields are big-endian; the int32 payload that follows is little-endian. */

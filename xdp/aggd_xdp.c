@@ -639,7 +639,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
 	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->nempty = sc->have_chunk = sc->timeouts = sc->settled = 0;
-	sc->old_kept = 0;
+	sc->old_kept = sc->old_kept_q = 0;
+	sc->uncarried = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->irel_old_q = -1;
 	sc->nfree_q = 0;
@@ -655,6 +656,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	 * loop of its own, without branches, before the scan's branches multiply the paths the
 	 * verifier walks (the jumbo build is near its limit). */
 	__u64 wide_sent = ((__u64)cfg->n_slots - 1 - chunk) >> 63;
+	s->shared |= wide_sent; /* a round with more chunks than slots (Slot.shared) */
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
@@ -728,15 +730,19 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 		} else {
 			/* an ssp/async round is kept from new rounds while an awaited member may re-read
-			 * it, unless quorum governs the new round (Slot.reusable; no branch, as above);
-			 * nfree_q counts every released bank */
-			__u64 kept = kept_kind(b->kind) & (1 ^ is_zero((b->held & all) ^ all));
+			 * it, unless quorum governs the new round; in a slot serving several chunk
+			 * indices an ssp, async or quorum one is kept from every new round
+			 * (Slot.reusable; no branch, as above) */
+			__u64 unheld = 1 ^ is_zero((b->held & all) ^ all);
+			__u64 kept_q = (s->shared & 1) & (kept_kind(b->kind) | is_zero(b->kind ^ AGGD_STRATEGY_KIND_QUORUM)) & unheld;
+			__u64 kept = (kept_kind(b->kind) & unheld) | kept_q;
 			sc->nfree += 1 ^ kept;
-			sc->nfree_q++;
+			sc->nfree_q += 1 ^ kept_q;
 			if (k < sc->rel_old_key_q) { /* released banks go oldest first (Slot.free_bank) */
 				sc->rel_old_key_q = k;
 				sc->irel_old_q = i;
 				sc->old_kept = kept;
+				sc->old_kept_q = kept_q;
 			}
 			if ((__u32)k == chunk) {
 				if (sc->irel_chunk < 0 || k > sc->rel_chunk_key) {
@@ -753,9 +759,11 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 	/* a kept oldest released bank leaves none to a new round quorum does not govern (no branch:
 	 * the verifier would walk the rest twice) */
-	__u32 kept_mask = -(__u32)sc->old_kept;
+	__u32 kept_mask = -(__u32)sc->old_kept, kept_q_mask = -(__u32)sc->old_kept_q;
 	sc->nfree = sc->nfree ^ ((sc->nfree ^ sc->nempty) & kept_mask);
+	sc->nfree_q = sc->nfree_q ^ ((sc->nfree_q ^ sc->nempty) & kept_q_mask);
 	sc->irel_old = sc->irel_old_q | (__s32)kept_mask;
+	sc->irel_old_q |= (__s32)kept_q_mask;
 	/* the bank a new round of the packet's round may take (Slot.free_bank) */
 	int pick = free_bank(sc, quorum_kind(st_new));
 	int ik = sc->ik;
@@ -868,10 +876,19 @@ int aggd_xdp(struct xdp_md *ctx)
 			int q2 = quorum_kind(e2);
 			int pick2 = free_bank(sc, q2);
 			__u32 nfree2 = q2 ? sc->nfree_q : sc->nfree;
+			struct bank *ob = &s->bank[ik & (NBANKS - 1)];
 			if (r2 <= 0xffffffffULL && pick2 >= 0 && nfree2 >= 2) {
 				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0);
 				sc->add = pick2;
 				sc->add_fresh = 1;
+			} else if (ik >= 0 && ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM &&
+				   s->shared) {
+				/* a quorum round of a slot serving several chunk indices, kept for this
+				 * straggler, answers it though no bank is free to carry its values into
+				 * (dropped, as a quorum may) */
+				sc->out = ik;
+				sc->uncarried = 1;
+				ob->steps[mi] |= 1 << (step & 7); /* its retransmission: answered (rule 2) */
 			} else {
 				sc->reason = AGGD_DROP_REASON_BUSY;
 				if (remembered) {
@@ -1026,7 +1043,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	int timeouts = sc->timeouts, settled = sc->settled, reason = sc->reason, add_carried = sc->add_carried;
 	int released = sc->released, partial = sc->partial, forward = sc->forward;
 	int out_group = sc->out_group;
-	int was_late = sc->late;
+	int was_late = sc->late, uncarried = sc->uncarried;
 	bpf_spin_unlock(&s->lock);
 
 	/* The headers, found again: a narrow job's frame has grown (and the verifier walks the rules
@@ -1066,6 +1083,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		jst->counter[AGGD_COUNTER_RELEASED] += settled;
 	if (reason >= 0)
 		return drop_in(jst, reason);
+	if (uncarried)
+		jst->counter[AGGD_COUNTER_UNCARRIED] += 1;
 	if (add >= 0) {
 		jst->counter[AGGD_COUNTER_CONTRIBUTIONS] += 1;
 		jst->counter[AGGD_COUNTER_ELEMENTS] += n;

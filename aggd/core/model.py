@@ -151,6 +151,9 @@ STEPS = 8
 #: until every awaited member is known to hold its result (``Slot.reusable``), or a result lost on
 #: its way would be gone for good while the others run ahead.
 KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
+#: ... and in a slot that has served several chunk indices, quorum's too, from every new round
+#: (``Slot.shared``).
+SHARED_KEPT_KINDS = KEPT_KINDS + (StrategyKind.QUORUM,)
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
 RULES: dict[StrategyKind, str] = {
@@ -520,6 +523,14 @@ class Slot:
     #: it again (their members make every round; under sync and wbsp a member starts a round only
     #: once the previous one is complete, and a quorum's straggler may skip one).
     pending: Key | None = None
+    #: Whether a key of chunk ``slots`` or beyond has come to the slot: a round then had more
+    #: chunks than slots, so the slot served several of its chunk indices, whose results take one
+    #: another's banks within the round. Then a released quorum bank is kept as an ssp one is,
+    #: from every new round, quorum's too (``reusable``): else the result a member lost, or a
+    #: straggler's answer, was gone before it asked (and at a job's end for good). For good once
+    #: set: with tensors of several sizes a small tensor's round is followed by a large one's,
+    #: whose first keys take the slot's banks before its key of chunk ``slots`` or beyond comes.
+    shared: bool = False
 
     def bank_of(self, key: Key) -> Bank | None:
         return next((b for b in self.banks if b.state != BankState.EMPTY and b.key == key), None)
@@ -547,13 +558,20 @@ class Slot:
         """May a new round that ``kind`` governs take this released bank? One of ``ssp`` or
         ``async`` only once every awaited member is known to hold its result (``Bank.held``),
         unless ``kind`` is quorum: a quorum goes on without its stragglers, whose late
-        contributions are answered with the chunk's newest result."""
-        return bank.state == BankState.RELEASED and (bank.kind not in KEPT_KINDS or kind == StrategyKind.QUORUM
-                                                     or bank.held & awaited == awaited)
+        contributions are answered with the chunk's newest result. In a slot that has served
+        several chunk indices (``shared``) that newest result may be gone as well: there an
+        ``ssp``, ``async`` or ``quorum`` bank is kept from every new round until it is held."""
+        if bank.state != BankState.RELEASED:
+            return False
+        if self.shared and bank.kind in SHARED_KEPT_KINDS:
+            return bank.held & awaited == awaited
+        return bank.kind not in KEPT_KINDS or kind == StrategyKind.QUORUM or bank.held & awaited == awaited
 
     def note_sender(self, rank: int, key: Key, step: int, slots: int) -> None:
         """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
-        then (``Bank.held``)."""
+        then (``Bank.held``), and note a key of a round with more chunks than slots (``shared``)."""
+        if key[1] >= slots:
+            self.shared = True
         for b in self.banks:
             if b.state != BankState.EMPTY and (key[0] >= b.key[0] + RESULT_WINDOW
                                                or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])
@@ -719,6 +737,8 @@ class Verdict:
 #: Called with (job, bank, cause) whenever a bank becomes released; cause is "complete" or
 #: "timeout". For tests and diagnostics: the bank is live, copy what you keep.
 ReleaseObserver = Callable[[int, Bank, str], None]
+#: (job, the contribution's header, its values): a late quorum contribution answered, not added.
+UncarriedObserver = Callable[[int, Header, np.ndarray], None]
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,6 +760,7 @@ class AggregatorModel:
         self.jobs: dict[int, JobState] = {}
         self._drops: dict[int, np.ndarray] = {NO_JOB: _zero_drops()}
         self.on_release: ReleaseObserver | None = None
+        self.on_uncarried: UncarriedObserver | None = None
         #: (upper job, upper address) -> the rack job whose results come from there
         self._downstream: dict[tuple[int, Addr], int] = {}
 
@@ -1062,6 +1083,16 @@ class AggregatorModel:
         fresh = target is None
         if fresh:
             target = self._hold(job, slot, hdr.round, hdr.chunk, now)
+            if (target is None and origin is not None and origin.state == BankState.RELEASED
+                    and origin.kind == StrategyKind.QUORUM and slot.shared):
+                # a quorum round kept for its straggler answers it even with no bank to carry its
+                # values into (they are dropped, as a quorum may): refused, it would come back to
+                # a slot whose banks are kept for it, for good
+                job.count("uncarried")
+                if self.on_uncarried is not None:
+                    self.on_uncarried(job.cfg.job, hdr, values)
+                origin.steps[hdr.rank] |= 1 << hdr.step     # its retransmission: answered (rule 2)
+                return self._resend(job, origin, hdr, src)
             if target is None:
                 if remembered:
                     mem.at(hdr.round).refused |= 1 << k

@@ -68,6 +68,9 @@ COUNTERS: dict[str, Family] = {
                                                 "(re-sends included)", JP),
     "relayed": counter("aggd_relayed_results", "The upper aggregator's results passed on to the rack's "
                                                "members", JP),
+    "uncarried": counter("aggd_uncarried_contributions", "Late quorum contributions answered but not added: "
+                                                         "no bank was free to carry them (slots serving "
+                                                         "several chunk indices)", JP),
 }
 #: Counters exported for the kernel path only (no ``path`` label).
 KERNEL_ONLY = {"to_userspace"}

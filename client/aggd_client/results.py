@@ -207,8 +207,10 @@ class ResultHandler:
         # carried), or our own round's result listing our rank, which proves our first step
         # only (a later wbsp step may have arrived after the release; its re-send will say).
         to_us = (h["flags"] & _REREAD) != 0
-        # (under the other strategies a round is released only once every member is in it)
-        partial_release = (h["strategy"] == _QUORUM) | (h["strategy"] == int(StrategyKind.WBSP))
+        # (under sync and ssp a round is released only once every member is in it; an async
+        # running sum answers whichever step of ours arrived, maybe a later one while step 0 was lost)
+        partial_release = (h["strategy"] == _QUORUM) | (h["strategy"] == int(StrategyKind.WBSP)) | \
+            (h["strategy"] == int(StrategyKind.ASYNC))
         lists_us = own & (~partial_release | ((h["contributors"] >> np.uint64(self._rank)) & np.uint64(1) != 0))
         acked = 0
         if to_us.any() or lists_us.any():

@@ -172,14 +172,21 @@ def test_one_training_loop_runs_under_every_strategy(agg, text):
 
 
 def test_quorum_with_more_chunks_than_slots_and_a_straggler(agg):
-    """Several chunks share each slot while one member lags: the quorum's rounds never stall (a
-    carry's round is a holding bank, outside the slot's key order), every call completes, and
-    every gradient is released exactly once or still held by an open round."""
+    """Several chunks share each slot while one member lags: the quorum's rounds never stall, every
+    call completes, and no gradient is released twice. What is released, still held by an open
+    round or counted ``uncarried`` (a straggler late for a round of a shared slot with no bank free
+    to carry it) is the sum sent, less late contributions a quorum answered without them: a
+    straggler's retransmission whose round is gone (it may be a copy of one counted, so it is never
+    added: docs/protocol.md, rule 4) and a late one refused busy whose call returned before it was
+    sent again. Those are few, and only stragglers' (a quorum goes on without them)."""
     world, rounds, size = 4, 15, 9 * E - 3          # 9 chunks over 4 slots
     cs = job(agg, world, "quorum:3:50ms", slots=4)
     released = []
     agg.model.on_release = lambda job_, bank, cause: released.append(
         float(np.ldexp(bank.values.astype(np.float64).sum(), -bank.exponent)))
+    uncarried = []
+    agg.model.on_uncarried = lambda job_, hdr, values: uncarried.append(
+        float(np.ldexp(values[:hdr.count].astype(np.float64).sum(), -hdr.exponent)))
     sent = [0.0] * world
 
     def train_(r):
@@ -198,14 +205,15 @@ def test_quorum_with_more_chunks_than_slots_and_a_straggler(agg):
             held = sum(float(np.ldexp(b.values.astype(np.float64).sum(), -b.exponent))
                        for s in agg.model.jobs[JOB].slots for b in s.banks
                        if b.state == model.BankState.OPEN)
-            return sum(released) + held
+            return sum(released) + held + sum(uncarried)
 
         # A straggler's call returns once the quorum's results are in, which can be before the
         # aggregator has read its own late packets: wait until they are counted too.
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 2
         while accounted() != sum(sent) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert accounted() == sum(sent)
+        short = sum(sent) - accounted()
+        assert 0 <= short <= 0.05 * sum(sent), (short, sum(sent), agg.model.counter(JOB, "uncarried"))
     finally:
-        agg.model.on_release = None
+        agg.model.on_release = agg.model.on_uncarried = None
         close_all(cs)

@@ -187,7 +187,7 @@ class Member:
             later = kind == StrategyKind.QUORUM and reread and hdr.round > rnd.number
             if not (own or later) or hdr.chunk >= rnd.n_chunks:
                 continue
-            partial = kind in (StrategyKind.QUORUM, StrategyKind.WBSP)
+            partial = kind in (StrategyKind.QUORUM, StrategyKind.WBSP, StrategyKind.ASYNC)
             lists_us = own and (not partial or hdr.contributors >> self.rank & 1)
             for s in rnd.sends:
                 if reread or (lists_us and s.step == 0):

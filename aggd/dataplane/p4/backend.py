@@ -378,6 +378,7 @@ class P4DataPlane(DataPlane):
             return
         self.registers.write_range(L.REG_SLOT_LOCK, base, base + count, 0)
         self.registers.write_range(L.REG_SLOT_PENDING, base, base + count, 0)
+        self.registers.write_range(L.REG_SLOT_SHARED, base, base + count, 0)
         self.registers.write_range(L.REG_BANK_STATE, L.bank_index(base, 0), L.bank_index(base + count, 0), 0)
         self.registers.write_range(L.REG_LATE_ROUND, base * proto.MAX_MEMBERS, (base + count) * proto.MAX_MEMBERS, 0)
 

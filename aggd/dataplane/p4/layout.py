@@ -82,6 +82,7 @@ REG_MAX_ROUND = f"{PIPE}.max_round"
 REG_CLOCK = f"{PIPE}.clock"
 REG_SLOT_LOCK = f"{PIPE}.slot_lock"
 REG_SLOT_PENDING = f"{PIPE}.slot_pending"   #: a key rule 3 refused, plus one (0: none)
+REG_SLOT_SHARED = f"{PIPE}.slot_shared"     #: Slot.shared: 1, else 0
 REG_BANK_STATE = f"{PIPE}.bank_state"
 REG_BANK_ROUND = f"{PIPE}.bank_round"
 REG_BANK_BITMAP = f"{PIPE}.bank_bitmap"
@@ -91,9 +92,10 @@ REG_LATE_ROUND = f"{PIPE}.late_round"     #: index slot * 64 + rank; 0: no late 
 REGISTERS: dict[str, int] = {
     REG_JOB_COUNTERS: 64, REG_MAX_ROUND: 32, REG_CLOCK: 48, REG_SLOT_LOCK: 1, REG_BANK_STATE: 8,
     REG_BANK_ROUND: 32, REG_BANK_BITMAP: 64, REG_LANE0: 64, REG_LATE_ROUND: 64, REG_SLOT_PENDING: 64,
+    REG_SLOT_SHARED: 8,
 }
 #: Every per-bank register of a slot (the P4 program declares them; the backend clears bank_state,
-#: slot_lock and slot_pending when a job's slots are handed out, which makes the others unread until
+#: slot_lock, slot_pending and slot_shared when a job's slots are handed out, which makes the others unread until
 #: rewritten).
 BANK_REGISTERS: dict[str, int] = {
     "bank_state": 8, "bank_round": 32, "bank_chunk": 32, "bank_bitmap": 64, "bank_late": 64,

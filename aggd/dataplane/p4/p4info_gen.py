@@ -56,7 +56,8 @@ def registers() -> dict[str, tuple[int, int]]:
     """name -> (value bits, size), every register of the program in declaration order."""
     cells = SLOTS * L.BANKS
     regs = {L.REG_JOB_COUNTERS: (64, L.JOB_ROWS * L.COUNTER_STRIDE), L.REG_MAX_ROUND: (32, MAX_JOBS),
-            L.REG_CLOCK: (48, 1), L.REG_SLOT_LOCK: (1, SLOTS), L.REG_SLOT_PENDING: (64, SLOTS)}
+            L.REG_CLOCK: (48, 1), L.REG_SLOT_LOCK: (1, SLOTS), L.REG_SLOT_PENDING: (64, SLOTS),
+            L.REG_SLOT_SHARED: (8, SLOTS)}
     for name, bits in L.BANK_REGISTERS.items():
         regs[f"{L.PIPE}.{name}"] = (bits, cells)
     regs[f"{L.PIPE}.bank_steps"] = (8, cells * MAX_MEMBERS)

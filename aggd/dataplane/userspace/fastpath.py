@@ -225,7 +225,7 @@ def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim,
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, values, counters, drops, dirty,
+        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, shared, values, counters, drops, dirty,
         members, out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
     contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
@@ -256,6 +256,9 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             exponent -= 0x10000
         s = chunk % nslots
         now = nows[i]
+        if chunk >= nslots and shared[s] == 0:
+            shared[s] = 1                                    # Slot.shared (note_sender)
+            dirty[s] = 1
         # Rule 0 would release a bank: the model's.  Meanwhile find K's bank and the newest key.
         slow = False
         found = -1
@@ -339,9 +342,13 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                         if bi[s, b2, F_STATE] == RELEASED and (b < 0 or _key_less(
                                 bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
                             b = b2
-                    if b >= 0 and (bi[s, b, F_KIND] == SSP or bi[s, b, F_KIND] == ASYNC) and kind != QUORUM \
-                            and bu[s, b, U_HELD] != everyone:
-                        b = -1                                       # kept (Slot.reusable)
+                    if b >= 0 and bu[s, b, U_HELD] != everyone:          # kept (Slot.reusable)
+                        kb = bi[s, b, F_KIND]
+                        if shared[s] != 0:                     # a slot serving several chunk indices
+                            if kb == SSP or kb == ASYNC or kb == QUORUM:
+                                b = -1
+                        elif (kb == SSP or kb == ASYNC) and kind != QUORUM:
+                            b = -1
                 busy = b < 0
             if busy and not queued and (kind == SSP or kind == ASYNC):     # Slot.pending: it goes first
                 pending[s] = key + np.uint64(1)
@@ -468,6 +475,7 @@ class FastJob:
         robust job's world), its banks' rows and the members' score terms too."""
         arrays = {"bi": (np.int64, (slots, BANKS, NF)), "bu": (np.uint64, (slots, BANKS, NU)),
                   "steps": (np.uint8, (slots, BANKS, MAX_MEMBERS)), "pending": (np.uint64, (slots,)),
+                  "shared": (np.uint8, (slots,)),
                   "values": (np.int64, (slots, BANKS, elements)),
                   "counters": (np.uint64, (len(Counter),)), "drops": (np.uint64, (len(DropReason),)),
                   "members": (np.uint64, (MAX_MEMBERS, 6))}
@@ -497,6 +505,7 @@ class FastJob:
                   for name, (dt, shape) in self.layout(slots, model.elements, self.rows_of(cfg)).items()}
         self.bi, self.bu, self.steps, self.values = arrays["bi"], arrays["bu"], arrays["steps"], arrays["values"]
         self.pending = arrays["pending"]         # Slot.pending: key + 1, 0 for none
+        self.shared = arrays["shared"]           # Slot.shared: 1, else 0
         self.rows, self.row_exp = arrays.get("rows"), arrays.get("row_exp")
         restored = files is not None and files.restored
         # one array each, shared with the model: it counts (and sums) in place
@@ -556,7 +565,7 @@ class FastJob:
         so once the job's objects are dropped its memory maps are unmapped."""
         self.state.slots.make = None                 # (it refers back to this object)
         self.state.slots.made().clear()              # the banks' views of the values
-        self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = self.pending = None
+        self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = self.pending = self.shared = None
 
     def refresh(self) -> None:
         """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
@@ -588,6 +597,7 @@ class FastJob:
             self.steps[s, b] = [x & 0xFF for x in bank.steps]  # bits >= STEPS mean nothing (counted anyway)
         p = self.state.slots[s].pending
         self.pending[s] = 0 if p is None else (p[0] << 32 | p[1]) + 1
+        self.shared[s] = int(self.state.slots[s].shared)
         self.dirty[s] = 0
 
     def to_objects(self, s: int) -> None:
@@ -605,6 +615,7 @@ class FastJob:
     def _fill(self, s: int, slot: Slot) -> None:
         p = int(self.pending[s])
         slot.pending = None if p == 0 else ((p - 1) >> 32, (p - 1) & 0xFFFFFFFF)
+        slot.shared = bool(self.shared[s])
         for b, bank in enumerate(slot.banks):
             if self.bi[s, b, F_STATE] == EMPTY:      # never used (a bank is never emptied again)
                 continue
@@ -701,7 +712,7 @@ class FastPath:
                 nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
                           fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,
                           int(fj.state.cfg.precision), fj.member_ip, fj.member_port, fj.member_tag,
-                          fj.table, fj.bi, fj.bu, fj.steps, fj.pending, fj.values, fj.counters, fj.drops, fj.dirty,
+                          fj.table, fj.bi, fj.bu, fj.steps, fj.pending, fj.shared, fj.values, fj.counters, fj.drops, fj.dirty,
                           fj.members,
                           batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason,
                           *fj.combine_args)
@@ -753,7 +764,7 @@ def warm_up() -> None:
         0, 0, np.zeros(64, np.int64),
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros(1, np.uint64),
-        np.zeros((1, BANKS, 2), np.int64),
+        np.zeros(1, np.uint8), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
         np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason,
         0, 0, 0.05, *_NO_ROWS)

@@ -175,6 +175,7 @@ class Counter(enum.IntEnum):
     PARTIALS = 11        #: async running sums answered before the round was complete
     FORWARDED = 12       #: a rack's partial sums sent up to its upper aggregator (re-sends included)
     RELAYED = 13         #: the upper aggregator's results passed on to the rack's members
+    UNCARRIED = 14       #: late quorum contributions answered but not added (no bank free to carry them)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ const bit<8> AGGD_COUNTER_TIMEOUTS = 10;
 const bit<8> AGGD_COUNTER_PARTIALS = 11;
 const bit<8> AGGD_COUNTER_FORWARDED = 12;
 const bit<8> AGGD_COUNTER_RELAYED = 13;
+const bit<8> AGGD_COUNTER_UNCARRIED = 14;
 
 header aggd_h {
     bit<16> magic;  // 0xA66D; anything else is dropped

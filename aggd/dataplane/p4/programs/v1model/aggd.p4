@@ -97,6 +97,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     /* the smallest key rule 3 refused under ssp/async, plus one (0: none): no later key
      * opens before it (aggd/core/model.py, Slot.pending) */
     register<bit<64>>(AGGD_SLOTS) slot_pending;
+    /* 1 once a key of chunk n_slots or beyond came: the slot serves several chunk indices a round
+     * (Slot.shared) */
+    register<bit<8>>(AGGD_SLOTS) slot_shared;
     register<bit<8>>(AGGD_BANK_CELLS) bank_state;
     register<bit<32>>(AGGD_BANK_CELLS) bank_round;
     register<bit<32>>(AGGD_BANK_CELLS) bank_chunk;
@@ -310,6 +313,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<32> nempty = 0;
         bit<1> kept = 0;
         bit<1> old_kept = 0;       /* the oldest released bank is kept */
+        bit<1> kept_q = 0;         /* ... and from a quorum round too (a slot serving several chunk indices) */
+        bit<1> old_kept_q = 0;
+        bit<8> shared;             /* slot_shared */
+        bit<1> uncarried = 0;      /* a late quorum contribution answered, not added */
         bit<64> rel_chunk_key = 0;
         bit<8> add = NO_BANK;
         bit<8> out = NO_BANK;
@@ -486,6 +493,11 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bit_x = (bit<64>)1 << (bit<8>)hdr.aggd.rank;
             base = meta.slot * AGGD_BANKS;
             slot_pending.read(pending, meta.slot);
+            slot_shared.read(shared, meta.slot);
+            if (hdr.aggd.chunk >= meta.n_slots && shared == 0) {
+                shared = 1;                /* a round with more chunks than slots */
+                slot_shared.write(meta.slot, shared);
+            }
 
             /* Rule 0 (expiry) and the scan of the four banks. A carry's holding bank (bank_holding)
              * has no deadline and counts only as a target for later carries of its chunk, as the
@@ -563,16 +575,29 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     } \
                 } else { \
                     /* an ssp/async round is kept from new rounds while an awaited member may */ \
-                    /* re-read it, unless quorum governs the new round (Slot.reusable); */ \
+                    /* re-read it, unless quorum governs the new round; in a slot serving */ \
+                    /* several chunk indices an ssp, async or quorum one from every new round */ \
+                    /* (Slot.reusable); */ \
                     /* released banks go oldest first (Slot.free_bank) */ \
                     kept = 0; \
-                    if ((kd##i == AGGD_STRATEGY_KIND_SSP || kd##i == AGGD_STRATEGY_KIND_ASYNC) && \
-                        (hl##i & meta.all_members) != meta.all_members) { \
-                        kept = 1; \
+                    kept_q = 0; \
+                    if ((hl##i & meta.all_members) != meta.all_members) { \
+                        if (shared == 1 && (kd##i == AGGD_STRATEGY_KIND_SSP || \
+                            kd##i == AGGD_STRATEGY_KIND_ASYNC || kd##i == AGGD_STRATEGY_KIND_QUORUM)) { \
+                            kept = 1; \
+                            kept_q = 1; \
+                        } else if (kd##i == AGGD_STRATEGY_KIND_SSP || kd##i == AGGD_STRATEGY_KIND_ASYNC) { \
+                            kept = 1; \
+                        } \
                     } \
                     if (kept == 0) { nfree = nfree + 1; } \
-                    nfree_q = nfree_q + 1; \
-                    if (k < rel_old_key_q) { rel_old_key_q = k; irel_old_q = i; old_kept = kept; } \
+                    if (kept_q == 0) { nfree_q = nfree_q + 1; } \
+                    if (k < rel_old_key_q) { \
+                        rel_old_key_q = k; \
+                        irel_old_q = i; \
+                        old_kept = kept; \
+                        old_kept_q = kept_q; \
+                    } \
                     if (ch##i == hdr.aggd.chunk && (irel_chunk == NO_BANK || k > rel_chunk_key)) { \
                         rel_chunk_key = k; \
                         irel_chunk = i; \
@@ -588,6 +613,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 nfree = nempty;
             } else {
                 irel_old = irel_old_q;
+            }
+            if (old_kept_q == 1) {
+                nfree_q = nempty;
+                irel_old_q = NO_BANK;
             }
             pick = ifree;
             if (pick == NO_BANK) {
@@ -775,6 +804,17 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
                     bank_held.write(base + (bit<32>)iheld, 0);
                     add = iheld;
+                } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && ik != NO_BANK &&
+                           b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM &&
+                           shared == 1) {
+                    /* a quorum round of a slot serving several chunk indices, kept for this
+                     * straggler, answers it though no bank is free to carry its values into
+                     * (dropped, as a quorum may) */
+                    out = ik;
+                    carried = 0;
+                    uncarried = 1;
+                    bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                     b_steps | ((bit<8>)1 << (bit<8>)hdr.aggd.step));
                 } else if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
                     if (carried == 1) {
@@ -935,6 +975,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 COUNT_DROP(hdr.aggd.job, reason)
                 drop();
                 return;
+            }
+            if (uncarried == 1) {
+                BUMP(AGGD_COUNTER_UNCARRIED, 1)
             }
             if (add != NO_BANK) {
                 BUMP(AGGD_COUNTER_CONTRIBUTIONS, 1)
