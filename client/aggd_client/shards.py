@@ -336,10 +336,12 @@ class ShardedClient:
         if self.probe_every is None or self._rejoin_fn is None or not self._every:
             return
         now = time.monotonic()
-        for i in sorted(self.dead - self._probing):
-            if now >= self._probe_due.setdefault(i, now + self._probe_gap(i)):
-                self._probing.add(i)
-                threading.Thread(target=self._probe, args=(i,), name=f"aggd-probe-{i}", daemon=True).start()
+        with self._lock:
+            due = [i for i in sorted(self.dead - self._probing)
+                   if now >= self._probe_due.setdefault(i, now + self._probe_gap(i))]
+            self._probing.update(due)
+        for i in due:
+            threading.Thread(target=self._probe, args=(i,), name=f"aggd-probe-{i}", daemon=True).start()
 
     def _probe_gap(self, i: int) -> float:
         return min(self.probe_every * 2 ** (self._failures.get(i, 1) - 1), PROBE_MAX)

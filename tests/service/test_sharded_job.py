@@ -46,11 +46,13 @@ def test_a_job_on_two_daemons_joined_with_one_token(make_lab, make_daemon):
         assert released == 2 * chunks, (i, shown["paths"]["kernel"]["counters"])
 
 
-def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon):
+@pytest.mark.parametrize("back_by", ["revive", "probe"])
+def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon, back_by):
     """Two daemons, 4 workers with failover after 1 s and agreed maps every 4 calls: the second
-    host's link goes down (the members fail over to the first), comes back, and rank 0 brings the
-    host back at call 60: every member joins it again and its rounds go on there. Every sum right,
-    every member's calls cut alike."""
+    host's link goes down (the members fail over to the first) and comes back. ``revive``: rank 0
+    brings the host back at call 60; ``probe``: nobody does, rank 0 JOINs it every second
+    (probe_every) and, once it answers, every member joins it again at the next agreed call. Every
+    sum right, every member's calls cut alike, and the host's rounds go on there."""
     import threading
     import time
 
@@ -71,74 +73,33 @@ def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon):
             time.sleep(0.02)   # about 5 calls in
         lab.set_aggregator_link(1, up=False)
         events["down"] = released(1)
-        time.sleep(3)          # the members fail over meanwhile
-        lab.set_aggregator_link(1, up=True)
+        time.sleep(3)          # the members fail over meanwhile (and rank 0's probes go unanswered)
         events["up"] = released(1)
+        lab.set_aggregator_link(1, up=True)
 
     t = threading.Thread(target=outage, daemon=True)
     t.start()
+    rounds = 80 if back_by == "revive" else 120
     runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="ha", token=job["token"],
-                                   weights=(1, 1), rebalance_every=4, failover_after=1.0),
-                       timeout=300, extra=["--sizes", str(1 << 18), "--rounds", "80", "--revive", "60:1",
-                                           "--give-up-after", "30"])
+                                   weights=(1, 1), rebalance_every=4, failover_after=1.0,
+                                   probe_every=1.0 if back_by == "probe" else None),
+                       timeout=300, extra=["--sizes", str(1 << 18), "--rounds", str(rounds), "--give-up-after", "30",
+                                           *(["--revive", "60:1"] if back_by == "revive" else [])])
     t.join(10)
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
-        assert len(r.records) == 80 and all(rec["within_bound"] for rec in r.records)
+        assert len(r.records) == rounds and all(rec["within_bound"] for rec in r.records)
     per_call = [[tuple(rec["shard_weights"]) for rec in r.records] for r in runs]
     assert all(calls == per_call[0] for calls in per_call)
     w = per_call[0]
     gone = [i for i, x in enumerate(w) if x[1] == 0]
-    assert gone and w[-1][1] > 0 and gone[-1] < 64, (w, events)    # dropped, then back by call 64
+    assert gone and w[-1][1] > 0, (w, events)                        # dropped, then back
+    if back_by == "revive":
+        assert gone[-1] < 64, (w, events)                            # by call 64
+    else:
+        assert "answers again" in runs[0].stderr, runs[0].stderr[-3000:]
     assert events["up"] == events["down"]          # nothing reached it while it was away
     assert released(1) > events["up"]              # and its rounds went on once back
-
-
-def test_a_failed_host_is_found_back_without_being_told(make_lab, make_daemon):
-    """As above, but nobody calls ``revive``: rank 0 JOINs the failed host every second (probe_every)
-    and, once it answers, every member joins it again at the next agreed call. Every sum right,
-    every member's calls cut alike, and the host's rounds go on."""
-    import threading
-    import time
-
-    lab = make_lab(4, aggregators=2)
-    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.78.{i}.0"})
-               for i in range(2)]
-    job = daemons[0].call("jobs.create", name="probed", world=4)
-    daemons[1].call("jobs.create", name="probed", world=4, token=job["token"])
-
-    def released(i):
-        return daemons[i].call("jobs.show", job="probed")["paths"]["kernel"]["counters"]["released"]
-
-    events = {}
-
-    def outage():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and released(1) < 5 * 256:
-            time.sleep(0.02)   # about 5 calls in
-        lab.set_aggregator_link(1, up=False)
-        events["down"] = released(1)
-        time.sleep(3)          # the members fail over; rank 0's probes go unanswered
-        events["up"] = released(1)
-        lab.set_aggregator_link(1, up=True)
-
-    t = threading.Thread(target=outage, daemon=True)
-    t.start()
-    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="probed", token=job["token"],
-                                   weights=(1, 1), rebalance_every=4, failover_after=1.0, probe_every=1.0),
-                       timeout=300, extra=["--sizes", str(1 << 18), "--rounds", "120", "--give-up-after", "30"])
-    t.join(10)
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert len(r.records) == 120 and all(rec["within_bound"] for rec in r.records)
-    per_call = [[tuple(rec["shard_weights"]) for rec in r.records] for r in runs]
-    assert all(calls == per_call[0] for calls in per_call)
-    w = per_call[0]
-    gone = [i for i, x in enumerate(w) if x[1] == 0]
-    assert gone and w[-1][1] > 0, (w, events)            # dropped, then back by itself
-    assert "answers again" in runs[0].stderr, runs[0].stderr[-3000:]
-    assert events["up"] == events["down"]                 # nothing reached it while it was away
-    assert released(1) > events["up"]                     # and its rounds went on once back
 
 
 def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
