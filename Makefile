@@ -13,7 +13,7 @@ demo: setup
 
 test: setup
 	@start=$$(date +%s); \
-	$(PY) -m pytest tests --durations=25; rc=$$?; \
+	$(PY) -m pytest tests --durations=60; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start ))s"; exit $$rc
 
 test-unit: setup

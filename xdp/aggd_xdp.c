@@ -911,8 +911,12 @@ int aggd_xdp(struct xdp_md *ctx)
 				 * step of the same member is carried too */
 				origin->steps[mi] |= 1 << (step & 7);
 			}
-			/* the newest released result of this chunk answers, not a bank just reopened */
-			sc->out = (sc->add_fresh && sc->add == sc->irel_chunk) ? sc->irel_chunk2 : sc->irel_chunk;
+			/* its own round's result if still in B (a later round may hold another tensor),
+			 * else the newest released result of this chunk, not a bank just reopened */
+			if (ik >= 0 && ik != sc->add && s->bank[ik & (NBANKS - 1)].state == BANK_RELEASED)
+				sc->out = ik;
+			else
+				sc->out = (sc->add_fresh && sc->add == sc->irel_chunk) ? sc->irel_chunk2 : sc->irel_chunk;
 			if (sc->out < 0 && remembered) { /* its retransmission will be answered */
 				if (s->late_round[mi] != (__u64)round + 1) {
 					s->late_round[mi] = (__u64)round + 1;

@@ -1107,7 +1107,12 @@ class AggregatorModel:
             origin.late |= 1 << hdr.rank
             # per (member, step): its retransmission is answered; a later wbsp step is carried too
             origin.steps[hdr.rank] |= 1 << hdr.step
-        answer = slot.newest_released(hdr.chunk)       # after the carry: it may have taken a bank
+        if origin is not None and origin.state == BankState.RELEASED and origin.key == key:
+            # its own round's result, still in its bank: a later round of the chunk may hold
+            # another tensor (tensors of several sizes), whose values would answer the wrong call
+            answer = origin
+        else:
+            answer = slot.newest_released(hdr.chunk)   # after the carry: it may have taken a bank
         if answer is None:
             if remembered:                             # its retransmission will be answered
                 mem.at(hdr.round).carried |= 1 << k

@@ -867,7 +867,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             }
 
             /* The carried contribution's origin remembers it (if the new round did not take it),
-             * and the answer is the newest released result of the chunk, chosen after the carry. */
+             * and the answer is its own round's result if still there, else the newest released
+             * result of the chunk, chosen after the carry. */
             if (carried == 1 && add != NO_BANK) {
                 if (known == 1) {
                     l_refused = l_refused & ~kbit;
@@ -882,6 +883,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 out = irel_chunk;
                 if (fresh == 1 && pick == irel_chunk) {
                     out = NO_BANK;   /* it was the chunk's only released bank */
+                }
+                if (ik != NO_BANK && b_state == BANK_RELEASED && !(fresh == 1 && pick == ik)) {
+                    out = ik;        /* its own round's result: a later round may hold another tensor */
                 }
                 if (out == NO_BANK && remembered == 1) {
                     /* nothing to answer with: its retransmission will be answered */
