@@ -881,14 +881,16 @@ int aggd_xdp(struct xdp_md *ctx)
 				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0);
 				sc->add = pick2;
 				sc->add_fresh = 1;
-			} else if (ik >= 0 && ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM &&
-				   s->shared) {
+			} else if (s->shared && (ik >= 0 ? ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM
+						  : sc->irel_chunk >= 0 &&
+						    s->bank[sc->irel_chunk & (NBANKS - 1)].kind == AGGD_STRATEGY_KIND_QUORUM)) {
 				/* a quorum round of a slot serving several chunk indices, kept for this
-				 * straggler, answers it though no bank is free to carry its values into
-				 * (dropped, as a quorum may) */
-				sc->out = ik;
+				 * straggler (or, its round gone, the chunk's newest quorum result) answers it
+				 * though no bank is free to carry its values into (dropped, as a quorum may) */
+				sc->out = ik >= 0 ? ik : sc->irel_chunk;
 				sc->uncarried = 1;
-				ob->steps[mi] |= 1 << (step & 7); /* its retransmission: answered (rule 2) */
+				if (ik >= 0)
+					ob->steps[mi] |= 1 << (step & 7); /* its retransmission: answered (rule 2) */
 			} else {
 				sc->reason = AGGD_DROP_REASON_BUSY;
 				if (remembered) {

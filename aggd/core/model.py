@@ -1083,16 +1083,21 @@ class AggregatorModel:
         fresh = target is None
         if fresh:
             target = self._hold(job, slot, hdr.round, hdr.chunk, now)
-            if (target is None and origin is not None and origin.state == BankState.RELEASED
-                    and origin.kind == StrategyKind.QUORUM and slot.shared):
-                # a quorum round kept for its straggler answers it even with no bank to carry its
-                # values into (they are dropped, as a quorum may): refused, it would come back to
-                # a slot whose banks are kept for it, for good
+            # its quorum round, kept for it, or (its round gone: a straggler more rounds behind
+            # than the slot has banks, say once the slot came to serve several chunk indices) the
+            # chunk's newest quorum result
+            answer = origin if origin is not None else slot.newest_released(hdr.chunk)
+            if (target is None and slot.shared and answer is not None and answer.state == BankState.RELEASED
+                    and answer.kind == StrategyKind.QUORUM):
+                # answers it even with no bank to carry its values into (they are dropped, as a
+                # quorum may): refused, it would come back to a slot whose banks are kept for it,
+                # for good
                 job.count("uncarried")
                 if self.on_uncarried is not None:
                     self.on_uncarried(job.cfg.job, hdr, values)
-                origin.steps[hdr.rank] |= 1 << hdr.step     # its retransmission: answered (rule 2)
-                return self._resend(job, origin, hdr, src)
+                if origin is not None:
+                    origin.steps[hdr.rank] |= 1 << hdr.step     # its retransmission: answered (rule 2)
+                return self._resend(job, answer, hdr, src)
             if target is None:
                 if remembered:
                     mem.at(hdr.round).refused |= 1 << k

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import sys
 import time
@@ -124,6 +125,38 @@ def _expected_blocks(seed, world, size, dtype, round_, pattern, elements, float_
         yield start, exact, bound
 
 
+def check_partial(out: np.ndarray, n_contrib: np.ndarray, seed, world, size, dtype, round_, elements,
+                  pattern="random", *, terms: int | None = None, precision: int = 32) -> dict:
+    """``out`` as an ``async`` job answers it: each chunk the sum of some ``n_contrib[chunk]`` of the
+    members' tensors of this round (a running sum), within the bound. The record's fields as
+    ``check``'s; ``within_bound`` when every chunk matches some such subset."""
+    max_err = max_bound = max_val = 0.0
+    within = True
+    b = _block(elements)
+    prec = precision_of(precision)
+    for k, start in enumerate(range(0, size, b)):
+        n = min(b, size - start)
+        rows = np.array([tensor_block(seed, r, size, dtype, round_, pattern, elements, k) for r in range(world)],
+                        np.float64)
+        exps = np.min([chunk_exponents(_chunk_max_abs(row, elements), world, terms, prec) for row in rows], axis=0)
+        bound = np.repeat(error_bound(world, exps, precision=prec), elements)[:n]
+        got = out[start:start + n].astype(np.float64)
+        bound = bound + output_rounding(out[start:start + n])
+        max_bound = max(max_bound, float(bound.max()))
+        for c0 in range(0, n, elements):
+            c1 = min(n, c0 + elements)
+            count = int(n_contrib[(start + c0) // elements])
+            best, fits = np.inf, False
+            for members in itertools.combinations(range(world), count) if 0 < count <= world else ():
+                err = np.abs(got[c0:c1] - rows[list(members), c0:c1].sum(axis=0))
+                best = min(best, float(err.max()))
+                fits = fits or bool(np.all(err <= bound[c0:c1]))
+            within = within and fits
+            max_err = max(max_err, best)
+        max_val = max(max_val, float(np.abs(got).max()))
+    return {"max_abs_error": max_err, "error_bound": max_bound, "within_bound": within, "max_abs_value": max_val}
+
+
 def robust_statistic(rows: np.ndarray, combine: str) -> np.ndarray:
     """The coordinate-wise median or trimmed mean (``trimmed:t``) of float ``rows`` [n, values]:
     what a robust job's result is, over ``n``, without rounding."""
@@ -212,9 +245,12 @@ def main(argv=None) -> int:
                     help="bits a contribution value (not with --token: the join answer says)")
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--no-gso", action="store_true")
-    ap.add_argument("--check", choices=["all", "last", "none"], default="all",
-                    help="which timed rounds to check against the exact sum")
+    ap.add_argument("--check", choices=["all", "last", "partial", "none"], default="all",
+                    help="which timed rounds to check against the exact sum (partial: every round, each "
+                         "chunk against the sum of as many members as its n_contrib says, as async answers)")
     ap.add_argument("--give-up-after", type=float, default=10.0)
+    ap.add_argument("--slow", metavar="RANK:SECONDS", type=lambda t: (int(t.split(":")[0]), float(t.split(":")[1])),
+                    help="that member waits this long before each call (a slow member's compute)")
     ap.add_argument("--pattern", choices=["random", "integers"], default="random",
                     help="integers: exactly representable sums, identical whatever path serves them")
     ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
@@ -313,10 +349,16 @@ def main(argv=None) -> int:
                     host0 = hostcpu.snapshot()
                 for request in requests.get(i, ()) if args.rank == 0 else ():
                     request()
+                if args.slow is not None and args.slow[0] == args.rank:
+                    time.sleep(args.slow[1])
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer
                     out = client.allreduce(x, out=buf)
+                elif args.check == "partial":
+                    handle = client.allreduce_async(x)
+                    out = handle.wait()
+                    n_contrib = np.asarray(handle.n_contrib)
                 else:
                     out = client.allreduce(x)
                 seconds = time.perf_counter() - t0
@@ -342,7 +384,12 @@ def main(argv=None) -> int:
                     rec["host_cpu_seconds"] = host  # the whole host over the timed rounds
                 if args.digest:
                     rec["sha256"] = hashlib.sha256(out.tobytes()).hexdigest()
-                if args.check == "all" or (args.check == "last" and last):
+                if args.check == "partial":
+                    rec.update(check_partial(out, n_contrib, args.seed, args.world, size, dtype, i, args.elements,
+                                             args.pattern, terms=terms, precision=precision))
+                    if not rec["within_bound"] or not rec["shape_ok"]:
+                        status = 1
+                elif args.check == "all" or (args.check == "last" and last):
                     ref = 0 if args.reuse else i
                     rec.update(check(out, args.seed, args.world, size, dtype, ref, args.elements,
                                      args.pattern, float_sum=args.gloo is not None, terms=terms,

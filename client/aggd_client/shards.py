@@ -28,6 +28,7 @@ from .membership import client_for, join, request_join
 from .protocol import Header, MsgType
 from .shard_map import ShardMap
 from .shard_policy import RebalancePolicy
+from .protocol.definition import RESULT_WINDOW, StrategyKind
 from .strategy import StrategyInfo
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,12 @@ POLL_SLICE = 0.002
 #: after the failover), doubled each time that aggregator fails again, up to PROBE_MAX.
 PROBE_EVERY = 5.0
 PROBE_MAX = 300.0
+#: Calls whose parts a member keeps copies of for failover (``ShardedClient._keep``), by the
+#: strategy in force: how many calls apart its members may be when an aggregator dies. Blocking
+#: calls under ``sync``, ``ssp`` and ``wbsp`` keep them within one call (a round is released only
+#: once every member is in it); ``async`` answers at once, a member up to RESULT_WINDOW rounds
+#: behind; a ``quorum`` straggler is let that far behind too (farther, a failover fails).
+KEEP_CALLS = {StrategyKind.ASYNC: RESULT_WINDOW + 1, StrategyKind.QUORUM: RESULT_WINDOW + 1}
 
 
 def send_report(client: AggClient, *, version: int, call: int, weights: Sequence[float], index: int,
@@ -70,10 +77,11 @@ class ShardedClient:
     by exactly one map, the same on every member, and a switch moves nothing in flight. ``history``
     lists ``(from call, map, reason)``.
 
-    Failover (``failover_after=T``, sync jobs): an aggregator every member has stalled on for T
-    seconds is dropped by agreement (``_fail_over``). With ``rejoin`` (``join_all`` gives one) and
-    agreed calls, the leader JOINs it again every ``probe_every`` seconds (None: never; the leader
-    may still call ``revive``): once it answers, every member joins it at the next agreed call.
+    Failover (``failover_after=T``, every strategy; one call in flight a member): an aggregator
+    every member has stalled on for T seconds is dropped by agreement (``_fail_over``). With
+    ``rejoin`` (``join_all`` gives one) and agreed calls, the leader JOINs it again every
+    ``probe_every`` seconds (None: never; the leader may still call ``revive``): once it answers,
+    every member joins it at the next agreed call.
     """
 
     def __init__(self, clients: Sequence[AggClient], shard_map: ShardMap | None = None, *,
@@ -121,6 +129,12 @@ class ShardedClient:
                 raise ValueError("failover needs at least two aggregators")
         if probe_every is not None and not float(probe_every) > 0:
             raise ValueError(f"probe_every must be a positive number of seconds or None, not {probe_every}")
+        if len(self.clients) > 1:
+            # An aggregator's rounds hold parts the map cut, whose sizes change with the map
+            # (rebalancing, failover, a failed aggregator's part sent again): a quorum straggler
+            # must not move to a round it saw, which may hold another part (catch_up=False).
+            for c in self.clients:
+                c._uniform = False
         self.failover_after = None if failover_after is None else float(failover_after)
         # the leader's probes of failed-over aggregators (``_probe_failed``): when each is due, how
         # often each has failed, which are under way (a probe's thread writes _revive: _lock)
@@ -132,7 +146,11 @@ class ShardedClient:
         self.dead: set[int] = set()          # aggregators failed over (never used again)
         self._epoch = 0                      # failovers agreed so far (the store's key space)
         self._switch: tuple[int, ShardMap, str] | None = None   # a map to take from a call on
-        self._kept: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}  # last parts' results, by aggregator
+        # copies of the last calls' parts (aggregator -> call -> (values, n_contrib)), and those of
+        # a failed aggregator's parts taken from another member for calls this one has yet to make
+        self._kept: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self._inherited: dict[tuple[int, int], tuple[bytes, np.ndarray]] = {}
+        self._inherit_before: dict[int, int] = {}   # failed aggregator -> F: its parts before F inherited
         self._store, self._prefix = store, prefix
         # rejoin(i) -> (server, JobInfo, member address, client options): a failed aggregator back
         self._rejoin_fn = rejoin
@@ -223,18 +241,29 @@ class ShardedClient:
             lo, hi = cuts[i], cuts[i + 1]
             if hi > lo and i not in self.dead:
                 parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi], residual=part(lo, hi))))
+        settled = []
         for i in sorted(self.dead):  # a failed-over aggregator's part, while the map still has one:
-            lo, hi = cuts[i], cuts[i + 1]    # one more round on the replacement, after its own part
-            if hi > lo:
-                j = self._replacement()
-                parts.append((j, lo, hi, self.clients[j].allreduce_async(flat[lo:hi], op, out=dest[lo:hi],
-                                                                         residual=part(lo, hi))))
+            lo, hi = cuts[i], cuts[i + 1]    # one more round on the replacement, after its own part,
+            if hi <= lo:                     # unless another member got its result before it failed
+                continue
+            copy = self._inherited.pop((i, call), None)
+            if copy is not None:
+                settled.append((len(parts), copy))
+                parts.append((i, lo, hi, None))
+                continue
+            if call < self._inherit_before.get(i, -1):   # sent again, it would break the replacement's order
+                raise AggdError(f"call {call}: aggregator {i} failed and no member had its part of this call")
+            j = self._replacement()
+            parts.append((j, lo, hi, self.clients[j].allreduce_async(flat[lo:hi], op, out=dest[lo:hi],
+                                                                     residual=part(lo, hi))))
         if not parts:  # an empty tensor: the first aggregator answers it as it would alone
             j = self._replacement() if 0 in self.dead else 0
             return ShardedHandle(self, call, m, None, [(j, 0, 0, self.clients[j].allreduce_async(
                 a, op, out=out, residual=residual))])
         h = ShardedHandle(self, call, m, result, parts, flat=flat, dest=dest, op=op)
         h._residual = res
+        for j, (data, counts) in settled:
+            h._settle_part(j, data, counts)
         return h
 
     def _agree(self, call: int) -> None:
@@ -386,7 +415,7 @@ class ShardedClient:
         self._store.set(f"{key}{self.rank}", str(int(info.round)))
         first = max(int(self._store.get(f"{key}{r}")) for r in range(self.clients[0]._world))
         client = client_for(server, info, address, self.rank, first_round=first,
-                            **{"strategy": info.strategy, **options})
+                            **{"strategy": info.strategy, **options, "catch_up": False})
         if info.elements != self.elements or info.world != self.clients[0]._world:
             client.close()
             raise AggdError(f"the job on {server[0]}:{server[1]} has {info.world} members and {info.elements} "
@@ -416,40 +445,58 @@ class ShardedClient:
             raise AggdError("every aggregator of the job has failed")
         return live[0]
 
-    def _keep(self, call: int, parts, dest: np.ndarray) -> None:
-        """Copies of a finished call's parts: a member a call behind may need one (``_fail_over``)."""
-        kept: dict = {}
-        for i, lo, hi, h in parts:
-            kept.setdefault(i, (call, dest[lo:hi].copy(), np.asarray(h.n_contrib).copy()))
-        self._kept = kept
+    def _keep(self, call: int, parts, dest: np.ndarray, settled: dict, strategy: StrategyInfo | None) -> None:
+        """Copies of a finished call's parts: a member calls behind may need them (``_fail_over``),
+        as many calls back as the strategy lets members be apart (KEEP_CALLS)."""
+        depth = KEEP_CALLS.get(strategy.kind, 1) if strategy is not None else 1
+        for j, (i, lo, hi, h) in enumerate(parts):
+            counts = settled[j] if j in settled else np.asarray(h.n_contrib)
+            self._kept.setdefault(i, {}).setdefault(call, (dest[lo:hi].copy(), counts.copy()))
+        for calls in self._kept.values():
+            for c in [c for c in calls if c <= call - depth]:
+                del calls[c]
 
     def _fail_over(self, handle: "ShardedHandle | None", stalled: list[int]) -> None:
         """Agree through the store on which aggregators have failed and go on without them.
 
-        Under ``sync`` a call completes only once every member has sent all of it, so when an
-        aggregator dies every member ends up stalled on it, in one call ``F`` or the one before.
-        Each reports its call and its stalled aggregators; the failed ones are those every member
-        has stalled on (another may only be waiting for the members a call behind). Members at
-        ``F - 1`` take the failed aggregators' parts of that call from the lowest-ranked member at
-        ``F``, which kept copies; at ``F`` every member sends those parts again as one more round on
-        the replacement; from ``F + 1`` the map gives the failed aggregators weight 0. ``handle``
-        None: a member between calls (waiting for the leader's map at call ``F``), which has stalled
-        on nothing and may be the one that hands out call ``F - 1``'s parts."""
+        When an aggregator dies every member ends up stalled on it, each in its call: under ``sync``
+        (``ssp``, ``wbsp``) in one call ``F`` or the one before, under ``async`` or ``quorum`` up to
+        KEEP_CALLS calls apart (a fast member got answers the others have yet to ask for). Each
+        reports its call and its stalled aggregators; the failed ones are those every member has
+        stalled on (another may only be waiting for the members behind). ``F`` is the newest call
+        reported: nobody has the failed aggregators' parts of it, and the lowest-ranked member at
+        ``F`` has those of every earlier call (it finished them) and kept copies. Members behind take
+        the parts of their calls before ``F`` from the store, now or when they make them; at ``F``
+        every member sends the failed aggregators' parts again as one more round on the replacement
+        (after its own part, so its rounds keep one order on every member); from ``F + 1`` the map
+        gives the failed aggregators weight 0. ``handle`` None: a member between calls (waiting for
+        the leader's map at call ``self.calls``), which has stalled on nothing and may be the one
+        that hands out the earlier calls' parts."""
         epoch = self._epoch
         key = f"{self._prefix}failover/{epoch}/"
         call = self.calls if handle is None else handle.call
+        if handle is not None and self.calls > call + 1:
+            raise AggdError(f"failover {epoch}: member {self.rank} has calls {call} to {self.calls - 1} in flight; "
+                            f"failover needs one call in flight a member (wait for each before the next)")
         self._store.set(f"{key}{self.rank}", json.dumps({"call": call, "stalled": stalled}))
         world = self.clients[0]._world
         reports = [json.loads(self._store.get(f"{key}{r}")) for r in range(world)]
         self._epoch += 1
         dead = set.intersection(*(set(r["stalled"]) for r in reports)) - self.dead
-        if not dead:
-            log.warning("failover %d: no aggregator every member stalled on (%s); waiting on", epoch, reports)
+        if not dead or not set(range(len(self.clients))) - self.dead - dead:
+            # none, or every one: members waiting for one another (a slow member under sync, a
+            # full window under async), or the network down -- nothing a failover could mend
+            log.warning("failover %d: %s aggregator every member stalled on (%s); waiting on", epoch,
+                        "no" if not dead else "every", reports)
             return
         calls = {r["call"] for r in reports}
-        last = max(calls)
-        if not calls <= {last - 1, last}:
-            raise AggdError(f"failover {epoch}: members are more than one call apart ({sorted(calls)})")
+        last, first = max(calls), min(calls)
+        live = [c for i, c in enumerate(self.clients) if i not in self.dead | dead]
+        kind = live[0].strategy.kind if live else StrategyKind.SYNC
+        depth = KEEP_CALLS.get(kind, 1)
+        if last - first > depth and kind != StrategyKind.QUORUM:
+            raise AggdError(f"failover {epoch}: members are more than {depth} call{'s' if depth > 1 else ''} "
+                            f"apart under {live[0].strategy if live else 'sync'} ({sorted(calls)})")
         ahead = min(r for r, rep_ in enumerate(reports) if rep_["call"] == last)
         self.dead |= dead
         for i in dead:
@@ -457,8 +504,9 @@ class ShardedClient:
         weights = tuple(0 if i in self.dead else w for i, w in enumerate(self.shard_map.weights))
         if not any(weights):
             weights = tuple(0 if i in self.dead else 1 for i in range(len(self.clients)))
+        behind = f"calls {first} to {last}" if last - first > 1 else f"call {first}"
         reason = (f"aggregator{'s' if len(dead) > 1 else ''} {', '.join(map(str, sorted(dead)))} stopped answering "
-                  f"(every member stalled on it in call {last - 1 if len(calls) > 1 else last}): failed over")
+                  f"(every member stalled on it in {behind if len(calls) > 1 else f'call {last}'}): failed over")
         log.warning("%s; the map drops it from call %d", reason, last + 1)
         self._switch = (last + 1, ShardMap(weights, self.shard_map.version + 1), reason)
         for i in sorted(dead):
@@ -469,20 +517,33 @@ class ShardedClient:
             except Exception:  # noqa: BLE001 - a dead aggregator's client closes as it can
                 pass
         if call == last and len(calls) > 1 and self.rank == ahead:
-            for i in sorted(dead):   # the members a call behind take these
-                kept = self._kept.get(i)
-                if kept is None or kept[0] != last - 1:
-                    raise AggdError(f"failover {epoch}: no copy of aggregator {i}'s part of call {last - 1}")
-                self._store.set(f"{key}part/{i}", kept[1].tobytes())
-                self._store.set(f"{key}n_contrib/{i}", kept[2].astype(np.uint16).tobytes())
-        if handle is None:
-            return   # its next call sends the failed aggregators' parts to the replacement
-        if call == last - 1:
+            for i in sorted(dead):   # the members behind take these
+                for c in range(first, last):
+                    kept = self._kept.get(i, {}).get(c)
+                    if kept is None:   # (a call that gave aggregator i no part: nothing to take)
+                        continue
+                    self._store.set(f"{key}part/{i}/{c}", kept[0].tobytes())
+                    self._store.set(f"{key}n_contrib/{i}/{c}", kept[1].astype(np.uint16).tobytes())
+                self._store.set(f"{key}parts/{i}", json.dumps(sorted(c for c in self._kept.get(i, {})
+                                                                     if first <= c < last)))
+        if call < last:   # the failed aggregators' parts of our calls before F, as the member ahead got them
             for i in sorted(dead):
-                data = self._store.get(f"{key}part/{i}")
-                counts = np.frombuffer(self._store.get(f"{key}n_contrib/{i}"), np.uint16)
-                handle._settle(i, data, counts)
-        else:
+                have = set(json.loads(self._store.get(f"{key}parts/{i}")))
+                for c in range(call, last):
+                    took = c if c in have else max(have) if kind == StrategyKind.QUORUM and have else None
+                    # (max: a quorum straggler farther behind, answered with the newest as a quorum does)
+                    if took is None:       # a call that gave aggregator i no part, or a copy missing
+                        if handle is not None and c == call and any(agg == i for agg, *_ in handle._parts):
+                            raise AggdError(f"failover {epoch}: no member has aggregator {i}'s part of call {c}")
+                        continue
+                    copy = (self._store.get(f"{key}part/{i}/{took}"),
+                            np.frombuffer(self._store.get(f"{key}n_contrib/{i}/{took}"), np.uint16))
+                    if handle is not None and c == call:
+                        handle._settle(i, *copy)
+                    else:
+                        self._inherited[(i, c)] = copy
+        self._inherit_before.update({i: last for i in dead})
+        if handle is not None and call == last:
             handle._redo(sorted(dead), self._replacement())
 
     def _observed(self, values: list[int], seconds: list[float]) -> None:
@@ -533,10 +594,12 @@ class ShardedHandle:
             self._took[j] = time.monotonic() - self._start
             if len(self._took) == len(self._parts):   # every part answered: one observation
                 if self._owner.failover_after is not None and self._dest is not None:
-                    self._owner._keep(self.call, self._parts, self._dest)
+                    self._owner._keep(self.call, self._parts, self._dest, self._settled, self.strategy)
                 k = len(self._owner.clients)
                 values, seconds = [0] * k, [0.0] * k
-                for p, (i, lo, hi, _) in enumerate(self._parts):
+                for p, (i, lo, hi, h) in enumerate(self._parts):
+                    if h is None:   # taken from another member: says nothing of an aggregator's rate
+                        continue
                     values[i] += hi - lo
                     seconds[i] = max(seconds[i], self._took[p])
                 self._owner._observed(values, seconds)
@@ -571,9 +634,17 @@ class ShardedHandle:
         """Aggregator ``i``'s part, as another member got it (``ShardedClient._fail_over``)."""
         for j, (agg, lo, hi, h) in enumerate(self._parts):
             if agg == i:
-                self._dest[lo:hi] = np.frombuffer(data, self._dest.dtype)
-                self._settled[j] = counts
-                self._mark(j)
+                self._settle_part(j, data, counts)
+
+    def _settle_part(self, j: int, data: bytes, counts: np.ndarray) -> None:
+        agg, lo, hi, _ = self._parts[j]
+        values = np.frombuffer(data, self._dest.dtype)
+        if values.size != hi - lo:   # a quorum straggler's older call, answered with a newer one's
+            raise AggdError(f"call {self.call}: aggregator {agg} failed, and the part another member got has "
+                            f"{values.size} values, not {hi - lo} (a call of another tensor)")
+        self._dest[lo:hi] = values
+        self._settled[j] = counts
+        self._mark(j)
 
     def _redo(self, dead: list[int], replacement: int) -> None:
         """The failed aggregators' parts again, as one more round each on ``replacement``."""
@@ -624,12 +695,14 @@ class ShardedHandle:
         """The call's number; one more when a part was answered by a newer round of its aggregator
         than the one it asked for (a quorum/async straggler: the result may hold another call's
         tensor), as ``AllreduceHandle.round`` is then above the round asked."""
-        newer = any(h.round != h._round.number for _, _, _, h in self._parts)
+        newer = any(h.round != h._round.number for _, _, _, h in self._parts if h is not None)
         return self.call + (1 if newer else 0)
 
     @property
     def rounds(self) -> list[int]:
-        return [h.round for _, _, _, h in sorted(self._parts, key=lambda p: p[1])]
+        """Each part's round on its aggregator, in tensor order (None: a failed aggregator's part
+        taken from another member)."""
+        return [None if h is None else h.round for _, _, _, h in sorted(self._parts, key=lambda p: p[1])]
 
     @property
     def n_contrib(self) -> np.ndarray:
@@ -639,7 +712,7 @@ class ShardedHandle:
 
     @property
     def strategy(self) -> StrategyInfo | None:
-        return self._parts[0][3].strategy
+        return next((h.strategy for _, _, _, h in self._parts if h is not None), None)
 
     def __repr__(self) -> str:
         return f"<ShardedHandle {len(self._parts)} partitions {'done' if self.done() else 'pending'}>"

@@ -724,7 +724,7 @@ def test_no_answer_fails_every_outstanding_round():
 
 def test_closed_client_refuses():
     with StrategyFake(1, "sync") as fake:
-        (c,) = make_clients(fake, 1)
+        (c,) = make_clients(fake, 1, give_up_after=0.5)   # close() delivers for this long
         fake.pause()
         h = c.allreduce_async(grad(0, 0))
         c.close()

@@ -102,6 +102,65 @@ def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon, back_by)
     assert released(1) > events["up"]              # and its rounds went on once back
 
 
+@pytest.mark.parametrize("strategy,check", [("async", "partial"), ("quorum:3:50ms", "none")])
+def test_an_aggregator_host_dies_under_a_strategy_that_lets_members_apart(make_lab, make_daemon, strategy, check):
+    """Failover when the members are not within a call of each other: the job runs ``async`` (or
+    ``quorum:3``) on two daemons, rank 3 waits 50 ms before each call, so the others run calls
+    ahead of it (async: up to the aggregator's window; quorum: as far as they like). The second host
+    dies mid-run (SIGKILL, its XDP program detached). Every member stalls on it, in its own call;
+    the members behind take its parts of their earlier calls from the one ahead, everyone sends its
+    part of the newest call again to the first host, and every member drops it from the call after.
+    Every call answered; under async each chunk is a sum of as many members' tensors of its call as
+    its n_contrib says (``--check partial``), within the bound."""
+    import signal
+    import threading
+    import time
+
+    lab = make_lab(4, aggregators=2)
+    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
+               for i in range(2)]
+    # a slot a chunk: with fewer, a member sends a slot's next key only once its last one there is
+    # answered and results are kept for every member (docs/protocol.md), which holds them together
+    job = daemons[0].call("jobs.create", name="apart", world=4, strategy=strategy, slots=256)
+    daemons[1].call("jobs.create", name="apart", world=4, strategy=strategy, slots=256, token=job["token"])
+    size, rounds = 70_001, 30
+    part = -(-ShardMap((1, 1)).cuts(size, 256)[1] // 256)     # chunks of the first host's part a call
+    killed = {}
+
+    def kill_second():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            shown = daemons[1].call("jobs.show", job="apart")["paths"]["kernel"]["counters"]["released"]
+            if shown >= 6 * part:       # about 6 calls in
+                break
+            time.sleep(0.01)
+        daemons[1].stop(signal.SIGKILL, 10)      # the host dies: no daemon, no XDP program
+        lab.check_output(lab.agg_ns_of(1), ["ip", "link", "set", "dev", lab.agg_ifname, "xdp", "off"])
+        killed["at"] = shown
+
+    t = threading.Thread(target=kill_second, daemon=True)
+    t.start()
+    runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="apart", token=job["token"],
+                                   weights=(1, 1), failover_after=1.0),
+                       timeout=300, extra=["--sizes", str(size), "--rounds", str(rounds), "--give-up-after", "30",
+                                           "--slow", "3:0.05", "--check", check])
+    t.join(10)
+    assert killed, "the second host was not killed"
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert len(r.records) == rounds and all(rec["shape_ok"] for rec in r.records), r.stderr[-3000:]
+        if check == "partial":
+            assert all(rec["within_bound"] for rec in r.records), [rec for rec in r.records
+                                                                   if not rec["within_bound"]][:3]
+    per_call = [[tuple(rec["shard_weights"]) for rec in r.records] for r in runs]
+    assert all(calls == per_call[0] for calls in per_call)
+    assert per_call[0][0] == (1, 1) and per_call[0][-1] == (1, 0), per_call[0]
+    assert all("stopped answering" in r.stderr and "failed over" in r.stderr for r in runs)
+    reason = next(line for line in runs[0].stderr.splitlines() if "stopped answering" in line)
+    if strategy.startswith("quorum"):     # the fast ones ran calls ahead of the slow one
+        assert "stalled on it in calls" in reason, reason
+
+
 def test_an_aggregator_host_is_added_while_the_job_runs(make_lab, make_daemon):
     """Scale out, then in: the job is registered on three daemons with one token; the workers start
     on the first two, rank 0 adds the third at call 12 and drains it again at call 20. From one

@@ -58,3 +58,20 @@ def test_tensor_blocks_are_the_tensor():
     b = lw._block(ELEMENTS)
     np.testing.assert_array_equal(t[b:2 * b], lw.tensor_block(1, 2, SIZE, "float32", 0, "random", ELEMENTS, 1))
     assert t.dtype == np.float32 and np.all(np.isfinite(t))
+
+
+def test_partial_check_takes_each_chunk_as_the_sum_of_as_many_members_as_it_counts():
+    """``--check partial`` (async's running sums): each chunk the sum of some n_contrib members."""
+    xs = [lw.tensor(5, r, SIZE, "float32", 0, "random", ELEMENTS).astype(np.float64) for r in range(WORLD)]
+    n_chunks = -(-SIZE // ELEMENTS)
+    counts = np.array([1 + k % WORLD for k in range(n_chunks)])
+    out = np.empty(SIZE)
+    for k in range(n_chunks):    # chunk k: members k .. k + count - 1 (mod WORLD)
+        sl = slice(k * ELEMENTS, (k + 1) * ELEMENTS)
+        out[sl] = sum(xs[(k + j) % WORLD][sl] for j in range(counts[k]))
+    out = out.astype(np.float32)
+    assert lw.check_partial(out, counts, 5, WORLD, SIZE, "float32", 0, ELEMENTS)["within_bound"]
+    assert not lw.check(out, 5, WORLD, SIZE, "float32", 0, ELEMENTS)["within_bound"]
+    wrong = counts.copy()
+    wrong[-1] = 1 + wrong[-1] % WORLD     # the last chunk counted as another number of members
+    assert not lw.check_partial(out, wrong, 5, WORLD, SIZE, "float32", 0, ELEMENTS)["within_bound"]

@@ -758,6 +758,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     }
                 }
                 bit<1> admitted = 0;
+                bit<8> rel_kind = 0;     /* the kind of the chunk's newest released bank */
+                if (hold == 1 && ik == NO_BANK && irel_chunk != NO_BANK) {
+                    bank_kind.read(rel_kind, base + (bit<32>)irel_chunk);
+                }
                 /* a round of a chunk opens only once its predecessor, `skip` rounds before it, has:
                  * at most that many after the chunk's newest (SKIP_MAX: at least); no wrap in 48 bits */
                 bit<1> in_order = 1;
@@ -804,17 +808,21 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
                     bank_held.write(base + (bit<32>)iheld, 0);
                     add = iheld;
-                } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && ik != NO_BANK &&
-                           b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM &&
-                           shared == 1) {
+                } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && shared == 1 &&
+                           ((ik != NO_BANK && b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM) ||
+                            (ik == NO_BANK && irel_chunk != NO_BANK && rel_kind == AGGD_STRATEGY_KIND_QUORUM))) {
                     /* a quorum round of a slot serving several chunk indices, kept for this
-                     * straggler, answers it though no bank is free to carry its values into
-                     * (dropped, as a quorum may) */
-                    out = ik;
+                     * straggler (or, its round gone, the chunk's newest quorum result) answers it
+                     * though no bank is free to carry its values into (dropped, as a quorum may) */
                     carried = 0;
                     uncarried = 1;
-                    bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
-                                     b_steps | ((bit<8>)1 << (bit<8>)hdr.aggd.step));
+                    if (ik != NO_BANK) {
+                        out = ik;
+                        bank_steps.write((base + (bit<32>)ik) * AGGD_MAX_MEMBERS + (bit<32>)hdr.aggd.rank,
+                                         b_steps | ((bit<8>)1 << (bit<8>)hdr.aggd.step));
+                    } else {
+                        out = irel_chunk;
+                    }
                 } else if (admitted == 0 || in_order == 0 || pick == NO_BANK) {
                     reason = AGGD_DROP_REASON_BUSY;
                     if (carried == 1) {
