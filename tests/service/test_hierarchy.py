@@ -18,14 +18,15 @@ pytestmark = pytest.mark.root
 SIZES = [1, 256, 257, 9_000, 70_001]
 
 
-def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4):
+def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4, top_strategy: str = "sync"):
     """Two racks of ``per_rack`` lab workers behind a spine bridge (``Lab(racks=2)``): the upper job
-    "top" on the spine's daemon, rack jobs "rack0" and "rack1" (made through aggctl) on the racks'
-    daemons; rack 1's job has 4 of its 16 slots in the kernel, the rest in user space."""
+    "top" on the spine's daemon (under ``top_strategy``), rack jobs "rack0" and "rack1" (made
+    through aggctl) on the racks' daemons; rack 1's job has 4 of its 16 slots in the kernel, the
+    rest in user space."""
     lab = make_lab(2 * per_rack, aggregators=3, racks=2, loss_percent=loss)
     daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
                for i in range(3)]
-    top = daemons[lab.spine_aggregator].call("jobs.create", name="top", world=2)
+    top = daemons[lab.spine_aggregator].call("jobs.create", name="top", world=2, strategy=top_strategy)
     racks = []
     for r in range(2):
         made = daemons[r].aggctl("jobs", "create", f"rack{r}", "--world", str(per_rack), "--json",
@@ -104,6 +105,32 @@ def test_loss_on_every_link_is_recovered_at_both_levels(make_lab, make_daemon):
     for r in range(2):
         c = counted(daemons[r].call("jobs.show", job=f"rack{r}")["paths"], "forwarded", "released", "retransmits")
         assert c["forwarded"] > c["released"] and c["retransmits"] > 0, c    # re-sent upwards
+
+
+@pytest.mark.parametrize("strategy,check", [("async", "partial"), ("ssp:1", "all"), ("quorum:1:20ms", "none")])
+def test_racks_under_an_upper_job_of_another_strategy(make_lab, make_daemon, strategy, check):
+    """The upper job runs another strategy among the racks (rack jobs are sync). ``async``: a rack's
+    forwarded sum is answered at once with the upper round's running sum, which the rack relays:
+    each chunk a worker gets is the sum of as many workers' tensors as its n_contrib says (its own
+    rack's, or both racks'), within the bound. ``ssp:1``: racks a round apart, every sum whole.
+    ``quorum:1``: the first rack's sum releases the upper round; the other's, late, is carried into
+    the next one (every call answered: what a quorum's straggler gets)."""
+    lab, daemons, top, racks = tree(make_lab, make_daemon, top_strategy=strategy)
+    runs = run_racks(lab, racks, ["--sizes", "256,9000,70001", "--rounds", "6", "--interleave",
+                                  "--check", check, "--give-up-after", "30"])
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert len(run.records) == 18 and all(rec["shape_ok"] for rec in run.records)
+        if check != "none":
+            assert all(rec["within_bound"] for rec in run.records), \
+                [rec for rec in run.records if not rec["within_bound"]][:3]
+    upper = daemons[lab.spine_aggregator].call("jobs.show", job="top")
+    assert upper["strategy"].startswith(strategy.split(":")[0]), upper["strategy"]
+    counters = upper["paths"]["kernel"]["counters"]
+    if strategy == "async":
+        assert counters["partials"] > 0, counters     # some racks got the running sum before the other's
+    if strategy.startswith("quorum"):
+        assert counters["carried"] + counters["uncarried"] > 0, counters   # the later rack's sums
 
 
 def test_a_rack_job_refuses_what_it_cannot_serve(make_lab, make_daemon):
