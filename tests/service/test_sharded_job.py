@@ -46,6 +46,40 @@ def test_a_job_on_two_daemons_joined_with_one_token(make_lab, make_daemon):
         assert released == 2 * chunks, (i, shown["paths"]["kernel"]["counters"])
 
 
+def test_three_daemons_eight_workers_every_strategy(make_lab, make_daemon):
+    """A job on three daemons cut 1:2:1, 8 lab workers, tensors that shrink and grow, under each
+    strategy in turn (a job each, one lab): where every result holds every worker (sync, ssp, wbsp)
+    each is the sum of all 8 workers' tensors within the bound, as one aggregator's would be; under
+    async each chunk is the sum of as many workers' tensors as its n_contrib says; under a quorum
+    every call is answered."""
+    lab = make_lab(8, aggregators=3)
+    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
+               for i in range(3)]
+    sizes = [1, 256, 257, 20_003, 3, 70_001]
+    for n, (strategy, check) in enumerate([("sync", "all"), ("ssp:2", "all"), ("wbsp", "all"),
+                                           ("async", "partial"), ("quorum:6:50ms", "none")]):
+        name = f"three{n}"
+        job = daemons[0].call("jobs.create", name=name, world=8, strategy=strategy)
+        for d in daemons[1:]:
+            d.call("jobs.create", name=name, world=8, strategy=strategy, token=job["token"])
+        runs = run_workers(lab, LabJob(job=job["id"], workers=list(range(8)), name=name, token=job["token"],
+                                       weights=(1, 2, 1)),
+                           timeout=300, extra=["--sizes", ",".join(map(str, sizes)), "--rounds", "2",
+                                               "--interleave", "--check", check, "--give-up-after", "30"])
+        for r in runs:
+            assert r.returncode == 0, (strategy, r.stderr[-3000:])
+            assert len(r.records) == 2 * len(sizes) and all(rec["shape_ok"] for rec in r.records), strategy
+            if check != "none":
+                assert all(rec["within_bound"] for rec in r.records), \
+                    (strategy, [rec for rec in r.records if not rec["within_bound"]][:3])
+        for d in daemons:    # every host took part, in the kernel
+            shown = d.call("jobs.show", job=name)
+            assert shown["strategy"].startswith(strategy.split(":")[0]), (strategy, shown["strategy"])
+            assert shown["joined"] == 8 and shown["paths"]["kernel"]["counters"]["released"] > 0, (strategy, shown)
+        for d in daemons:
+            d.call("jobs.delete", job=name)
+
+
 @pytest.mark.parametrize("back_by", ["revive", "probe"])
 def test_an_aggregator_host_fails_and_comes_back(make_lab, make_daemon, back_by):
     """Two daemons, 4 workers with failover after 1 s and agreed maps every 4 calls: the second
