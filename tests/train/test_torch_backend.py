@@ -207,7 +207,8 @@ def test_sharded_settings():
     assert s.weights == (1.0, 2.5) and s.rebalance_every == 50 and s.failover_after is None
     assert Settings.resolve(None, {**env, "AGGD_FAILOVER_AFTER": "3"}).failover_after == 3.0
     assert s.probe_every == 5.0 and Settings.resolve(None, {**env, "AGGD_PROBE_EVERY": "0.5"}).probe_every == 0.5
-    assert Settings.resolve(None, {**env, "AGGD_PROBE_EVERY": "0"}).probe_every is None
+    for never in ("0", "0.0", "0.00", " 0 "):
+        assert Settings.resolve(None, {**env, "AGGD_PROBE_EVERY": never}).probe_every is None, never
     for bad, text in ((("AGGD_WEIGHTS", "1"), "AGGD_WEIGHTS has 1 weights for 2 servers"),
                       (("AGGD_WEIGHTS", "1,x"), "could not convert|AGGD_WEIGHTS"),
                       (("AGGD_WEIGHTS", "0,0"), "AGGD_WEIGHTS: at least one weight must be above 0"),

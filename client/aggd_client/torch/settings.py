@@ -82,6 +82,14 @@ def _seconds(value, what: str) -> float:
     return v
 
 
+def _is_zero(value) -> bool:
+    """0 in any spelling ("0", "0.0", "0.00", 0): a setting's "never"."""
+    try:
+        return float(value) == 0
+    except (TypeError, ValueError):
+        return False
+
+
 def _flag(value, what: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -219,7 +227,7 @@ class Settings:
             kw["failover_after"] = _seconds(value, where)
         value, where = raw("probe_every")
         if value is not None:
-            kw["probe_every"] = None if str(value).strip() in ("0", "0.0") else _seconds(value, where)
+            kw["probe_every"] = None if _is_zero(value) else _seconds(value, where)
         bind, where = raw("bind")
         if bind is not None:
             kw["bind"] = bind if isinstance(bind, tuple) else _host_port(bind, where, port_required=False)
