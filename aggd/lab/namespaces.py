@@ -3,6 +3,7 @@
     {name}-sw    br0 (multicast snooping off, so results flood to every port)
                  ports sw-agg, sw-w0 .. sw-w{N-1}; nftables loss rules; XDP_PASS on sw-agg
                  (at MTUs native XDP takes; above NATIVE_MAX_MTU the lab is for generic mode only)
+                 and a queue (PORT_QUEUE_PACKETS), as a switch port has
     {name}-agg   agg0  10.77.0.1/24
     {name}-w{i}  eth0  10.77.0.{10+i}/24
 
@@ -62,6 +63,17 @@ NATIVE_MAX_MTU = proto.NATIVE_MAX_MTU
 # Above that a lab serves generic (skb) mode XDP only, which takes any frame a veth carries: jumbo
 # packets (protocol.MAX_ELEMENTS) need a 32,836-byte MTU.
 JUMBO_MAX_MTU = 65535
+
+# A queue on each aggregator's bridge port, as a switch port has a buffer: a veth into a native XDP
+# program hands frames over in a 256-frame ring and, with no qdisc, drops what overflows it (bursts
+# of 4-8 workers' GSO sends did, 1-4% of packets). With a qdisc a full ring stops the port's queue
+# until the program has drained it (veth backpressure, Linux 6.16 on).
+PORT_QUEUE_PACKETS = 10000
+# The host's per-CPU backlog of received packets (net.core.netdev_max_backlog; host-wide, only the
+# root namespace has it). Every frame a veth without XDP receives waits there, and a result flooded
+# to 8 workers is 8 frames: the default 1,000 dropped about 2% of a lab's packets at MTU 9000. The
+# lab raises it to at least this and leaves it (other labs may be running).
+HOST_BACKLOG_PACKETS = 10000
 
 _SIOCETHTOOL = 0x8946
 _ETHTOOL_STXCSUM = 0x17  # legacy ethtool_value command, still the simplest way to flip it
@@ -141,6 +153,13 @@ def disable_tx_checksum(ns_name: str, ifname: str) -> None:
 def _write_sysctl(key: str, value: str) -> None:
     """Write a sysctl in the calling thread's network namespace (use inside in_netns)."""
     Path("/proc/sys", *key.split(".")).write_text(value)
+
+
+def raise_host_backlog(packets: int = HOST_BACKLOG_PACKETS) -> None:
+    """Raise the host's ``net.core.netdev_max_backlog`` to at least ``packets`` (never lowers it)."""
+    path = Path("/proc/sys/net/core/netdev_max_backlog")
+    if int(path.read_text()) < packets:
+        path.write_text(str(packets))
 
 
 # --- XDP helper ----------------------------------------------------------------------------------
@@ -419,6 +438,9 @@ class Lab:
         if self.mtu <= NATIVE_MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
             for i in range(self.aggregators):
                 attach_xdp_pass(self.switch_ns, self.agg_port_of(i), frags=self.mtu > PAGE_MTU)
+        for i in range(self.aggregators):
+            self._set_port_queue(i)
+        raise_host_backlog()
         if self.loss_percent:
             self._apply_loss(self.loss_percent)
         self._save()
@@ -493,13 +515,17 @@ class Lab:
         None: no limit): an aggregator host behind a slower link."""
         port = self.agg_port_of(i)
         if mbit is None:
-            subprocess.run(["ip", "netns", "exec", self.switch_ns, "tc", "qdisc", "del", "dev", port, "root"],
-                           capture_output=True)
+            self._set_port_queue(i)
             return
         if not mbit > 0:
             raise ValueError(f"rate must be above 0 Mbit/s, not {mbit}")
         self.check_output(self.switch_ns, ["tc", "qdisc", "replace", "dev", port, "root", "tbf", "rate",
                                            f"{mbit}mbit", "burst", "256kb", "latency", "200ms"])
+
+    def _set_port_queue(self, i: int) -> None:
+        """The bridge's port to aggregator ``i`` gets its queue (``PORT_QUEUE_PACKETS``)."""
+        self.check_output(self.switch_ns, ["tc", "qdisc", "replace", "dev", self.agg_port_of(i), "root", "pfifo",
+                                           "limit", str(PORT_QUEUE_PACKETS)])
 
     def keep_multicast_from_aggregators(self, keep: bool = True) -> None:
         """Stop (or, ``keep=False``, restore) the bridge flooding IPv4 multicast to the aggregators'

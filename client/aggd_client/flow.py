@@ -14,7 +14,10 @@ the per-CPU backlog a veth feeds, the XDP ring) drops what overflows, and a wind
 they hold turns into losses and retransmission timeouts. Only a timeout with evidence of loss
 cuts it (the caller decides: answers to chunks sent after the timed-out one have come, so the
 results stream passed it by); a timeout while nothing later is answered either is the round
-waiting for its slowest member, which a smaller window would not hasten.
+waiting for its slowest member, which a smaller window would not hasten. And only while answer
+times show a queue (``RtoEstimator.queueing``: well above the shortest recent one): a queue that
+overflows fills first, while a lossy link drops at short answer times, where halving the window
+for every loss held a 5%-loss lab at the floor (16 chunks in flight) and took 5x the lossless time.
 
 ``default_window`` bounds the window by bytes (``MAX_INFLIGHT_BYTES``): where the path is the
 host's CPU (every hop of a lab, and the aggregator's cores on a real one), chunks beyond what
@@ -33,6 +36,19 @@ BETA = 1 / 4
 #: Chunks in flight at the start (one GSO batch) and never fewer than this.
 INITIAL_WINDOW = 64
 MIN_WINDOW = 16
+#: Chunks a tail loss probe resends at most: a round's last chunks, unanswered after every other
+#: answer came, are probed two smoothed answer times after the last answer instead of a timeout
+#: (RACK-TLP, RFC 8985: nothing sent later can reveal their loss). More than this still open at
+#: the end is the round waiting for a slow member, not a loss.
+TAIL_PROBE_MAX = 16
+#: The shortest wait before a tail loss probe (seconds; the progress loop scans every 1 ms at best).
+TAIL_PROBE_FLOOR = 0.002
+#: A loss cuts the window only where answers take this much longer than the shortest recent one
+#: (a queue has formed: the window is too large for a queue somewhere); a loss at short answer
+#: times is the path's (a lossy link), which a smaller window would not cure.
+QUEUE_DELAY_FACTOR = 2.0
+#: How long the shortest answer time is remembered (a path that got slower for good is learnt).
+MIN_RTT_WINDOW = 10.0
 #: Packet bytes a worker keeps in flight by default: half its socket buffers (the client asks
 #: for 16 MiB, the kernel doubles it), about 5,000 packets of 832 values (more than the default
 #: 4096 slots), 510 of 8,192. 4 MiB left a lab's two cores idle 40% of a 4-worker 64 MiB round
@@ -50,7 +66,7 @@ class RtoEstimator:
     """``rto``: ``srtt + 4 * rttvar`` from the samples so far, never below ``floor`` nor above
     ``cap``; ``initial`` (clamped alike) before the first sample."""
 
-    __slots__ = ("floor", "cap", "srtt", "rttvar", "_rto")
+    __slots__ = ("floor", "cap", "srtt", "rttvar", "_rto", "min_rtt", "_min_at", "_samples")
 
     def __init__(self, initial: float, floor: float, cap: float):
         if not 0 < floor <= cap:
@@ -59,17 +75,25 @@ class RtoEstimator:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self._rto = min(max(float(initial), self.floor), self.cap)
+        #: the shortest answer time of the last ``MIN_RTT_WINDOW`` seconds (None before any)
+        self.min_rtt: float | None = None
+        self._min_at = 0.0
+        self._samples = 0
 
     @property
     def rto(self) -> float:
         return self._rto
 
-    def sample(self, rtt: float) -> float:
-        """Feed one answer time (seconds, of a chunk sent once); returns the new ``rto``."""
+    def sample(self, rtt: float, now: float = 0.0) -> float:
+        """Feed one answer time (seconds, of a chunk sent once) taken at ``now``; returns the new
+        ``rto``."""
         if not 0 <= rtt < math.inf:
             # a clock step, or a chunk whose send time was cleared to make it due at once
             # (``hurry``): it says nothing about the path
             return self._rto
+        self._samples += 1
+        if self.min_rtt is None or rtt <= self.min_rtt or now - self._min_at > MIN_RTT_WINDOW:
+            self.min_rtt, self._min_at = rtt, now
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
@@ -77,6 +101,14 @@ class RtoEstimator:
             self.srtt = (1 - ALPHA) * self.srtt + ALPHA * rtt
         self._rto = min(max(self.srtt + 4 * self.rttvar, self.floor), self.cap)
         return self._rto
+
+    @property
+    def queueing(self) -> bool:
+        """Whether answers now take ``QUEUE_DELAY_FACTOR`` times the shortest recent one or more
+        (True before enough samples to tell: a loss then is taken as congestion, as TCP does)."""
+        if self.srtt is None or self.min_rtt is None or self._samples < 8:
+            return True
+        return self.srtt >= QUEUE_DELAY_FACTOR * self.min_rtt
 
 
 class CongestionWindow:

@@ -21,6 +21,7 @@ import numpy as np
 
 from . import _fast, quant
 from .errors import AggdError
+from .flow import TAIL_PROBE_FLOOR, TAIL_PROBE_MAX
 from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 if TYPE_CHECKING:
@@ -333,7 +334,7 @@ class _Send:
             self.inflight -= n
             self.last_ack = self.answered_at = now
             if once:
-                c._rtt.sample(longest)
+                c._rtt.sample(longest, now)
             if newest > self.rack_sent:
                 self.rack_sent, self.rack_rtt = newest, now - newest
             c._cwnd.acked(n)
@@ -368,13 +369,19 @@ class _Send:
             # answer's time
             sent = self.sent_at[cand]
             late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
+            if self.next >= self.n and cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
+                # tail loss probe: the round's last few chunks, after every other answer came, are
+                # resent once two answer times after the last answer (then the timeout rules)
+                pto = max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR)
+                late |= (retries == 0) & (now - sent >= pto) & (now - self.answered_at >= pto)
         due = cand[late]
         if due.size == 0:
             return
         first = due[retries[late] == 0]
-        if first.size and int(first[0]) < self.hi_answered:
+        if first.size and int(first[0]) < self.hi_answered and c._rtt.queueing:
             # a first timeout of a chunk the answers have passed by: the path dropped it (a
-            # timeout with nothing later answered is the round waiting for a slow member)
+            # timeout with nothing later answered is the round waiting for a slow member), and
+            # answers show a queue (a loss at short answer times is the link's, not the window's)
             c._cwnd.lost(now, c._rtt.srtt or c._rtt.rto)
         pk = self.ring.pk
         idx = due % self.S

@@ -286,12 +286,15 @@ class Scripted:
         self.sock.close()
 
     def contributions(self, n: int, timeout: float = 2.0) -> list[tuple[Header, np.ndarray, tuple]]:
+        """The next ``n`` first sends (retransmissions, such as tail loss probes, are skipped)."""
         got, deadline = [], time.monotonic() + timeout
         while len(got) < n and time.monotonic() < deadline:
             r, _, _ = select.select([self.sock], [], [], 0.05)
             if r:
                 data, src = self.sock.recvfrom(65536)
-                got.append((Header.unpack(data), np.frombuffer(data, "<i4", offset=HEADER_SIZE), src))
+                hdr = Header.unpack(data)
+                if not hdr.flags & Flag.RETRANSMIT:
+                    got.append((hdr, np.frombuffer(data, "<i4", offset=HEADER_SIZE), src))
         assert len(got) == n, f"expected {n} contributions, got {len(got)}"
         return got
 

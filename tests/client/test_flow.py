@@ -88,3 +88,22 @@ def test_an_answer_time_that_is_not_finite_or_negative_is_ignored():
     for bad in (float("inf"), float("nan"), -0.01):  # a hurried chunk's time is -inf: now - -inf
         assert est.sample(bad) == before[2]
     assert (est.srtt, est.rttvar, est.rto) == before
+
+
+def test_queueing_is_answer_times_well_above_the_shortest_recent_one():
+    """A loss cuts the window only where answers show a queue: srtt at QUEUE_DELAY_FACTOR times the
+    shortest answer time of the last MIN_RTT_WINDOW seconds; before 8 samples every loss counts."""
+    from aggd_client.flow import MIN_RTT_WINDOW, QUEUE_DELAY_FACTOR
+    est = RtoEstimator(0.05, 0.05, 1.0)
+    assert est.queueing                      # nothing known yet: as TCP, a loss is congestion
+    for i in range(20):
+        est.sample(0.001, now=i * 0.01)
+    assert est.min_rtt == pytest.approx(0.001) and not est.queueing   # a lossy link, no queue
+    for i in range(40):
+        est.sample(0.001 * QUEUE_DELAY_FACTOR * 2, now=0.2 + i * 0.01)
+    assert est.queueing                      # answers now wait in a queue
+    # a path slower for good: after MIN_RTT_WINDOW its answer time is the new shortest
+    later = 0.6 + MIN_RTT_WINDOW
+    for i in range(40):
+        est.sample(0.004, now=later + i * 0.01)
+    assert est.min_rtt == pytest.approx(0.004) and not est.queueing
