@@ -36,13 +36,17 @@ BETA = 1 / 4
 #: Chunks in flight at the start (one GSO batch) and never fewer than this.
 INITIAL_WINDOW = 64
 MIN_WINDOW = 16
-#: Chunks a tail loss probe resends at most: a round's last chunks, unanswered after every other
+#: Chunks tail loss probes resend at most: a round's last chunks, unanswered after every other
 #: answer came, are probed two smoothed answer times after the last answer instead of a timeout
 #: (RACK-TLP, RFC 8985: nothing sent later can reveal their loss). More than this still open at
 #: the end is the round waiting for a slow member, not a loss.
 TAIL_PROBE_MAX = 16
 #: The shortest wait before a tail loss probe (seconds; the progress loop scans every 1 ms at best).
 TAIL_PROBE_FLOOR = 0.002
+#: Probes a tail chunk gets, each after twice the wait of the one before (then its timeout rules):
+#: a probe is lost as its first send was (one probe, as TCP sends, left 5%-loss rounds waiting for
+#: 50 ms timeouts: 6.7x the lossless time against 2x with three).
+TAIL_PROBES = 3
 #: A loss cuts the window only where answers take this much longer than the shortest recent one
 #: (a queue has formed: the window is too large for a queue somewhere); a loss at short answer
 #: times is the path's (a lossy link), which a smaller window would not cure.

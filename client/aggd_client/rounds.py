@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _fast, quant
 from .errors import AggdError
-from .flow import TAIL_PROBE_FLOOR, TAIL_PROBE_MAX
+from .flow import TAIL_PROBE_FLOOR, TAIL_PROBE_MAX, TAIL_PROBES
 from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 if TYPE_CHECKING:
@@ -370,10 +370,11 @@ class _Send:
             sent = self.sent_at[cand]
             late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
             if self.next >= self.n and cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
-                # tail loss probe: the round's last few chunks, after every other answer came, are
-                # resent once two answer times after the last answer (then the timeout rules)
-                pto = max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR)
-                late |= (retries == 0) & (now - sent >= pto) & (now - self.answered_at >= pto)
+                # tail loss probes: the round's last few chunks, after every other answer came, are
+                # resent two answer times after the last answer, then after twice that, up to
+                # TAIL_PROBES times (each member probes its own: a chunk waits for every member's)
+                pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(retries.astype(np.float64)), rto)
+                late |= (retries < TAIL_PROBES) & (now - sent >= pto) & (now - self.answered_at >= pto)
         due = cand[late]
         if due.size == 0:
             return
