@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from aggd.cli.main import main as aggctl
 from aggd.cli.commands.lab import LossPercent
 import aggd.lab.namespaces as lab_module
-from aggd.dataplane.xdp.loader import load_xdp_function
 from aggd.lab.namespaces import Lab, LabError, in_netns, xdp_prog_id
+from aggd_client.transport import UDP_SEGMENT
 from tests.conftest import unique_lab_name
 
 pytestmark = pytest.mark.root
@@ -136,8 +136,6 @@ def test_bursts_into_a_native_xdp_aggregator_wait_in_the_port_queue(make_lab):
     native XDP program (a 256-frame ring behind the bridge's port): none is dropped on the way
     at the port (its queue holds them while the ring is full), and the host's per-CPU backlog is
     large enough for a lab's floods."""
-    from bcc import BPF
-
     lab = make_lab(workers=4, mtu=9000)
     assert int(open("/proc/sys/net/core/netdev_max_backlog").read()) >= lab_module.HOST_BACKLOG_PACKETS
     qdisc = lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg"])
@@ -146,32 +144,26 @@ def test_bursts_into_a_native_xdp_aggregator_wait_in_the_port_queue(make_lab):
     lab.set_aggregator_rate(0, None)
     assert f"limit {lab_module.PORT_QUEUE_PACKETS}p" in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg"])
 
-    bpf = BPF(text=b"int pass_frags(struct xdp_md *ctx) { return XDP_PASS; }")
-    try:
-        fn = load_xdp_function(bpf, "pass_frags", frags=True)
-        with in_netns(lab.agg_ns):
-            BPF.attach_xdp(lab.agg_ifname.encode(), fn, BPF.XDP_FLAGS_DRV_MODE)
-        receiver = udp_socket(lab.agg_ns, ("0.0.0.0", 47001))
-        receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
-        before = _port_drops(lab, "sw-agg")
-        # one process a worker (threads would take turns on the GIL: no burst at once)
-        batches, per_batch = 50, 64   # 12,800 frames of 1,000 bytes, 50x the ring
-        sender = ("import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
-                  "s.setsockopt(socket.SOL_UDP, 103, 1000); sys.stdin.read(1); "
-                  f"[s.sendto(bytes(1000 * {per_batch}), ('{lab.agg_ip}', 47001)) for _ in range({batches})]")
-        procs = [lab.run(lab.worker_ns(i), [sys.executable, "-c", sender], stdin=subprocess.PIPE)
-                 for i in range(lab.workers)]
-        time.sleep(0.5)   # all started: go at once
-        for p in procs:
-            p.stdin.write(b"g")
-            p.stdin.flush()
-        for p in procs:
-            assert p.wait(timeout=60) == 0
-        got = drain(receiver, quiet=1.0)
-        receiver.close()
-        assert got and _port_drops(lab, "sw-agg") == before   # (without the queue: hundreds)
-    finally:
-        bpf.cleanup()
+    lab_module.attach_xdp_pass(lab.agg_ns, lab.agg_ifname, frags=True)   # native, as the daemon's
+    receiver = udp_socket(lab.agg_ns, ("0.0.0.0", 47001))
+    receiver.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
+    before = _port_drops(lab, "sw-agg")
+    # one process a worker (threads would take turns on the GIL: no burst at once)
+    batches, per_batch = 50, 64   # 12,800 frames of 1,000 bytes, 50x the ring
+    sender = ("import socket, sys; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+              f"s.setsockopt(socket.SOL_UDP, {UDP_SEGMENT}, 1000); sys.stdin.read(1); "
+              f"[s.sendto(bytes(1000 * {per_batch}), ('{lab.agg_ip}', 47001)) for _ in range({batches})]")
+    procs = [lab.run(lab.worker_ns(i), [sys.executable, "-c", sender], stdin=subprocess.PIPE)
+             for i in range(lab.workers)]
+    time.sleep(0.5)   # all started: go at once
+    for p in procs:
+        p.stdin.write(b"g")
+        p.stdin.flush()
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    got = drain(receiver, quiet=1.0)
+    receiver.close()
+    assert got and _port_drops(lab, "sw-agg") == before   # (without the queue: hundreds)
 
 
 def test_loss_drops_about_the_requested_share(make_lab):

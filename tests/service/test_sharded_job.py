@@ -61,7 +61,7 @@ def test_three_daemons_eight_workers_every_strategy(make_lab, make_daemon):
         name = f"three{n}"
         # (a quorum whose slots each serve several chunk indices, with tensors of several sizes, can
         # stall here for good, every member refused busy at one chunk: a known bug, docs/sharding.md
-        # "Limits"; the quorum job gets a slot per chunk index)
+        # "Not yet"; the quorum job gets a slot per chunk index)
         slots = {"slots": 256} if strategy.startswith("quorum") else {}
         job = daemons[0].call("jobs.create", name=name, world=8, strategy=strategy, **slots)
         for d in daemons[1:]:
