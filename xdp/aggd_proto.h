@@ -35,6 +35,7 @@ enum aggd_flag {
 	AGGD_FLAG_USERSPACE = 4,
 	AGGD_FLAG_CARRIED = 8,
 	AGGD_FLAG_REREAD = 16,
+	AGGD_FLAG_ORDERED = 32,
 };
 
 enum aggd_nack_code {

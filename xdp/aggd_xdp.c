@@ -624,6 +624,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	__u16 weight = ntohs(HDR(h, __be16, n_contrib));
 	weight = weight ? weight : 1;
 	int retransmit = h->flags & AGGD_FLAG_RETRANSMIT;
+	/* the sender's word that it sends a slot's keys in order of answers (Flag.ORDERED) */
+	__u64 ordered = 1 ^ is_zero(h->flags & AGGD_FLAG_ORDERED);
 	struct strategy_entry *st_new = strategy_for(cfg, round);
 	__u64 now = clock_now();
 
@@ -652,7 +654,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->partial = sc->released = sc->written = sc->forward = 0;
 	/* The sender holds a round's result if it sends a round RESULT_WINDOW later, or step 0 of the
 	 * same round and a later chunk, or any later round when the bank's chunk or the packet's is
-	 * n_slots or beyond (Slot.note_sender; an empty bank's mark is cleared when it opens). In a
+	 * n_slots or beyond or the packet is ORDERED (Slot.note_sender; an empty bank's mark is cleared when it opens). In a
 	 * loop of its own, without branches, before the scan's branches multiply the paths the
 	 * verifier walks (the jumbo build is near its limit). */
 	__u64 wide_sent = ((__u64)cfg->n_slots - 1 - chunk) >> 63;
@@ -661,7 +663,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];
 		__u64 k = b->key;
-		__u64 wide = (((__u64)cfg->n_slots - 1 - (__u32)k) >> 63) | wide_sent;
+		__u64 wide = (((__u64)cfg->n_slots - 1 - (__u32)k) >> 63) | wide_sent | ordered;
 		__u64 later = 1 ^ ((((__u64)round - (k >> 32) - AGGD_RESULT_WINDOW + wide * (AGGD_RESULT_WINDOW - 1))
 				    >> 63) & 1);
 		__u64 same = is_zero(((__u64)round ^ (k >> 32)) | step) & (((__u64)(__u32)k - chunk) >> 63);

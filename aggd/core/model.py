@@ -82,7 +82,7 @@ Slot rules (numbers as in docs/protocol.md)
   contribution or re-read that reaches the slot rules first marks its sender in ``held`` of each
   non-empty bank whose round it is at least RESULT_WINDOW past, or, at step 0, whose round it
   shares with a larger chunk, or whose round it is past when that bank's chunk or K's is
-  ``slots`` or beyond; ``open`` and ``adopt`` clear it); any refusal is ``busy``. Before
+  ``slots`` or beyond or the packet has Flag.ORDERED; ``open`` and ``adopt`` clear it); any refusal is ``busy``. Before
   all this, a key above the slot's ``pending`` is refused ``busy``; any other key rule 3 refuses
   becomes ``pending`` if ``ssp`` or ``async`` governs its round (it is not above a pending one,
   which would have refused it); a bank holding the pending key (opened, adopted or a carry's
@@ -567,15 +567,18 @@ class Slot:
             return bank.held & awaited == awaited
         return bank.kind not in KEPT_KINDS or kind == StrategyKind.QUORUM or bank.held & awaited == awaited
 
-    def note_sender(self, rank: int, key: Key, step: int, slots: int) -> None:
+    def note_sender(self, rank: int, key: Key, step: int, slots: int, ordered: bool = False) -> None:
         """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
-        then (``Bank.held``), and note a key of a round with more chunks than slots (``shared``)."""
+        then (``Bank.held``), and note a key of a round with more chunks than slots (``shared``).
+        ``ordered``: the packet's Flag.ORDERED, the sender's word that it sends a slot's keys in
+        order of answers, so any later round of it proves it holds the earlier ones."""
         if key[1] >= slots:
             self.shared = True
+        wide = ordered or key[1] >= slots
         for b in self.banks:
             if b.state != BankState.EMPTY and (key[0] >= b.key[0] + RESULT_WINDOW
                                                or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])
-                                               or (key[0] > b.key[0] and max(b.key[1], key[1]) >= slots)):
+                                               or (key[0] > b.key[0] and (wide or b.key[1] >= slots))):
                 b.held |= 1 << rank
 
     def of_chunk(self, chunk: int, state: BankState | None = None) -> list[Bank]:
@@ -950,7 +953,7 @@ class AggregatorModel:
                 bank.unannounced = True
                 self._release(job, bank, "complete")
         key = (hdr.round, hdr.chunk)
-        slot.note_sender(hdr.rank, key, hdr.step, job.cfg.slots)
+        slot.note_sender(hdr.rank, key, hdr.step, job.cfg.slots, bool(hdr.flags & Flag.ORDERED))
         if slot.pending is not None and slot.bank_of(slot.pending) is not None:
             slot.pending = None             # (a carry's holding bank took it, or it opened)
         bank, newest = slot.bank_of(key), slot.newest()

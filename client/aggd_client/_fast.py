@@ -80,8 +80,9 @@ def _chunk_exponent(xb, absmask, pick_b, pick_f, fq, jq):  # pragma: no cover - 
     return e
 
 
-def _write_header(ring_u8, r, c, cnt, e, clear_flags):  # pragma: no cover - jitted
-    """Ring entry ``r``'s chunk, count and exponent (big-endian), and its flags cleared."""
+def _write_header(ring_u8, r, c, cnt, e, flags):  # pragma: no cover - jitted
+    """Ring entry ``r``'s chunk, count and exponent (big-endian), and its flags set to ``flags``
+    unless that is -1 (left as they are)."""
     ring_u8[r, _CHUNK] = (c >> 24) & 255
     ring_u8[r, _CHUNK + 1] = (c >> 16) & 255
     ring_u8[r, _CHUNK + 2] = (c >> 8) & 255
@@ -91,12 +92,12 @@ def _write_header(ring_u8, r, c, cnt, e, clear_flags):  # pragma: no cover - jit
     eu = e & 0xFFFF
     ring_u8[r, _EXP] = eu >> 8
     ring_u8[r, _EXP + 1] = eu & 255
-    if clear_flags:
-        ring_u8[r, _FLAGS] = 0
+    if flags >= 0:
+        ring_u8[r, _FLAGS] = flags
 
 
 def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0,
-          clear_flags):  # pragma: no cover - jitted
+          flags):  # pragma: no cover - jitted
     """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1.
     ``xb`` is ``x``'s bits (uint32 or uint64), ``absmask`` clears their sign; ``pick_b`` and
     ``pick_f`` are one-element views of the same bytes, which turn the largest bits back into a
@@ -118,7 +119,7 @@ def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i
                 dst[j] = np.int32(np.rint(math.ldexp(np.float64(xs[j]), e)))
         for j in range(cnt, E):
             dst[j] = 0
-        _write_header(ring_u8, r, c0 + i, cnt, e, clear_flags)
+        _write_header(ring_u8, r, c0 + i, cnt, e, flags)
 
 
 def _next_random(state):  # pragma: no cover - jitted
@@ -139,7 +140,7 @@ def _mix(z):  # pragma: no cover - jitted
     return z ^ (z >> np.uint64(31))
 
 
-def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, pay, r0, clear_flags, qmax,
+def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, pay, r0, flags, qmax,
                  state):  # pragma: no cover - jitted
     """``_fill`` for a narrow precision: ``pay`` is the ring's payload column (int8 or int16) and
     each value is rounded stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from
@@ -165,7 +166,7 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
             dst[j] = max(-q, min(q, y))
         for j in range(cnt, E):
             dst[j] = 0
-        _write_header(ring_u8, r, c0 + i, cnt, e, clear_flags)
+        _write_header(ring_u8, r, c0 + i, cnt, e, flags)
 
 
 def _be16(b, i, o):  # pragma: no cover - jitted

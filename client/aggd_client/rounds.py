@@ -41,7 +41,7 @@ RING_POOL = 4
 
 _PENDING, _INFLIGHT, _DONE = 0, 1, 2
 # plain ints: numpy compares against enum members far more slowly
-_CONTRIB, _RETRANSMIT = int(MsgType.CONTRIB), int(Flag.RETRANSMIT)
+_CONTRIB, _RETRANSMIT, _ORDERED = int(MsgType.CONTRIB), int(Flag.RETRANSMIT), int(Flag.ORDERED)
 
 
 class _Round:
@@ -134,6 +134,11 @@ class _Send:
         h["job"], h["rank"], h["round"], h["step"] = c._job, c._rank, rnd.r32, step
         h["contributors"] = c._tag  # contributions carry the member's tag there (docs/protocol.md)
         h["code"] = int(self.precision)  # the payload's Precision
+        # once a round of ours had more chunks than slots, every key is admitted only after our
+        # earlier rounds' keys of its slot are answered (``_limit``): the aggregator may count
+        # our later rounds as proof that we hold those results (Flag.ORDERED, rule 3's ``held``)
+        self.flags = _ORDERED if c._chunks_sent > self.S else 0
+        h["flags"] = self.flags
         h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
         self.state = np.zeros(self.n, np.uint8)
         self.sent_at = np.zeros(self.n, np.float64)
@@ -150,7 +155,7 @@ class _Send:
         # contribution): it is resent then, not after a timeout
         self.rack_sent = -np.inf
         self.rack_rtt = 0.0
-        self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag
+        self.flags_dirty = False  # some ring entry carries the RETRANSMIT flag (reset to ``flags``)
         self.dropped = False
         self.last_ack = time.monotonic()
         self.fast_fill = c._fast
@@ -286,10 +291,11 @@ class _Send:
             absmask, pick_b, pick_f = self.fill_args
             if self.precision == Precision.INT32:
                 _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
-                           self.jq, ring.u8, ring.i32, r0, self.flags_dirty)
+                           self.jq, ring.u8, ring.i32, r0, self.flags if self.flags_dirty else -1)
             else:
                 _fast.fill_narrow(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
-                                  self.jq, ring.u8, ring.pk["payload"], r0, self.flags_dirty, self.qmax,
+                                  self.jq, ring.u8, ring.pk["payload"], r0,
+                                  self.flags if self.flags_dirty else -1, self.qmax,
                                   self.c._rng_state)
             return
         src = x[c0 * E:(c0 + k) * E]
@@ -304,7 +310,7 @@ class _Send:
                                              self.precision, self.c._rng)
         h["chunk"] = np.arange(c0, c0 + k, dtype=np.uint32)
         if self.flags_dirty:
-            h["flags"] = 0
+            h["flags"] = self.flags
         if c0 + k == self.n:
             h["count"][k - 1] = self.rnd.last_count
 
@@ -386,7 +392,7 @@ class _Send:
             c._cwnd.lost(now, c._rtt.srtt or c._rtt.rto)
         pk = self.ring.pk
         idx = due % self.S
-        pk["hdr"]["flags"][idx] = _RETRANSMIT
+        pk["hdr"]["flags"][idx] = _RETRANSMIT | self.flags
         self.flags_dirty = True
         packets = pk[idx]  # contiguous copy of the (few) packets to send again
         c._send(memoryview(packets.view(np.uint8)), due.size)

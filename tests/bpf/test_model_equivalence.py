@@ -201,17 +201,19 @@ def test_simulated_training_several_chunks_a_slot(harness):
 
 
 
-@pytest.mark.parametrize("chunks,slots,start,strategies", [
-    (20, 4, "quorum:3:20ms", ("quorum:3:20ms",)),
-    (6, 2, "sync", ("sync", "quorum:3:20ms", "ssp:2", "async", "wbsp"))], ids=["quorum", "swaps"])
-def test_simulated_training_quorum_in_shared_slots(harness, chunks, slots, start, strategies):
-    """Quorum where slots serve several chunk indices, under loss (and swaps): a released quorum
-    bank of such a round kept until every awaited member holds it, and a straggler late for it
-    answered with it though no bank is free to carry its values (``uncarried``), as the model does
+@pytest.mark.parametrize("chunks,sizes,slots,start,strategies", [
+    (20, (), 4, "quorum:3:20ms", ("quorum:3:20ms",)),
+    (0, (1, 3, 4, 1, 9, 2), 2, "quorum:3:20ms", ("quorum:3:20ms",)),
+    (6, (), 2, "sync", ("sync", "quorum:3:20ms", "ssp:2", "async", "wbsp"))], ids=["quorum", "sizes", "swaps"])
+def test_simulated_training_quorum_in_shared_slots(harness, chunks, sizes, slots, start, strategies):
+    """Quorum where slots serve several chunk indices, under loss (and swaps; or tensors of several
+    sizes, where later rounds with Flag.ORDERED prove results held): a released quorum bank of
+    such a round kept until every awaited member holds it, and a straggler late for it answered
+    with it though no bank is free to carry its values (``uncarried``), as the model does
     (tests/unit/test_quorum_stragglers.py)."""
     from tests.harness.member_sim import Sim
-    sim = Sim(1, plane=harness, loss=0.05, loss_down=0.05, rounds=40, chunks=chunks, slots=slots, start=start,
-              strategies=strategies, swap_every=6 if len(strategies) > 1 else 10**9).run(until_ms=30_000)
+    sim = Sim(1, plane=harness, loss=0.05, loss_down=0.05, rounds=40, chunks=chunks, sizes=sizes, slots=slots,
+              start=start, strategies=strategies, swap_every=6 if len(strategies) > 1 else 10**9).run(until_ms=30_000)
     harness.check_counters(f"simulation seed 1, swaps {sim.swaps}")
     assert all(m._next_round == sim.rounds and not m.rounds for m in sim.members)
 

@@ -807,3 +807,31 @@ def test_one_training_loop_runs_under_every_strategy(strategy):
         assert sum(c.stats["steps"] for c in cs) > 0  # the fast ones pushed steps
 
 
+
+
+def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
+    """A round of 3 chunks on 2 slots makes the client wait for a slot's previous key's answer
+    before its next one; from that round on it says so (Flag.ORDERED), and never before."""
+    import threading
+    srv = Scripted()
+    try:
+        with AggClient(srv.address, JOB, 0, 1, elements=E, bind=("127.0.0.1", 0), slots=2,
+                       retransmit_timeout=5.0) as c:
+            def call(n_chunks: int) -> list[tuple[int, int, int]]:
+                seen = []
+
+                def serve():   # answer each contribution as it comes (chunk 2 waits for chunk 0's)
+                    for _ in range(n_chunks):
+                        (hdr, _, src), = srv.contributions(1)
+                        seen.append((hdr.round, hdr.chunk, hdr.flags & Flag.ORDERED))
+                        srv.answer(src, hdr.round, hdr.chunk, [1] * E, count=E)
+                t = threading.Thread(target=serve)
+                t.start()
+                c.allreduce(np.ones(n_chunks * E, np.float32))
+                t.join()
+                return sorted(seen)
+            assert call(1) == [(0, 0, 0)]
+            assert call(3) == [(1, ch, Flag.ORDERED) for ch in range(3)]
+            assert call(1) == [(2, 0, Flag.ORDERED)]
+    finally:
+        srv.close()

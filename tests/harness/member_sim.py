@@ -72,6 +72,7 @@ class SimSend:
     sent_at: list[int]
     retries: list[int]
     last_ack: int = 0
+    ordered: bool = False    #: sent once a round of the member had more chunks than slots (Flag.ORDERED)
 
     @property
     def finished(self) -> bool:
@@ -93,6 +94,7 @@ class Member:
         self._last_round: _Round | None = None
         self.chunk_last = [-1] * sim.chunks
         self._new_chunks_round = -1     # the client's: every chunk index is new in its first round
+        self.chunks_sent = 0            # the client's ``_chunks_sent``: the most chunks a round of ours had
         self.seen_quorum: dict[int, set] = {}
         self.blocked = False
         self.done = False
@@ -130,20 +132,23 @@ class Member:
         if into is True:
             self.catch_up()
             n = self._next_round
-            skips = [max(0, n - self.chunk_last[c] - 1) for c in range(self.sim.chunks)]
-            for c in range(self.sim.chunks):
+            k = self.sim.chunks_of(n)
+            skips = [max(0, n - self.chunk_last[c] - 1) for c in range(k)]
+            for c in range(k):
                 self.chunk_last[c] = n
             if self._new_chunks_round < 0:
                 self._new_chunks_round = n
+            self.chunks_sent = max(self.chunks_sent, k)
             E = self.sim.elements
-            rnd = _Round(n, (self.sim.chunks * E,), np.float32, self.sim.chunks * E, E, False)
+            rnd = _Round(n, (k * E,), np.float32, k * E, E, False)
             rnd.skips = skips
             self._next_round += 1
             self.start_round(rnd)
         else:
             rnd = into
-        k = self.sim.chunks
-        send = SimSend(rnd, rnd.steps, [PENDING] * k, [now] * k, [0] * k, now)
+        k = rnd.n_chunks
+        send = SimSend(rnd, rnd.steps, [PENDING] * k, [now] * k, [0] * k, now,
+                       ordered=self.chunks_sent > self.sim.slots)
         rnd.steps += 1
         rnd.sends.append(send)
         self.sends.append(send)
@@ -159,7 +164,7 @@ class Member:
         slots serve several chunk indices, before its unanswered one; no step's chunk before the
         earlier step of its round sent it."""
         S = self.sim.slots
-        shared = self.sim.chunks > S
+        shared = self.chunks_sent > S
         for i, s in enumerate(self.sends):
             for c in range(s.rnd.n_chunks):
                 if s.state[c] != PENDING or (c >= S and s.state[c - S] != DONE):
@@ -207,7 +212,9 @@ class Member:
                                     s.sent_at[c] = -10**15
         if kind == StrategyKind.QUORUM:
             self.chunk_last[hdr.chunk] = max(self.chunk_last[hdr.chunk], hdr.round)
-            if reread:
+            if not self.sim.uniform:
+                pass                # rounds hold different tensors: keep our own order
+            elif reread:
                 self._next_round = max(self._next_round, hdr.round + 1)
             else:
                 if hdr.round >= self._next_round - 1:
@@ -302,8 +309,12 @@ class Sim:
                  headroom: int = 4, slow: float = 2.0, loss: float = 0.02, loss_down: float | None = None, swap_every: int = 12,
                  strategies=STRATEGIES, start: str = "sync", admission=client_admission,
                  compute_ms: float = 8.0, jitter: float = 0.5, delay_ms: float = 0.3, plane=None,
-                 slots: int | None = None):
+                 slots: int | None = None, sizes: tuple[int, ...] = ()):
         self.seed, self.rng = seed, random.Random(seed)
+        # ``sizes``: chunks of each round in turn (tensors of several sizes), else ``chunks`` each
+        self.sizes = tuple(sizes) or (chunks,)
+        self.uniform = len(set(self.sizes)) == 1   # else members keep their order (catch_up=False)
+        chunks = max(self.sizes)
         self.world, self.chunks, self.rounds, self.headroom = world, chunks, rounds, headroom
         self.slots = chunks if slots is None else slots
         self.terms = world * headroom
@@ -331,6 +342,9 @@ class Sim:
         self.next_swap = swap_every
 
     # -- plumbing ----------------------------------------------------------------------------
+    def chunks_of(self, round_: int) -> int:
+        return self.sizes[round_ % len(self.sizes)]
+
     def schedule(self, t: int, what: str, *args) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, what, args))
@@ -352,7 +366,7 @@ class Sim:
         payload[-1] = self.q
         hdr = Header(type=MsgType.CONTRIB, job=JOB, rank=m.rank, round=rnd.number, chunk=chunk,
                      contributors=tag(m.rank), count=self.elements, step=send.step, exponent=0, skip=min(rnd.skips[chunk], 0xFFFF),
-                     flags=Flag.RETRANSMIT if retransmit else 0)
+                     flags=(Flag.RETRANSMIT if retransmit else 0) | (Flag.ORDERED if send.ordered else 0))
         t = self._link(("up", m.rank), now)
         if t is not None:
             self.schedule(t, "agg", hdr.pack() + payload.tobytes(), m.rank)

@@ -51,6 +51,23 @@ def test_swaps_through_quorum_in_shared_slots_finish():
         assert not sim.over_terms()
 
 
+@pytest.mark.parametrize("world,quorum,sizes,slots", [(4, 3, (1, 3, 4, 1, 9, 2), 2),
+                                                      (8, 6, (1, 1, 2, 20, 1, 35), 4)])
+def test_quorum_stragglers_with_tensors_of_several_sizes_in_shared_slots_finish(world, quorum, sizes, slots):
+    """Tensors of several sizes in turn, some with more chunks than slots: a straggler's carries
+    hold banks for later rounds of the large tensors' chunks, and chunk 0's small rounds in
+    between are left two banks a slot, each kept until every member holds it. Before members
+    said so with Flag.ORDERED (a later round of a slot proving they hold its earlier results)
+    every one of these runs stalled, every member refused ``busy``."""
+    text = f"quorum:{quorum}:20ms"
+    for seed in range(6):
+        sim = Sim(seed, world=world, loss=0.03, rounds=36, sizes=sizes, slots=slots, start=text,
+                  strategies=(text,), swap_every=10**9).run(until_ms=30_000)
+        stuck = {m.rank: [(r.number, r.n_have) for r in m.rounds] for m in sim.members if m.rounds}
+        assert not stuck and all(m._next_round == sim.rounds for m in sim.members), (seed, stuck)
+        assert not sim.over_terms()
+
+
 def _model(text: str) -> AggregatorModel:
     model = AggregatorModel(8)
     members = {r: worker_addr(r)[1:] for r in range(4)}

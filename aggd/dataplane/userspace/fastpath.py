@@ -54,7 +54,7 @@ HDR32 = HEADER_SIZE // 4
 HDR16 = HEADER_SIZE // 2
 INT32, INT16, INT8 = int(Precision.INT32), int(Precision.INT16), int(Precision.INT8)
 CONTRIB, RESULT = int(MsgType.CONTRIB), int(MsgType.RESULT)
-RETRANSMIT, OVERFLOW = int(Flag.RETRANSMIT), int(Flag.OVERFLOW)
+RETRANSMIT, OVERFLOW, ORDERED = int(Flag.RETRANSMIT), int(Flag.OVERFLOW), int(Flag.ORDERED)
 EMPTY, OPEN, RELEASED = int(BankState.EMPTY), int(BankState.OPEN), int(BankState.RELEASED)
 QUORUM, SSP, ASYNC = int(StrategyKind.QUORUM), int(StrategyKind.SSP), int(StrategyKind.ASYNC)
 C_RX_PACKETS, C_RX_BYTES, C_ELEMENTS = int(Counter.RX_PACKETS), int(Counter.RX_BYTES), int(Counter.ELEMENTS)
@@ -251,6 +251,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 _be64(p, O_CONTRIBUTORS) != member_tag[rank]:
             break
         round_ = _be32(p, O_ROUND)
+        ordered = (p[O_FLAGS] & ORDERED) != 0
         exponent = _be16(p, O_EXPONENT)
         if exponent >= 0x8000:
             exponent -= 0x10000
@@ -273,7 +274,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 pending[s] = 0                               # a bank holds the pending key now
                 dirty[s] = 1
             if round_ >= r + RESULT_WINDOW or (step == 0 and round_ == r and chunk > c) or \
-                    (round_ > r and (c >= nslots or chunk >= nslots)):             # Slot.note_sender
+                    (round_ > r and (c >= nslots or chunk >= nslots or ordered)):  # Slot.note_sender
                 if not bu[s, b, U_HELD] >> np.uint64(rank) & np.uint64(1):
                     bu[s, b, U_HELD] |= np.uint64(1) << np.uint64(rank)
                     dirty[s] = 1

@@ -72,6 +72,9 @@ class Flag(enum.IntFlag):
     USERSPACE = 0x04   #: served by the daemon's user-space path, not the kernel
     CARRIED = 0x08     #: the result holds contributions carried from an earlier round
     REREAD = 0x10      #: a result re-sent for a worker that lost it
+    #: the sender sends its next key of a slot only once its previous key there is answered, so
+    #: its later round proves it holds the slot's earlier results (rule 3's ``held``)
+    ORDERED = 0x20
 
 
 class NackCode(enum.IntEnum):

@@ -32,6 +32,7 @@ const bit<8> AGGD_FLAG_OVERFLOW = 2;
 const bit<8> AGGD_FLAG_USERSPACE = 4;
 const bit<8> AGGD_FLAG_CARRIED = 8;
 const bit<8> AGGD_FLAG_REREAD = 16;
+const bit<8> AGGD_FLAG_ORDERED = 32;
 
 const bit<8> AGGD_NACK_CODE_NONE = 0;
 const bit<8> AGGD_NACK_CODE_UNKNOWN_JOB = 1;

@@ -518,7 +518,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 /* the sender holds this round's result (Slot.note_sender) */ \
                 if ((bit<33>)hdr.aggd.round >= (bit<33>)rd##i + (bit<33>)AGGD_RESULT_WINDOW || \
                     (hdr.aggd.step == 0 && hdr.aggd.round == rd##i && hdr.aggd.chunk > ch##i) || \
-                    (hdr.aggd.round > rd##i && (ch##i >= meta.n_slots || hdr.aggd.chunk >= meta.n_slots))) { \
+                    (hdr.aggd.round > rd##i && (ch##i >= meta.n_slots || hdr.aggd.chunk >= meta.n_slots || \
+                                                (hdr.aggd.flags & AGGD_FLAG_ORDERED) != 0))) { \
                     hl##i = hl##i | bit_x; \
                     bank_held.write(base + i, hl##i); \
                 } \
