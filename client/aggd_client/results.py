@@ -193,6 +193,19 @@ class ResultHandler:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
+        # A later round's result sent to us answers a packet of ours of that chunk, maybe of
+        # another round (a straggler's late contribution, answered with the chunk's newest
+        # result), and its count is that packet's. One whose count is not what this round holds
+        # there is another tensor's: it answers nothing of this round, which waits for its own
+        # (a slot serving several chunk indices keeps it for us; docs/protocol.md, "Tensors of
+        # different sizes").
+        expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
+        other = ~own & (h["count"].astype(np.int64) != expect)
+        if other.any():
+            keep = ~other
+            idx, h, rounds, chunks, own = idx[keep], h[keep], rounds[keep], chunks[keep], own[keep]
+            if idx.size == 0:
+                return 0, 0
         code = h["code"]
         if (code != int(self._precision)).any():
             j = int(np.argmax(code != int(self._precision)))
@@ -237,6 +250,12 @@ class ResultHandler:
             return 0, acked
         cnt = h["count"].astype(np.int64)
         expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
+        # A result sent to us alone echoes the count of the packet it answers, which may be a late
+        # contribution of an earlier round of ours (a straggler's, still asking after its round
+        # completed), answered with this round's result: its count is another tensor's. The
+        # values are this round's all the same (docs/protocol.md, "Tensors of different sizes").
+        echo = ((h["flags"] & _REREAD) != 0) & (rounds == rnd.r32)
+        cnt = np.where(echo, expect, cnt)
         rb = self._lanes.result_bytes
         bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + rb * cnt)
         if bad.any():

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 import aggd_client
-from aggd_client import (AggClient, AggdError, AllreduceHandle, NoAnswerError, StrategyInfo,
+from aggd_client import (AggClient, AggdError, AllreduceHandle, NoAnswerError, ProtocolError, StrategyInfo,
                          WouldBlock, quant)
 from aggd_client.client import ASYNC_OUTSTANDING, WBSP_MAX_STEPS
 from aggd_client.protocol import HEADER_SIZE, Header
@@ -812,7 +812,6 @@ def test_one_training_loop_runs_under_every_strategy(strategy):
 def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
     """A round of 3 chunks on 2 slots makes the client wait for a slot's previous key's answer
     before its next one; from that round on it says so (Flag.ORDERED), and never before."""
-    import threading
     srv = Scripted()
     try:
         with AggClient(srv.address, JOB, 0, 1, elements=E, bind=("127.0.0.1", 0), slots=2,
@@ -833,5 +832,36 @@ def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
             assert call(1) == [(0, 0, 0)]
             assert call(3) == [(1, ch, Flag.ORDERED) for ch in range(3)]
             assert call(1) == [(2, 0, Flag.ORDERED)]
+    finally:
+        srv.close()
+
+
+def test_a_resent_result_may_echo_another_tensors_count():
+    """The aggregator answers a straggler's late contribution with the chunk's newest result,
+    echoing the late packet's count. A result of our own round so is taken (its values are that
+    round's); a later round's whose count is not ours there is another tensor's: it answers
+    nothing, and the round waits for its own. A group result of our round with another count
+    still fails the call: the members made different calls."""
+    srv = Scripted()
+    try:
+        with AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0),
+                       retransmit_timeout=5.0, catch_up=False) as c:
+            h = c.allreduce_async(np.ones(1, np.float32))
+            (hdr, _, src), = srv.contributions(1)
+            srv.answer(src, 0, 0, [2], count=1, n_contrib=2, strategy=QUORUM, param=1)
+            assert h.wait(timeout=2).tolist() == [2.0]
+            h = c.allreduce_async(np.ones(3, np.float32))
+            (hdr, _, src), = srv.contributions(1)
+            assert (hdr.round, hdr.count) == (1, 3)
+            srv.answer(src, 4, 0, [7] * E, count=E, n_contrib=2, strategy=QUORUM, param=1, flags=Flag.REREAD)
+            with pytest.raises(TimeoutError):
+                h.wait(timeout=0.3)
+            srv.answer(src, 1, 0, [5, 5, 5], count=1, n_contrib=2, strategy=QUORUM, param=1, flags=Flag.REREAD)
+            assert h.wait(timeout=2).tolist() == [5.0] * 3
+            h = c.allreduce_async(np.ones(3, np.float32))
+            (hdr, _, src), = srv.contributions(1)
+            srv.answer(src, 2, 0, [5, 5, 5], count=1, n_contrib=2, strategy=QUORUM, param=1)
+            with pytest.raises(ProtocolError, match="count 1"):
+                h.wait(timeout=2)
     finally:
         srv.close()

@@ -9,6 +9,8 @@ buckets of 362 and 2048 values on the fourth).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from aggd.core import strategy as strat
@@ -52,34 +54,50 @@ SIZES = "362,2048,1,700"
 TOTAL = sum(int(s) for s in SIZES.split(","))
 
 
+@dataclass
+class Outcome:
+    """A strategy run's: the workers' finals, what the aggregator released and still holds."""
+    finals: dict
+    releases: list
+    pending: float
+    stats: object
+
+    @property
+    def sent(self) -> float:
+        return sum(f["sent_sum"] for f in self.finals.values())
+
+
+def strategy_run(make_lab, text: str, slots: int, **run) -> Outcome:
+    """``WORLD`` training-loop-shaped workers (``StrategyRun`` options ``run``) on one XDP aggregator
+    under ``text``; every worker ends without an error."""
+    lab = make_lab(WORLD + 1)
+    with xdp_aggregator(lab) as dp:
+        job = LabJob(job=1, workers=list(range(WORLD)), slots=slots)
+        dp.install_job(job.config(lab))
+        dp.set_strategy(1, strat.StrategyTable(strat.parse(text).validate(WORLD)).table_entries())
+        records, releases, errors = StrategyRun(lab, job, WORLD, **run).start().finish(timeout=300)
+        pending, stats = dp.pending_sum(1), dp.job_stats(1)
+    assert not errors, errors
+    return Outcome({rank: recs[-1] for rank, recs in records.items()}, releases, pending, stats)
+
+
 @pytest.mark.parametrize("text", ["sync", "ssp:2", "async", "wbsp", "quorum:3:200ms"])
 def test_every_strategy_with_unequal_buckets(make_lab, text):
     """Training-loop-shaped workers cycle through four tensor sizes; one is slower for a while. Every
     gradient sent is released exactly once (or is still held by a round nobody had to finish)."""
-    lab = make_lab(WORLD + 1)
-    with xdp_aggregator(lab) as dp:
-        job = LabJob(job=1, workers=list(range(WORLD)), slots=16)
-        dp.install_job(job.config(lab))
-        dp.set_strategy(1, strat.StrategyTable(strat.parse(text).validate(WORLD)).table_entries())
-        # slow in a middle phase: afterwards the members are even, so every round is released
-        r = StrategyRun(lab, job, WORLD, steps=20, delay=0.01, slow={WORLD - 1: 3.0}, slow_steps="2:10",
-                        sizes=SIZES).start()
-        records, releases, errors = r.finish(timeout=300)
-        pending = dp.pending_sum(1)
-        stats = dp.job_stats(1)
-    assert not errors, errors
-    finals = {rank: recs[-1] for rank, recs in records.items()}
-    assert all(f.get("final") for f in finals.values()), finals
-    sent = sum(f["sent_sum"] for f in finals.values())
+    # slow in a middle phase: afterwards the members are even, so every round is released
+    out = strategy_run(make_lab, text, 16, steps=20, delay=0.01, slow={WORLD - 1: 3.0}, slow_steps="2:10",
+                       sizes=SIZES)
+    assert all(f.get("final") for f in out.finals.values()), out.finals
     if text.startswith("quorum"):
         # The straggler's late gradients are carried into its chunks' next rounds, which here
         # hold other tensors: summed (the whole payload), beyond the count of a smaller one
         # (docs/protocol.md, "Tensors of different sizes").
-        released = sum(rel["sum_all"] for rel in releases)
-        assert any(rel["flags"] & Flag.CARRIED for rel in releases)
+        released = sum(rel["sum_all"] for rel in out.releases)
+        assert any(rel["flags"] & Flag.CARRIED for rel in out.releases)
     else:
-        released = sum(rel["sum"] for rel in releases)
-    assert abs(released + pending - sent) < 1e-6, (released, pending, sent, stats)
+        released = sum(rel["sum"] for rel in out.releases)
+    assert abs(released + out.pending - out.sent) < 1e-6, (released, out.pending, out.sent, out.stats)
 
 
 @pytest.mark.parametrize("text", ["ssp:2", "async"])
@@ -88,19 +106,9 @@ def test_ddp_sized_buckets_on_64_slots(make_lab, text):
     parallel, one worker slower: every gradient released exactly once. (A released round kept for
     re-reads from every later key once outlived its chunk's newer round, and rule 3's order test
     refused the chunk's next round for good: tests/client/test_client_async_userspace.py.)"""
-    lab = make_lab(WORLD + 1)
-    with xdp_aggregator(lab) as dp:
-        job = LabJob(job=1, workers=list(range(WORLD)), slots=64)
-        dp.install_job(job.config(lab))
-        dp.set_strategy(1, strat.StrategyTable(strat.parse(text).validate(WORLD)).table_entries())
-        r = StrategyRun(lab, job, WORLD, steps=8, delay=0.005, slow={WORLD - 1: 2.0}, jitter=0.5,
-                        sizes="134912,55808").start()
-        records, releases, errors = r.finish(timeout=300)
-        pending = dp.pending_sum(1)
-    assert not errors, errors
-    finals = {rank: recs[-1] for rank, recs in records.items()}
-    sent = sum(f["sent_sum"] for f in finals.values())
-    assert abs(sum(rel["sum"] for rel in releases) + pending - sent) < 1e-6, (pending, sent)
+    out = strategy_run(make_lab, text, 64, steps=8, delay=0.005, slow={WORLD - 1: 2.0}, jitter=0.5,
+                       sizes="134912,55808")
+    assert abs(sum(rel["sum"] for rel in out.releases) + out.pending - out.sent) < 1e-6, (out.pending, out.sent)
 
 
 def test_a_quorum_straggler_with_small_and_large_tensors_in_shared_slots(make_lab):
@@ -109,21 +117,10 @@ def test_a_quorum_straggler_with_small_and_large_tensors_in_shared_slots(make_la
     carried into holding banks for their chunks' next rounds, which leaves chunk 0's small rounds
     two banks a slot, each kept until every member holds it. Before members said Flag.ORDERED
     only a round three later proved that, and every member was refused ``busy`` for good."""
-    lab = make_lab(WORLD + 1)
-    with xdp_aggregator(lab) as dp:
-        job = LabJob(job=1, workers=list(range(WORLD)), slots=16)
-        dp.install_job(job.config(lab))
-        dp.set_strategy(1, strat.StrategyTable(strat.parse("quorum:3:50ms").validate(WORLD)).table_entries())
-        r = StrategyRun(lab, job, WORLD, steps=12, delay=0.002, slow={WORLD - 1: 3.0}, jitter=0.5,
-                        sizes="1,256,257,20003,3,70001").start()
-        records, releases, errors = r.finish(timeout=300)
-        pending = dp.pending_sum(1)
-        stats = dp.job_stats(1)
-    assert not errors, errors
-    finals = {rank: recs[-1] for rank, recs in records.items()}
-    assert all(f.get("final") for f in finals.values()), finals
+    out = strategy_run(make_lab, "quorum:3:50ms", 16, steps=12, delay=0.002, slow={WORLD - 1: 3.0},
+                       jitter=0.5, sizes="1,256,257,20003,3,70001")
+    assert all(f.get("final") for f in out.finals.values()), out.finals
     # a late gradient is carried when a bank is free for it, else dropped (``uncarried``): what
     # is released never exceeds what was sent
-    sent = sum(f["sent_sum"] for f in finals.values())
-    assert sum(rel["sum_all"] for rel in releases) + pending <= sent + 1e-6
-    assert stats.counters["released"] >= 2 * (1 + 1 + 2 + 79 + 1 + 274), stats
+    assert sum(rel["sum_all"] for rel in out.releases) + out.pending <= out.sent + 1e-6
+    assert out.stats.counters["released"] >= 2 * (1 + 1 + 2 + 79 + 1 + 274), out.stats

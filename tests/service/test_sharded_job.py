@@ -59,9 +59,9 @@ def test_three_daemons_eight_workers_every_strategy(make_lab, make_daemon):
     for n, (strategy, check) in enumerate([("sync", "all"), ("ssp:2", "all"), ("wbsp", "all"),
                                            ("async", "partial"), ("quorum:6:50ms", "none")]):
         name = f"three{n}"
-        # (a quorum job gets a slot per chunk index: with 16 slots about one run in ten fails, a
-        # straggler's round at one host holding another tensor than the others' there, a known
-        # bug, docs/sharding.md "Not yet"; the stall of every member there before Flag.ORDERED is
+        # (a quorum job gets a slot per chunk index: with 16 slots a run in about five fails, a
+        # result's count echoing a straggler's late packet of another tensor, a known bug,
+        # docs/sharding.md "Not yet"; the stall of every member there before Flag.ORDERED is
         # tests/netns/test_unequal_sizes.py's, on one host)
         slots = {"slots": 256} if strategy.startswith("quorum") else {}
         job = daemons[0].call("jobs.create", name=name, world=8, strategy=strategy, **slots)
