@@ -108,6 +108,9 @@ struct bank {
 	__u8 holding;        /* opened by a carry, no own contribution yet: outside the key order,
 	                      * admission and deadline (docs/protocol.md, rule 4) */
 	__u16 skip;          /* the opening packet's skip: a rack job's forwarded sum carries it */
+	__u16 count;         /* the round's count (the opening packet's; in a carry's holding bank,
+	                      * the first own contribution's): its results carry it, not a late
+	                      * packet's, maybe another tensor's (Bank.count) */
 	/* members known to hold this round's result (the model's Bank.held): a released ssp/async
 	 * bank is reused only once it has every awaited member */
 	__u64 held;

@@ -148,10 +148,11 @@ static __always_inline int admits(struct strategy_entry *e, __u32 round, int nop
 }
 
 static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now,
-				      __u8 holding, __u16 skip)
+				      __u8 holding, __u16 skip, __u16 count)
 {
 	b->holding = holding;
 	b->skip = skip;
+	b->count = count;
 	b->key = key;
 	b->state = BANK_OPEN;
 	b->bitmap = 0;
@@ -635,7 +636,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	__u16 out_n = 0, out_version = 0;
 	__s16 out_exp = 0;
 	__u8 out_flags = 0, out_kind = 0, out_param = 0;
-	__u16 out_skip = 0;
+	__u16 out_skip = 0, out_count = 0;
 
 	bpf_spin_lock(&s->lock);
 	volatile struct scratch *sc = &s->sc; /* volatile: the compiler must not keep these in registers */
@@ -817,10 +818,11 @@ int aggd_xdp(struct xdp_md *ctx)
 			hb->param = st_new ? st_new->param : 0;
 			hb->timeout_us = st_new ? st_new->timeout_us : 0;
 			hb->skip = skip;
+			hb->count = n;
 			hb->held = 0;
 			sc->add = sc->ihold;
 		} else if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {
-			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0, skip);
+			open_bank(&s->bank[pick & (NBANKS - 1)], key, st_new, now, 0, skip, n);
 			sc->add = pick;
 			sc->add_fresh = 1;
 		} else {
@@ -880,7 +882,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			__u32 nfree2 = q2 ? sc->nfree_q : sc->nfree;
 			struct bank *ob = &s->bank[ik & (NBANKS - 1)];
 			if (r2 <= 0xffffffffULL && pick2 >= 0 && nfree2 >= 2) {
-				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0);
+				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0, n);
 				sc->add = pick2;
 				sc->add_fresh = 1;
 			} else if (s->shared && (ik >= 0 ? ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM
@@ -937,9 +939,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		struct bank *b = &s->bank[add & (NBANKS - 1)];
 		lag_ns = now - b->t_first;
 		if (!sc->add_carried) {
-			if (b->holding) { /* the round proper starts: order, admission, deadline */
+			if (b->holding) { /* the round proper starts: order, admission, deadline, count */
 				b->holding = 0;
 				b->t_first = now;
+				b->count = n;
 			}
 			/* the bitmap lists members whose step 0 is in: a later wbsp step (or one sent
 			 * before a swap made the round non-wbsp) must not stand in for it */
@@ -1047,6 +1050,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		out_kind = r->kind;
 		out_param = r->param;
 		out_skip = r->skip;
+		out_count = r->count;
 	}
 	int timeouts = sc->timeouts, settled = sc->settled, reason = sc->reason, add_carried = sc->add_carried;
 	int released = sc->released, partial = sc->partial, forward = sc->forward;
@@ -1129,6 +1133,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		h->strategy = 0;
 		h->param = 0;
 		HDR(h, __be16, skip) = htons(out_skip);
+		HDR(h, __be16, count) = htons(out_count);
 		address_from_rack(eth, ip, udp, cfg, cfg->up_mac, cfg->up_ip, cfg->up_port);
 		return XDP_TX;
 	}
@@ -1152,6 +1157,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		return XDP_ABORTED;
 #endif
 	write_result(h, out_key, out_version, out_exp, out_flags, out_bitmap, out_n, out_kind, out_param);
+	HDR(h, __be16, count) = htons(out_count); /* the round's (Bank.count) */
 	h->code = prec;
 	if (out_group)
 		address_to_group(eth, ip, udp, cfg);

@@ -39,7 +39,7 @@ Header checks and counters
 
 Results
 * A result carries the *bank's* key as ``round``/``chunk`` (the packet's own key except for the answer
-  to a late contribution), the packet's ``count``, rank 0xFFFF, the bank's ``version``, ``kind`` (as
+  to a late contribution), the bank's ``count`` (its round's: see ``Bank.count``), rank 0xFFFF, the bank's ``version``, ``kind`` (as
   ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
   ``n_contrib``, and flags ``bank.flags`` (CARRIED) | OVERFLOW when a value of the sum does not fit
   int32 | REREAD for re-sends | served_flags.
@@ -400,6 +400,10 @@ class Bank:
     timeout_us: int = 0
     t_first: int = 0                   #: ns, when the bank opened
     skip: int = 0                      #: the opening packet's ``skip`` (a rack forwards it upwards)
+    #: the round's ``count``: its opening packet's, or in a carry's holding bank its first own
+    #: contribution's. Its results carry it (not the count of whatever packet triggers one: a
+    #: late one may be another tensor's)
+    count: int = 0
     unannounced: bool = False          #: released by its deadline, not yet sent to the group
     #: Opened by a carry and no member's own contribution yet: a holding area for late gradients
     #: that takes no part in the slot's key order or admission and whose deadline has not started.
@@ -418,9 +422,10 @@ class Bank:
     rows: np.ndarray | None = None
     row_exp: np.ndarray | None = None
 
-    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False, skip: int = 0) -> None:
+    def open(self, key: Key, entry: TableEntry, now: int, holding: bool = False, skip: int = 0,
+             count: int = 0) -> None:
         self.state, self.key, self.t_first, self.holding = BankState.OPEN, key, now, holding
-        self.skip = skip
+        self.skip, self.count = skip, count
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
         self.bitmap = self.late = self.n_contrib = self.flags = self.held = 0
@@ -428,10 +433,10 @@ class Bank:
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
 
-    def adopt(self, key: Key, entry: TableEntry, skip: int = 0) -> None:
+    def adopt(self, key: Key, entry: TableEntry, skip: int = 0, count: int = 0) -> None:
         """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
         carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
-        self.key, self.skip, self.held = key, skip, 0
+        self.key, self.skip, self.held, self.count = key, skip, 0, count
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
 
@@ -977,13 +982,13 @@ class AggregatorModel:
                 return self._resend(job, bank, hdr, src)
             return self._late(job, slot, bank, hdr, values, src, now)
         if newest is None or key > newest:                                       # rule 3
-            bank = self._open(job, slot, key, hdr.skip, now)
+            bank = self._open(job, slot, key, hdr.skip, hdr.count, now)
             if bank is None:
                 return self._drop(job.cfg.job, DropReason.BUSY)
             return self._contribute(job, bank, hdr, values, src, fresh=not bank.holding, now=now)
         return self._late(job, slot, None, hdr, values, src, now)                # rule 4
 
-    def _hold(self, job: JobState, slot: Slot, round_: int, chunk: int, now: int) -> Bank | None:
+    def _hold(self, job: JobState, slot: Slot, round_: int, chunk: int, count: int, now: int) -> Bank | None:
         """Rule 4's new round for a carry: a holding bank for the next round of ``chunk`` (after its
         newest bank, and after the slot's newest key, so its members will still come to it),
         if another bank stays free for the rounds in progress; None means busy."""
@@ -997,38 +1002,38 @@ class AggregatorModel:
         if slot.n_free(job.awaited, entry.kind) < 2:
             return None
         bank = slot.free_bank(job.awaited, entry.kind)
-        bank.open((r2, chunk), entry, now, holding=True)
+        bank.open((r2, chunk), entry, now, holding=True, count=count)
         return bank
 
-    def _open(self, job: JobState, slot: Slot, key: Key, skip: int, now: int) -> Bank | None:
+    def _open(self, job: JobState, slot: Slot, key: Key, skip: int, count: int, now: int) -> Bank | None:
         """Rule 3: open a bank for a new round if no key before it was refused (``pending``), it
         is the next round of its chunk (the packet's ``skip`` says which round that follows) and
         its strategy admits it; the chunk's holding bank, if any, becomes that round. None means busy."""
         if slot.pending is not None and key > slot.pending:
             return None
         entry = governing(job.table, key[0])
-        bank = self._open_in_order(job, slot, key, skip, entry, now)
+        bank = self._open_in_order(job, slot, key, skip, count, entry, now)
         if bank is None and entry.kind in KEPT_KINDS:
             slot.pending = key
         elif key == slot.pending:
             slot.pending = None
         return bank
 
-    def _open_in_order(self, job: JobState, slot: Slot, key: Key, skip: int, entry: TableEntry,
+    def _open_in_order(self, job: JobState, slot: Slot, key: Key, skip: int, count: int, entry: TableEntry,
                        now: int) -> Bank | None:
         rounds = [b.key[0] for b in slot.of_chunk(key[1]) if not b.holding]
         if rounds and not follows(key[0], skip, max(rounds)):
             return None           # a round whose predecessor was refused must not open first
         held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
         if held is not None:      # the carries wait for the chunk's next round: this one
-            held.adopt(key, entry, skip)
+            held.adopt(key, entry, skip, count)
             return held
         if not admits(entry, slot, key[0]):
             return None
         bank = slot.free_bank(job.awaited, entry.kind)
         if bank is None:
             return None
-        bank.open(key, entry, now, skip=skip)
+        bank.open(key, entry, now, skip=skip, count=count)
         return bank
 
     def _contribute(self, job: JobState, bank: Bank, hdr: Header, values: np.ndarray, src: Addr,
@@ -1036,8 +1041,8 @@ class AggregatorModel:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
         job.count_member(hdr.rank, hdr.round, now, now - bank.t_first, late=False)
-        if bank.holding:           # the round proper starts: its order, admission and deadline
-            bank.holding, bank.t_first = False, now
+        if bank.holding:           # the round proper starts: its order, admission, deadline and count
+            bank.holding, bank.t_first, bank.count = False, now, hdr.count
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)
             bank.bitmap |= 1 << hdr.rank
         bank.steps[hdr.rank] |= 1 << hdr.step
@@ -1085,7 +1090,7 @@ class AggregatorModel:
         target = min(later, key=lambda b: b.key, default=None)
         fresh = target is None
         if fresh:
-            target = self._hold(job, slot, hdr.round, hdr.chunk, now)
+            target = self._hold(job, slot, hdr.round, hdr.chunk, hdr.count, now)
             # its quorum round, kept for it, or (its round gone: a straggler more rounds behind
             # than the slot has banks, say once the slot came to serve several chunk indices) the
             # chunk's newest quorum result
@@ -1185,7 +1190,7 @@ class AggregatorModel:
         if (bank.flags | extra_flags) & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
             job.count("overflows")
         out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
-                     chunk=bank.key[1], count=hdr.count, strategy_version=bank.version,
+                     chunk=bank.key[1], count=bank.count, strategy_version=bank.version,
                      exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
                      contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
                      param=bank.param, code=job.cfg.precision)
@@ -1201,7 +1206,7 @@ class AggregatorModel:
         if overflow:
             bank.flags |= Flag.OVERFLOW                  # the members learn it from the result
         out = Header(type=MsgType.CONTRIB, job=up.job, rank=up.rank, round=bank.key[0], chunk=bank.key[1],
-                     count=hdr.count, exponent=bank.exponent, flags=Flag.RETRANSMIT if retransmit else 0,
+                     count=bank.count, exponent=bank.exponent, flags=Flag.RETRANSMIT if retransmit else 0,
                      contributors=up.tag, n_contrib=bank.n_contrib, skip=bank.skip).pack()
         job.count("forwarded")
         return Verdict("tx", None, out + values.tobytes(), "upstream", (up.addr,), job.cfg.job)

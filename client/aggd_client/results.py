@@ -193,19 +193,18 @@ class ResultHandler:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
-        # A later round's result sent to us answers a packet of ours of that chunk, maybe of
-        # another round (a straggler's late contribution, answered with the chunk's newest
-        # result), and its count is that packet's. One whose count is not what this round holds
-        # there is another tensor's: it answers nothing of this round, which waits for its own
-        # (a slot serving several chunk indices keeps it for us; docs/protocol.md, "Tensors of
-        # different sizes").
         expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
-        other = ~own & (h["count"].astype(np.int64) != expect)
-        if other.any():
-            keep = ~other
-            idx, h, rounds, chunks, own = idx[keep], h[keep], rounds[keep], chunks[keep], own[keep]
-            if idx.size == 0:
-                return 0, 0
+        if self._chunks_sent > self._slots:
+            # A later round's result sent to us is the chunk's newest, answering a late packet of
+            # ours. Where slots serve several chunk indices the aggregator keeps our own round's
+            # result until we hold it (rule 3's held): a later round's whose count (its round's)
+            # is not ours there is another tensor's and answers nothing; our round waits for its
+            # own (docs/protocol.md, "Tensors of different sizes").
+            keep = own | (h["count"].astype(np.int64) == expect)
+            if not keep.all():
+                idx, h, rounds, chunks, own = idx[keep], h[keep], rounds[keep], chunks[keep], own[keep]
+                if idx.size == 0:
+                    return 0, 0
         code = h["code"]
         if (code != int(self._precision)).any():
             j = int(np.argmax(code != int(self._precision)))
@@ -250,12 +249,10 @@ class ResultHandler:
             return 0, acked
         cnt = h["count"].astype(np.int64)
         expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
-        # A result sent to us alone echoes the count of the packet it answers, which may be a late
-        # contribution of an earlier round of ours (a straggler's, still asking after its round
-        # completed), answered with this round's result: its count is another tensor's. The
-        # values are this round's all the same (docs/protocol.md, "Tensors of different sizes").
-        echo = ((h["flags"] & _REREAD) != 0) & (rounds == rnd.r32)
-        cnt = np.where(echo, expect, cnt)
+        # Else a later round's result answers our late contribution in its stead (ours may be
+        # gone), as a quorum answers its stragglers, whatever its count: the quorum's newest
+        # result of that chunk, maybe another tensor's (docs/protocol.md)
+        cnt = np.where(rounds == rnd.r32, cnt, expect)
         rb = self._lanes.result_bytes
         bad = (cnt != expect) | (self._sizes[idx] < HEADER_SIZE + rb * cnt)
         if bad.any():

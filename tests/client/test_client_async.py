@@ -819,13 +819,10 @@ def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
             def call(n_chunks: int) -> list[tuple[int, int, int]]:
                 seen = []
 
-                def serve():   # answer each contribution as it comes (chunk 2 waits for chunk 0's)
-                    for _ in range(n_chunks):
-                        (hdr, _, src), = srv.contributions(1)
-                        seen.append((hdr.round, hdr.chunk, hdr.flags & Flag.ORDERED))
-                        srv.answer(src, hdr.round, hdr.chunk, [1] * E, count=E)
-                t = threading.Thread(target=serve)
-                t.start()
+                def answer(hdr, src):  # (chunk 2 is sent once chunk 0 is answered)
+                    seen.append((hdr.round, hdr.chunk, hdr.flags & Flag.ORDERED))
+                    srv.answer(src, hdr.round, hdr.chunk, [1] * E, count=E)
+                t = _serve(srv, n_chunks, answer)
                 c.allreduce(np.ones(n_chunks * E, np.float32))
                 t.join()
                 return sorted(seen)
@@ -836,32 +833,58 @@ def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
         srv.close()
 
 
-def test_a_resent_result_may_echo_another_tensors_count():
-    """The aggregator answers a straggler's late contribution with the chunk's newest result,
-    echoing the late packet's count. A result of our own round so is taken (its values are that
-    round's); a later round's whose count is not ours there is another tensor's: it answers
-    nothing, and the round waits for its own. A group result of our round with another count
-    still fails the call: the members made different calls."""
-    srv = Scripted()
-    try:
-        with AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0),
-                       retransmit_timeout=5.0, catch_up=False) as c:
-            h = c.allreduce_async(np.ones(1, np.float32))
+def _serve(srv: Scripted, n: int, answer=None) -> threading.Thread:
+    """Answer the next ``n`` contributions as they come, each with its own round's result of ones
+    (``answer(hdr, src)``: instead, what to send), in a thread."""
+    def serve():
+        for _ in range(n):
             (hdr, _, src), = srv.contributions(1)
-            srv.answer(src, 0, 0, [2], count=1, n_contrib=2, strategy=QUORUM, param=1)
-            assert h.wait(timeout=2).tolist() == [2.0]
-            h = c.allreduce_async(np.ones(3, np.float32))
-            (hdr, _, src), = srv.contributions(1)
-            assert (hdr.round, hdr.count) == (1, 3)
-            srv.answer(src, 4, 0, [7] * E, count=E, n_contrib=2, strategy=QUORUM, param=1, flags=Flag.REREAD)
-            with pytest.raises(TimeoutError):
-                h.wait(timeout=0.3)
-            srv.answer(src, 1, 0, [5, 5, 5], count=1, n_contrib=2, strategy=QUORUM, param=1, flags=Flag.REREAD)
-            assert h.wait(timeout=2).tolist() == [5.0] * 3
-            h = c.allreduce_async(np.ones(3, np.float32))
-            (hdr, _, src), = srv.contributions(1)
-            srv.answer(src, 2, 0, [5, 5, 5], count=1, n_contrib=2, strategy=QUORUM, param=1)
-            with pytest.raises(ProtocolError, match="count 1"):
-                h.wait(timeout=2)
-    finally:
-        srv.close()
+            if answer is None:
+                srv.answer(src, hdr.round, hdr.chunk, [1] * E, count=hdr.count)
+            else:
+                answer(hdr, src)
+    t = threading.Thread(target=serve)
+    t.start()
+    return t
+
+
+def test_a_later_rounds_result_of_another_tensor():
+    """A quorum answers a straggler's late contribution with its chunk's newest result, a later
+    round's, which may hold another tensor. Where slots serve several chunk indices the aggregator
+    keeps the straggler's own round for it, so one whose count is not this round's there answers
+    nothing; else it answers the call as a quorum answers its stragglers. A result of our own
+    round with another count fails the call: the members made different calls."""
+    srcs = []
+
+    def later(hdr, src):
+        srcs.append(src)
+        srv.answer(src, 9, 0, [7] * E, count=E, n_contrib=2, strategy=QUORUM, param=1, flags=Flag.REREAD)
+
+    for slots in (1, 16):
+        srv = Scripted()
+        try:
+            with AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0), slots=slots,
+                           retransmit_timeout=5.0, catch_up=False) as c:
+                t = _serve(srv, 2)
+                c.allreduce(np.ones(2 * E, np.float32))      # on one slot: it serves two chunk indices
+                t.join()
+                t = _serve(srv, 1, later)
+                h = c.allreduce_async(np.ones(3, np.float32))
+                if slots == 1:
+                    with pytest.raises(TimeoutError):
+                        h.wait(timeout=0.3)
+                    t.join()
+                    srv.answer(srcs[-1], 1, 0, [5, 5, 5], count=3, n_contrib=2, strategy=QUORUM, param=1,
+                               flags=Flag.REREAD)
+                    assert h.wait(timeout=2).tolist() == [5.0] * 3
+                else:
+                    assert h.wait(timeout=2).tolist() == [7.0] * 3 and h.round == 9
+                    t.join()
+                    continue
+                t = _serve(srv, 1, lambda hdr, src: srv.answer(src, hdr.round, 0, [5, 5, 5], count=1,
+                                                               n_contrib=2, strategy=QUORUM, param=1))
+                with pytest.raises(ProtocolError, match="count 1"):
+                    c.allreduce(np.ones(3, np.float32))
+                t.join()
+        finally:
+            srv.close()

@@ -65,8 +65,8 @@ SUM, TRIMMED, ZENO = int(CombineKind.SUM), int(CombineKind.TRIMMED), int(Combine
 
 # A bank's fields in the kernel's arrays: small ones in int64 ``bi``, 64-bit ones in uint64 ``bu``.
 (F_STATE, F_ROUND, F_CHUNK, F_HOLDING, F_NCONTRIB, F_EXPONENT, F_FLAGS, F_VERSION, F_KIND, F_PARAM,
- F_TIMEOUT_US, F_UNANNOUNCED) = range(12)
-NF = 12
+ F_TIMEOUT_US, F_UNANNOUNCED, F_COUNT) = range(13)
+NF = 13
 U_BITMAP, U_LATE, U_TFIRST, U_HELD = range(4)
 NU = 4
 #: Strategy table rows for the kernel: from_round, version, kind, param, timeout_us.
@@ -144,7 +144,7 @@ def _governing(table, round_):
 
 
 @njit(cache=True, nogil=True)
-def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters, prec):
+def _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters, prec):
     """AggregatorModel._result of bank (s, b) into ``out[i]`` (a job of precision ``prec``: int16
     results for int8 contributions, int32 otherwise); its length."""
     elements = values.shape[2]
@@ -167,7 +167,7 @@ def _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i
     _put(o, O_RANK, 2, RESULT_RANK)
     _put(o, O_ROUND, 4, bi[s, b, F_ROUND])
     _put(o, O_CHUNK, 4, bi[s, b, F_CHUNK])
-    _put(o, O_COUNT, 2, count)
+    _put(o, O_COUNT, 2, bi[s, b, F_COUNT])   # the round's (Bank.count)
     _put(o, O_SVERSION, 2, bi[s, b, F_VERSION])
     _put(o, O_EXPONENT, 2, bi[s, b, F_EXPONENT] & 0xFFFF)
     o[O_FLAGS] = np.uint8(bi[s, b, F_FLAGS] | extra | served_flags)
@@ -361,7 +361,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 bi[s, b, F_HOLDING], bi[s, b, F_NCONTRIB], bi[s, b, F_FLAGS] = 0, 0, 0
                 bi[s, b, F_VERSION], bi[s, b, F_KIND] = table[e, T_VERSION], kind
                 bi[s, b, F_PARAM], bi[s, b, F_TIMEOUT_US] = table[e, T_PARAM], table[e, T_TIMEOUT]
-                bi[s, b, F_UNANNOUNCED] = 0
+                bi[s, b, F_UNANNOUNCED], bi[s, b, F_COUNT] = 0, count
                 bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST], bu[s, b, U_HELD] = 0, 0, now, 0
                 bi[s, b, F_EXPONENT] = ZERO_EXPONENT     # (Bank.open; a sum's first load sets it)
                 steps[s, b, :] = 0
@@ -423,7 +423,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             members[rank, M_LAST_ROUND] = np.uint64(round_ + 1)
         members[rank, M_LAST_NS] = now
         if bi[s, b, F_HOLDING]:
-            bi[s, b, F_HOLDING] = 0
+            bi[s, b, F_HOLDING], bi[s, b, F_COUNT] = 0, count
             bu[s, b, U_TFIRST] = now
         if step == 0:
             bu[s, b, U_BITMAP] |= np.uint64(1) << np.uint64(rank)
@@ -440,12 +440,12 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 bi[s, b, F_EXPONENT] = _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim, rho)
             bi[s, b, F_STATE] = RELEASED
             counters[C_RELEASED] += np.uint64(1)
-            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters,
+            out_len[i] = _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters,
                                  prec)
             out_kind[i] = TO_GROUP
         elif bi[s, b, F_KIND] == ASYNC:
             counters[C_PARTIALS] += np.uint64(1)
-            out_len[i] = _result(bi, bu, values, s, b, job, count, served_flags, out, out32, out16, i, counters,
+            out_len[i] = _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters,
                                  prec)
             out_kind[i] = TO_SENDER
         else:
@@ -593,7 +593,8 @@ class FastJob:
         """Slot ``s`` from the model's objects to the arrays."""
         for b, bank in enumerate(self.state.slots[s].banks):
             self.bi[s, b] = (bank.state, bank.key[0], bank.key[1], bank.holding, bank.n_contrib, bank.exponent,
-                             bank.flags, bank.version, bank.kind, bank.param, bank.timeout_us, bank.unannounced)
+                             bank.flags, bank.version, bank.kind, bank.param, bank.timeout_us, bank.unannounced,
+                             bank.count)
             self.bu[s, b] = (bank.bitmap, bank.late, bank.t_first % (1 << 64), bank.held)
             self.steps[s, b] = [x & 0xFF for x in bank.steps]  # bits >= STEPS mean nothing (counted anyway)
         p = self.state.slots[s].pending
@@ -621,7 +622,7 @@ class FastJob:
             if self.bi[s, b, F_STATE] == EMPTY:      # never used (a bank is never emptied again)
                 continue
             (state, round_, chunk, holding, bank.n_contrib, bank.exponent, bank.flags, bank.version, kind,
-             bank.param, bank.timeout_us, unannounced) = self.bi[s, b].tolist()
+             bank.param, bank.timeout_us, unannounced, bank.count) = self.bi[s, b].tolist()
             bank.state, bank.key, bank.holding = BankState(state), (round_, chunk), bool(holding)
             bank.kind, bank.unannounced = StrategyKind(kind), bool(unannounced)
             bank.bitmap, bank.late, bank.t_first, bank.held = self.bu[s, b].tolist()

@@ -122,6 +122,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     /* members known to hold the bank's result (Bank.held): a released ssp/async bank is reused
      * only once it has every awaited member */
     register<bit<64>>(AGGD_BANK_CELLS) bank_held;
+    /* the round's count, which its results carry (Bank.count) */
+    register<bit<16>>(AGGD_BANK_CELLS) bank_count;
     /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
      * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
     register<bit<8>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
@@ -338,6 +340,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<8> b_flags;
         bit<16> b_n;
         bit<16> b_exp;
+        bit<16> b_count;           /* bank_count of the bank sent back */
         bit<16> b_version;
         bit<32> b_round;
         bit<32> b_chunk;
@@ -808,6 +811,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_param.write(base + (bit<32>)iheld, meta.s_param);
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
                     bank_held.write(base + (bit<32>)iheld, 0);
+                    bank_count.write(base + (bit<32>)iheld, hdr.aggd.count);
                     add = iheld;
                 } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && shared == 1 &&
                            ((ik != NO_BANK && b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM) ||
@@ -852,6 +856,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_unannounced.write(base + (bit<32>)pick, 0);
                     bank_holding.write(base + (bit<32>)pick, (bit<8>)hold);
                     bank_held.write(base + (bit<32>)pick, 0);
+                    bank_count.write(base + (bit<32>)pick, hdr.aggd.count);
                     /* the step masks of the new round start empty (64 cells) */
 #define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
                     AGGD_LANES_64(CLEAR_STEP)
@@ -922,6 +927,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                          * admission and deadline) */
                         bank_holding.write(base + (bit<32>)add, 0);
                         bank_t_first.write(base + (bit<32>)add, now);
+                        bank_count.write(base + (bit<32>)add, hdr.aggd.count);
                     }
                     if (hdr.aggd.step == 0) {   /* a later step must not stand in for step 0 */
                         b_bitmap = b_bitmap | bit_x;
@@ -1017,6 +1023,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 bank_version.read(b_version, base + (bit<32>)out);
                 bank_kind.read(b_kind, base + (bit<32>)out);
                 bank_param.read(b_param, base + (bit<32>)out);
+                bank_count.read(b_count, base + (bit<32>)out);
                 if (meta.to_group == 0 && partial == 0) {
                     bank_unannounced.read(b_unannounced, base + (bit<32>)out);
                     if (b_unannounced == 1) {
@@ -1032,6 +1039,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 hdr.aggd.rank = 0xFFFF;
                 hdr.aggd.round = b_round;
                 hdr.aggd.chunk = b_chunk;
+                hdr.aggd.count = b_count;
                 hdr.aggd.exponent = b_exp;
                 hdr.aggd.flags = b_flags;
                 hdr.aggd.code = 0;
