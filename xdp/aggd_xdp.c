@@ -818,7 +818,6 @@ int aggd_xdp(struct xdp_md *ctx)
 			hb->param = st_new ? st_new->param : 0;
 			hb->timeout_us = st_new ? st_new->timeout_us : 0;
 			hb->skip = skip;
-			hb->count = n;
 			hb->held = 0;
 			sc->add = sc->ihold;
 		} else if (in_order && pick >= 0 && admits(st_new, round, sc->nopen, sc->nhold, sc->min_open_round)) {

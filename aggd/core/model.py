@@ -433,10 +433,11 @@ class Bank:
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
 
-    def adopt(self, key: Key, entry: TableEntry, skip: int = 0, count: int = 0) -> None:
+    def adopt(self, key: Key, entry: TableEntry, skip: int = 0) -> None:
         """A holding bank becomes the chunk's next round, ``key``, governed by ``entry`` (its
-        carried sums, flags and counts stay; the rest starts when the first own contribution lands)."""
-        self.key, self.skip, self.held, self.count = key, skip, 0, count
+        carried sums, flags and counts stay; the rest, its ``count`` too, starts when the first own
+        contribution lands: ``_contribute``)."""
+        self.key, self.skip, self.held = key, skip, 0
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
 
@@ -1026,7 +1027,7 @@ class AggregatorModel:
             return None           # a round whose predecessor was refused must not open first
         held = min(slot.holding_of(key[1]), key=lambda b: b.key, default=None)
         if held is not None:      # the carries wait for the chunk's next round: this one
-            held.adopt(key, entry, skip, count)
+            held.adopt(key, entry, skip)
             return held
         if not admits(entry, slot, key[0]):
             return None

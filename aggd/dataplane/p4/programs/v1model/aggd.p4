@@ -811,7 +811,6 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_param.write(base + (bit<32>)iheld, meta.s_param);
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
                     bank_held.write(base + (bit<32>)iheld, 0);
-                    bank_count.write(base + (bit<32>)iheld, hdr.aggd.count);
                     add = iheld;
                 } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && shared == 1 &&
                            ((ik != NO_BANK && b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM) ||
