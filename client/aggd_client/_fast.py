@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from .protocol import HEADER_DTYPE, HEADER_SIZE
-from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision
+from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 log = logging.getLogger("aggd_client")
 
@@ -50,6 +50,8 @@ assert [HEADER_DTYPE.fields[n][0].itemsize for n in
 _RESULT = int(MsgType.RESULT)
 _NACK = int(MsgType.NACK)
 _OVERFLOW = int(Flag.OVERFLOW)
+# a release that may leave members out: whether it answers our packet takes the numpy path's check
+_QUORUM, _WBSP = int(StrategyKind.QUORUM), int(StrategyKind.WBSP)
 
 #: scatter() status codes
 OK, ANOMALY = 0, 1
@@ -184,7 +186,9 @@ def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, hav
     ``out`` (divided by its ``n_contrib`` for a mean), and ``have``, ``ncontrib`` and ``meta``
     (strategy, param, strategy_version of the last one) are set. Returns (status, new results,
     acks, results of the job in the batch whatever their round). Writes nothing unless every
-    message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too.
+    message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too, and
+    so is a result of this round under quorum or wbsp (whether it answers our packet depends on its
+    contributors: the numpy path, which also serves those strategies once they are known).
     ``st_pay``: the staging records' payload column in the job's result type (``width`` bytes a
     value); a result whose ``code`` is not the job's precision ``code`` is an anomaly."""
     for apply in range(2):
@@ -205,6 +209,8 @@ def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, hav
             nj += 1
             if _be32(st_u8, i, _ROUND) != round32:
                 continue
+            if st_u8[i, _STRATEGY] == _QUORUM or st_u8[i, _STRATEGY] == _WBSP:
+                return ANOMALY, 0, 0, 0
             c = _be32(st_u8, i, _CHUNK)
             if c >= n_chunks:
                 continue

@@ -93,6 +93,9 @@ from .transport import STAGE  # noqa: F401
 __all__ = ["AggClient", "AllreduceHandle", "StrategyInfo", "WouldBlock", "ASYNC_OUTSTANDING",
            "WBSP_MAX_STEPS"]
 
+# close(): how long late contributions to rounds already answered are retransmitted (seconds)
+LATE_LINGER = 1.0
+
 
 class WouldBlock(AggdError):
     """``allreduce_async(..., block=False)`` was called while the strategy in force admits no
@@ -294,15 +297,25 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         """Whether sends use UDP GSO (False when disabled or after the kernel refused it)."""
         return self._gso
 
-    def close(self) -> None:
+    def close(self, linger: float = LATE_LINGER) -> None:
+        """Deliver what was handed over, then release the sockets; rounds still open fail.
+
+        Contributions to rounds whose result has not come (other members may wait for them) are
+        retransmitted until answered or ``give_up_after`` passes. Late ones to rounds already
+        answered (a quorum straggler's chunk, a late wbsp step: carried into a later round of
+        their chunk if a bank takes them) only for ``linger`` seconds more: at a job's end no
+        later round comes to take them, and the aggregator refuses them until ``give_up_after``.
+        Those still unanswered then are counted in ``stats["abandoned"]``.
+        """
         if self._closed:
             return
-        # Deliver what was handed to us: contributions still unanswered (a straggler's carried
-        # chunk, a late wbsp step) are retransmitted until answered or give_up_after passes.
         try:
-            self._progress(lambda: all(s.finished for s in self._sends), self._give_up)
+            self._progress(lambda: all(s.finished or s.rnd.complete for s in self._sends), self._give_up)
+            self._progress(lambda: all(s.finished for s in self._sends), min(linger, self._give_up))
         except Exception:  # noqa: BLE001 - closing must not raise for a round that already failed
             pass
+        self.stats["abandoned"] += sum(s.inflight + s.n - s.next for s in self._sends
+                                       if s.rnd.complete and not s.finished)
         self._closed = True
         self._fail_all(AggdError("the client was closed"))
         self._close_sockets()

@@ -888,3 +888,34 @@ def test_a_later_rounds_result_of_another_tensor():
                 t.join()
         finally:
             srv.close()
+
+
+def test_close_gives_a_late_contribution_of_an_answered_round_a_short_linger():
+    """A quorum released our round without us: its result completes the call while our
+    contribution, late, is retransmitted to be carried. At a job's end no later round takes it
+    and the aggregator refuses it until give_up_after: close() gives it ``linger`` seconds, then
+    counts it abandoned. A contribution nobody has answered yet is waited for as before."""
+    srv = Scripted()
+    try:
+        c = AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0), give_up_after=20.0,
+                      catch_up=False)
+        t = _serve(srv, 1, lambda hdr, src: srv.answer(src, hdr.round, 0, [3] * 3, count=3, n_contrib=1,
+                                                       strategy=QUORUM, param=1))
+        assert c.allreduce(np.ones(3, np.float32)).tolist() == [3.0] * 3
+        t.join()
+        t0 = time.monotonic()
+        c.close(linger=0.3)
+        assert time.monotonic() - t0 < 5.0
+        assert c.stats["abandoned"] == 1
+
+        c = AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0), give_up_after=20.0,
+                      catch_up=False)
+        h = c.allreduce_async(np.ones(3, np.float32))
+        (hdr, _, src), = srv.contributions(1)
+        threading.Timer(1.0, lambda: srv.answer(src, hdr.round, 0, [2] * 3, count=3, n_contrib=2)).start()
+        t0 = time.monotonic()
+        c.close(linger=0.0)
+        assert time.monotonic() - t0 >= 0.9 and c.stats["abandoned"] == 0
+        assert h.done()
+    finally:
+        srv.close()
