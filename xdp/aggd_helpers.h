@@ -24,6 +24,29 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
 	return ~sum;
 }
 
+/* The UDP checksum of a result to workers (their GRO coalesces a train of datagrams only when
+ * each carries one: udp_gro_receive_segment), over the pseudo-header, the UDP and aggd headers
+ * and `words` 32-bit words of values at `values` (in the frame, or the copy stored into it). Sums
+ * of native-order words folded to 16 bits give the checksum in the order it is stored. */
+static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values)
+{
+	__u64 sum = (__u64)ip->saddr + ip->daddr + ((__u32)htons(IPPROTO_UDP) | ((__u32)udp->len << 16));
+	const __u32 *w = (const __u32 *)udp; /* the UDP header and the aggd header: 48 bytes */
+	udp->check = 0;
+#pragma unroll
+	for (int i = 0; i < (int)((sizeof(struct udphdr) + sizeof(struct aggd_hdr)) / 4); i++)
+		sum += w[i];
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++)
+		sum += values[i];
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	__u16 c = ~(__u16)sum;
+	udp->check = c ? c : 0xffff; /* 0 would mean "no checksum" */
+}
+
 /* A MAC address as a 4-byte and a 2-byte word, not six single bytes (alignment: see HDR). */
 static __always_inline void mac_copy(__u8 *dst, const __u8 *src)
 {
@@ -36,6 +59,16 @@ static __always_inline int mac_equal(const __u8 *a, const __u8 *b)
 	return *(const __u32 *)a == *(const __u32 *)b && *(const __u16 *)(a + 4) == *(const __u16 *)(b + 4);
 }
 
+/* TTL, and a fixed ID with don't-fragment: a receiver's GRO then coalesces a train of results
+ * (the ID of the worker's packet each came from would break every train), then the checksum. */
+static __always_inline void fresh_ip(struct iphdr *ip)
+{
+	ip->ttl = 64;
+	ip->id = 0;
+	ip->frag_off = htons(0x4000); /* IP_DF */
+	ip->check = ip_checksum(ip);
+}
+
 /* Turn a worker's packet into one for the job's multicast group: source becomes this host. */
 static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp,
 					     struct job_cfg *cfg)
@@ -44,8 +77,7 @@ static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *i
 	mac_copy(eth->h_dest, cfg->group_mac);
 	ip->saddr = ip->daddr;
 	ip->daddr = cfg->group_ip;
-	ip->ttl = 64;
-	ip->check = ip_checksum(ip);
+	fresh_ip(ip);
 	udp->source = htons(AGGD_PORT);
 	udp->dest = cfg->result_port;
 	udp->check = 0; /* optional for IPv4; recomputing it would cost a pass over the payload */
@@ -60,8 +92,7 @@ static __always_inline void address_from_rack(struct ethhdr *eth, struct iphdr *
 	mac_copy(eth->h_dest, mac);
 	ip->saddr = cfg->self_ip;
 	ip->daddr = daddr;
-	ip->ttl = 64;
-	ip->check = ip_checksum(ip);
+	fresh_ip(ip);
 	udp->source = htons(AGGD_PORT);
 	udp->dest = dport;
 	udp->check = 0;
@@ -112,8 +143,7 @@ static __always_inline void address_to_sender(struct ethhdr *eth, struct iphdr *
 	*(__u16 *)(eth->h_dest + 4) = mac_lo;
 	ip->saddr = ip->daddr;
 	ip->daddr = a;
-	ip->ttl = 64;
-	ip->check = ip_checksum(ip);
+	fresh_ip(ip);
 	udp->source = udp->dest;
 	udp->dest = p;
 	udp->check = 0;

@@ -1162,5 +1162,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		address_to_group(eth, ip, udp, cfg);
 	else
 		address_to_sender(eth, ip, udp); /* re-sends, late answers and async running sums */
+	if (prec == AGGD_PRECISION_INT32)
+		result_udp_csum(ip, udp, (__u32 *)payload);
 	return XDP_TX;
 }

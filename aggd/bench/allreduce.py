@@ -143,6 +143,9 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
         "worker_extra_file_rss_bytes": extra_files,
         **_host_cpu(runs[0].records[-1].get("host_cpu_seconds"), cfg.iters),
     }
+    trains = [r.records[-1].get("trains") for r in runs]
+    if None not in trains:  # aggd's: reads that took a train of results (UDP GRO), warm-up included
+        row["result_trains"] = sum(trains)
     row.update(extra)
     return row
 
@@ -253,19 +256,20 @@ def cpu_hogs(count: int):
 
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
-        losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,),
+        losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,), gros: tuple[bool, ...] = (False,),
         precisions: tuple[int, ...] = (32,), combines: tuple[str, ...] = ("sum",)) -> list[dict]:
     """Every (workers, size, loss, hogs) with every system (aggd's at every precision; aggd-user's
     with every ``combines``: "sum" and robust jobs' "median", "trimmed:t"), in that order; returns
     the rows.
     ``losses``: percentages of packets the lab's links drop (each way); ``hogs``: processes spinning
-    on the host's cores meanwhile (``cpu_hogs``); each set in turn, lowest first. A row says its
+    on the host's cores meanwhile (``cpu_hogs``); ``gros``: the workers' receive path (False: the host's
+    backlog, True: GRO, as a NIC: ``Lab.set_gro``); each set in turn, lowest first. A row says its
     ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
     ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row."""
     from aggd.lab.runner import xdp_aggregator
 
     losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
-    seconds: dict[tuple, float] = {}     # (system, precision, combine, workers, bytes, loss, hogs) -> s / allreduce
+    seconds: dict[tuple, float] = {}     # (system, precision, combine, gro, workers, bytes, loss, hogs) -> s / allreduce
     mtu = mtu or max(1500, proto.HEADER_SIZE + 4 * elements + 28)
     rows = []
     with contextlib.ExitStack() as stack:
@@ -276,7 +280,9 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         agg = stack.enter_context(userspace_aggregator(lab, elements)) if "aggd-user" in systems else None
         port = GLOO_PORT
         for n in worker_counts:
-            for nbytes, loss, hog in itertools.product(sizes, losses, hogs):
+            for gro, nbytes, loss, hog in itertools.product(sorted(set(gros)), sizes, losses, hogs):
+                if gro != lab.gro:
+                    lab.set_gro(gro)
                 lab.set_loss(loss)
                 for system, bits, how in [(s, b, c) for s in systems for b in (precisions if s != "gloo" else (32,))
                                           for c in (combines if s == "aggd-user" else ("sum",))]:
@@ -289,13 +295,13 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                         else:
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
-                    row["loss_percent"], row["cpu_hogs"], row["mtu"] = loss, hog, mtu
-                    here = seconds[(system, bits, how, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
+                    row["loss_percent"], row["cpu_hogs"], row["mtu"], row["gro"] = loss, hog, mtu, gro
+                    here = seconds[(system, bits, how, gro, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
-                        if base != (loss, hog) and (system, bits, how, n, nbytes, *base) in seconds:
-                            row[field] = here / seconds[(system, bits, how, n, nbytes, *base)]
-                    if how != "sum" and (system, bits, "sum", n, nbytes, loss, hog) in seconds:
-                        row["slowdown_over_sum"] = here / seconds[(system, bits, "sum", n, nbytes, loss, hog)]
+                        if base != (loss, hog) and (system, bits, how, gro, n, nbytes, *base) in seconds:
+                            row[field] = here / seconds[(system, bits, how, gro, n, nbytes, *base)]
+                    if how != "sum" and (system, bits, "sum", gro, n, nbytes, loss, hog) in seconds:
+                        row["slowdown_over_sum"] = here / seconds[(system, bits, "sum", gro, n, nbytes, loss, hog)]
                     rows.append(row)
                     if on_row:
                         on_row(row)
@@ -307,7 +313,7 @@ def ratios(rows: list[dict]) -> list[dict]:
     aggd-user over aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its
     ``slowdown_over_...``) where the run had that baseline (``run``)."""
     def cond(r):
-        return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)
+        return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)
 
     by = {(*cond(r), r["system"], r.get("precision", 32)): r for r in rows if r.get("combine", "sum") == "sum"}
     bits_seen = sorted({r.get("precision", 32) for r in rows if r["system"] != "gloo"} or {32}, reverse=True)
@@ -320,7 +326,8 @@ def ratios(rows: list[dict]) -> list[dict]:
                 continue
             slowdown = [(s, base, r[f"slowdown_over_{base}"]) for s in SYSTEMS for base in ("lossless", "quiet")
                         if f"slowdown_over_{base}" in (r := by.get((*c, s, 32 if s == "gloo" else bits), {}))]
-            out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3], "precision": bits,
+            out.append({"workers": c[0], "bytes": c[1], "loss_percent": c[2], "cpu_hogs": c[3], "gro": c[4],
+                        "precision": bits,
                         "xdp_over_gloo": x / g if x and g else None,
                         "user_over_xdp": u / x if u and x else None,
                         "slowdown": slowdown})
@@ -334,8 +341,8 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     # one curve per system and worker count: the runs with the least loss and fewest hogs
-    lowest = min((r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)) for r in rows)
-    rows = [r for r in rows if (r.get("loss_percent", 0.0), r.get("cpu_hogs", 0)) == lowest]
+    lowest = min((r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)) for r in rows)
+    rows = [r for r in rows if (r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)) == lowest]
     colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
     styles = ["-", "--", ":", "-."]
     markers = ["s", "o", "^", "D"]

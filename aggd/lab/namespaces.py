@@ -76,7 +76,9 @@ PORT_QUEUE_PACKETS = 10000
 HOST_BACKLOG_PACKETS = 10000
 
 _SIOCETHTOOL = 0x8946
-_ETHTOOL_STXCSUM = 0x17  # legacy ethtool_value command, still the simplest way to flip it
+_ETHTOOL_STXCSUM = 0x17  # legacy ethtool_value commands, still the simplest way to flip them
+_ETHTOOL_SGRO = 0x2c
+_ETHTOOL_STSO = 0x1f
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -134,6 +136,29 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def _ethtool_set(ns_name: str, ifname: str, cmd: int, value: int) -> None:
+    with in_netns(ns_name):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the ioctl acts in its netns
+    with sock:
+        buf = ctypes.create_string_buffer(struct.pack("II", cmd, value))
+        ifreq = struct.pack("16sP", ifname.encode(), ctypes.addressof(buf))
+        fcntl.ioctl(sock, _SIOCETHTOOL, ifreq)
+
+
+def set_gro(ns_name: str, ifname: str, on: bool) -> None:
+    """GRO on (or off) for the veth ``ifname``, as a NIC has it: the veth then receives in NAPI (not
+    through the host's backlog) and coalesces a train of datagrams for a socket that asks
+    (UDP_GRO: the client's result sockets)."""
+    _ethtool_set(ns_name, ifname, _ETHTOOL_SGRO, int(on))
+
+
+def set_tso(ns_name: str, ifname: str, on: bool) -> None:
+    """TSO off (``on`` False) makes the veth ``ifname`` cut TCP to its MTU itself, as a wire does;
+    then its peer, with GRO on (``set_gro``), receives what the bridge forwards in NAPI, where GRO
+    runs (veth takes that path only from a sender without TSO: veth_skb_is_eligible_for_gro)."""
+    _ethtool_set(ns_name, ifname, _ETHTOOL_STSO, int(on))
+
+
 def disable_tx_checksum(ns_name: str, ifname: str) -> None:
     """Make ``ifname`` compute UDP/TCP checksums itself instead of leaving them to "hardware".
 
@@ -142,12 +167,7 @@ def disable_tx_checksum(ns_name: str, ifname: str) -> None:
     loses the metadata and arrives with a bad checksum (UdpInCsumErrors). Off, frames carry real
     checksums, as on a wire.
     """
-    with in_netns(ns_name):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the ioctl acts in its netns
-    with sock:
-        value = ctypes.create_string_buffer(struct.pack("II", _ETHTOOL_STXCSUM, 0))
-        ifreq = struct.pack("16sP", ifname.encode(), ctypes.addressof(value))
-        fcntl.ioctl(sock, _SIOCETHTOOL, ifreq)
+    _ethtool_set(ns_name, ifname, _ETHTOOL_STXCSUM, 0)
 
 
 def _write_sysctl(key: str, value: str) -> None:
@@ -256,7 +276,7 @@ class Lab:
     """
 
     def __init__(self, name: str, workers: int, loss_percent: float = 0.0, mtu: int = 1500,
-                 aggregators: int = 1, racks: int = 0):
+                 aggregators: int = 1, racks: int = 0, gro: bool = False):
         if not _NAME_RE.match(name):
             raise ValueError(f"lab name {name!r}: use 1-12 letters, digits or underscores")
         if not 1 <= workers <= MAX_WORKERS:
@@ -275,6 +295,7 @@ class Lab:
         self.workers = workers
         self.loss_percent = _check_percent(loss_percent)
         self.mtu = mtu
+        self.gro = bool(gro)
         self._procs: list[subprocess.Popen] = []
 
     # names and addresses
@@ -435,6 +456,8 @@ class Lab:
                 ipr.link("set", index=idx, state="up")
                 ipr.route("add", dst=MULTICAST_NET, oif=idx)
             disable_tx_checksum(ns, ifname)
+        if self.gro:
+            self._apply_gro(True)
         if self.mtu <= NATIVE_MAX_MTU:  # (a generic-mode aggregator's XDP_TX needs no peer program)
             for i in range(self.aggregators):
                 attach_xdp_pass(self.switch_ns, self.agg_port_of(i), frags=self.mtu > PAGE_MTU)
@@ -473,7 +496,7 @@ class Lab:
         try:
             data = json.loads(state.read_text())
             return cls(data["name"], data["workers"], data["loss_percent"], data["mtu"],
-                       data.get("aggregators", 1), data.get("racks", 0))
+                       data.get("aggregators", 1), data.get("racks", 0), data.get("gro", False))
         except (OSError, ValueError, KeyError, TypeError):
             pass
         # No usable state file (removed, or a crash mid-write): infer it from the namespaces.
@@ -491,10 +514,23 @@ class Lab:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         data = {"name": self.name, "workers": self.workers,
                 "loss_percent": self.loss_percent, "mtu": self.mtu, "aggregators": self.aggregators,
-                "racks": self.racks}
+                "racks": self.racks, "gro": self.gro}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         tmp.replace(self.state_file)
+
+    # the workers' receive path
+    def set_gro(self, on: bool) -> None:
+        """Workers receive as a NIC does (``on``: GRO and NAPI; TCP cut to the MTU at their bridge
+        ports, as on a wire) or through the host's backlog, with TCP passed in 64 KiB segments."""
+        self._apply_gro(on)
+        self.gro = bool(on)
+        self._save()
+
+    def _apply_gro(self, on: bool) -> None:
+        for i in range(self.workers):
+            set_gro(self.worker_ns(i), WORKER_IFNAME, on)
+            set_tso(self.switch_ns, f"sw-w{i}", not on)
 
     # loss
     def set_loss(self, percent: float) -> None:

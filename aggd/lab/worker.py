@@ -374,7 +374,7 @@ def main(argv=None) -> int:
                 if isinstance(client, (AggClient, ShardedClient)):
                     first = client if isinstance(client, AggClient) else client.clients[0]
                     rec.update(retransmits=client.stats["retransmits"],
-                               packets_sent=client.stats["packets_sent"],
+                               packets_sent=client.stats["packets_sent"], trains=client.stats["trains"],
                                retransmit_timeout=first.retransmit_timeout, window=first.window)
                 if host is not None:
                     rec["host_cpu_seconds"] = host  # the whole host over the timed rounds

@@ -42,13 +42,36 @@ class Parsed:
     ip_checksum_ok: bool
     hdr: proto.Header
     payload: np.ndarray
+    udp_checksum_ok: bool | None = None  # None: no checksum (0)
+    ip_id: int = 0
+    ip_df: bool = False
 
 
 def parse(data: bytes) -> Parsed:
     pkt = Ether(data)
     ip, udp = pkt[IP], pkt[UDP]
+    ip_id, df, udp_check = ip.id, bool(ip.flags & 0x2), udp.chksum
     check = ip.chksum
     del ip.chksum
     ok = IP(bytes(ip))[IP].chksum == check
+    udp_ok = None
+    if udp_check:
+        again = IP(bytes(ip))
+        del again[UDP].chksum
+        udp_ok = IP(bytes(again))[UDP].chksum == udp_check
     hdr, payload = proto.decode(bytes(udp.payload))
-    return Parsed(pkt.src, pkt.dst, ip.src, ip.dst, udp.sport, udp.dport, ok, hdr, payload.copy())
+    return Parsed(pkt.src, pkt.dst, ip.src, ip.dst, udp.sport, udp.dport, ok, hdr, payload.copy(), udp_ok,
+                  ip_id, df)
+
+
+def udp_checksum_ok(data: bytes) -> bool | None:
+    """Whether the UDP checksum of an Ethernet/IPv4 frame verifies; None when it carries none (0)."""
+    udp_len = int.from_bytes(data[38:40], "big")
+    seg = data[34:34 + udp_len]
+    if seg[6:8] == b"\0\0":
+        return None
+    words = data[26:34] + b"\0\x11" + udp_len.to_bytes(2, "big") + seg + b"\0" * (udp_len & 1)
+    total = int(np.frombuffer(words, ">u2").sum(dtype=np.uint64))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total == 0xFFFF

@@ -126,7 +126,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     job's quorum timeout). ``strategy``: the strategy the job starts with (``"ssp:2"``, a
     ``StrategyInfo``; ``JobInfo.strategy`` from ``join``), assumed until the first result says;
     None: ``sync``. ``gso``: send with UDP GSO; must be False when the aggregator runs XDP in
-    generic (skb) mode. ``catch_up``: under ``quorum`` a member that is behind may move to a later
+    generic (skb) mode. ``gro``: ask the kernel to hand over trains of results as one read
+    (``UDP_GRO``; it coalesces them where the interface has GRO on). ``catch_up``: under ``quorum`` a member that is behind may move to a later
     round it saw released (the default); that assumes every call reduces a tensor of one size, so
     it stops by itself once a call's size differs, and a job whose tensors differ in size from the
     start (DDP's buckets) should pass False (docs/protocol.md, "Tensors of different sizes").
@@ -149,7 +150,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
-                 catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
+                 gro: bool = True, catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
                  span: int | None = None, precision: "Precision | int | str" = 32, seed=None):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
@@ -211,10 +212,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._ack_out = np.zeros(3, np.float64)
         self._give_up = float(give_up_after)
         self._gso = bool(gso)
+        self._gro_wanted = bool(gro)
         self._closed = False
         self._last_send_error: OSError | None = None
         self.stats = {"packets_sent": 0, "retransmits": 0, "results": 0, "ignored": 0,
-                      "send_errors": 0, "gso_fallbacks": 0, "steps": 0, "abandoned": 0,
+                      "send_errors": 0, "gso_fallbacks": 0, "trains": 0, "steps": 0, "abandoned": 0,
                       "batch_waits": 0}
 
         # Admission: the next round's number, what a whole round is, the quorum rounds seen on the
@@ -296,6 +298,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     def gso(self) -> bool:
         """Whether sends use UDP GSO (False when disabled or after the kernel refused it)."""
         return self._gso
+
+    @property
+    def gro(self) -> bool:
+        """Whether receives take trains of results (UDP GRO accepted by the kernel)."""
+        return self._receiver.gro
 
     def close(self, linger: float = LATE_LINGER) -> None:
         """Deliver what was handed over, then release the sockets; rounds still open fail.

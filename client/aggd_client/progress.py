@@ -66,7 +66,7 @@ class ProgressLoop:
                     # Answers already in our sockets come first: a worker that was off the CPU
                     # finds a backlog larger than one batch, and a scan before reading it would
                     # resend chunks whose answers are here (duplicates the aggregator drops).
-                    while self._receive(0.0) >= len(self._stage):
+                    while self._receive(0.0) >= self._receiver.full_at:
                         pass
                     if until():
                         return True

@@ -193,14 +193,13 @@ class ResultHandler:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
-        expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
         if self._chunks_sent > self._slots:
             # A later round's result sent to us is the chunk's newest, answering a late packet of
             # ours. Where slots serve several chunk indices the aggregator keeps our own round's
             # result until we hold it (rule 3's held): a later round's whose count (its round's)
             # is not ours there is another tensor's and answers nothing; our round waits for its
             # own (docs/protocol.md, "Tensors of different sizes").
-            keep = own | (h["count"].astype(np.int64) == expect)
+            keep = own | (h["count"].astype(np.int64) == self._counts(rnd, chunks))
             if not keep.all():
                 idx, h, rounds, chunks, own = idx[keep], h[keep], rounds[keep], chunks[keep], own[keep]
                 if idx.size == 0:
@@ -248,7 +247,7 @@ class ResultHandler:
                                                            int(h["n_contrib"][j]), terms))
             return 0, acked
         cnt = h["count"].astype(np.int64)
-        expect = np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
+        expect = self._counts(rnd, chunks)
         # Else a later round's result answers our late contribution in its stead (ours may be
         # gone), as a quorum answers its stragglers, whatever its count: the quorum's newest
         # result of that chunk, maybe another tensor's (docs/protocol.md)
@@ -296,6 +295,10 @@ class ResultHandler:
         self._learn(rnd, int(rounds[j]), int(h["strategy"][j]), int(h["param"][j]),
                     int(h["strategy_version"][j]))
         return int(chunks.size), acked
+
+    def _counts(self, rnd: "_Round", chunks: np.ndarray) -> np.ndarray:
+        """The count a result of ``rnd`` carries for each of ``chunks`` (the last one's is shorter)."""
+        return np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
 
     def _ack(self, rnd: "_Round", chunks: np.ndarray, first_only: np.ndarray | None = None) -> int:
         """``chunks`` are answered for every send of the round; those also in ``first_only`` only

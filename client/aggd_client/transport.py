@@ -118,6 +118,8 @@ class UdpTransport:
         self._stage_pay = self._stage["payload"]  # the numba scatter's: values of the job's result type
         self._sizes = np.zeros(stage, np.int64)
         self._receiver = MultiReceiver(self._stage, rec, self._sizes)
+        if self._gro_wanted:  # trains of results as one read where the interface coalesces them
+            self._receiver.use_gro([self._sock] + ([self._group_sock] if self._group_sock is not None else []))
 
     def _close_sockets(self) -> None:
         """Release the sockets (``close`` does, after its last progress)."""
@@ -198,6 +200,7 @@ class UdpTransport:
             if self._group_sock is not None:
                 m = self._drain(self._group_sock, m)
         if m:
+            self.stats["trains"] = self._receiver.trains
             self._process(m)
         return m
 

@@ -47,6 +47,8 @@ def test_contributions_accumulate_and_last_releases_to_group(dp):
     assert (out.ip_src, out.ip_dst, out.dport, out.sport) == (AGG_IP, GROUP, proto.DEFAULT_RESULT_PORT,
                                                              proto.DEFAULT_PORT)
     assert out.eth_dst == "01:00:5e:4d:00:01" and out.eth_src == AGG_MAC and out.ip_checksum_ok
+    # with a UDP checksum, a fixed IP ID and don't-fragment, so a receiver's GRO coalesces results
+    assert out.udp_checksum_ok is True and out.ip_id == 0 and out.ip_df
     c = dp.job_stats(1).counters
     assert c["contributions"] == 3 and c["released"] == 1 and c["elements"] == 3 * ELEMENTS
 

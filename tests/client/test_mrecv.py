@@ -4,6 +4,7 @@ is full."""
 from __future__ import annotations
 
 import socket
+import struct
 
 import numpy as np
 import pytest
@@ -105,3 +106,69 @@ def test_keeps_each_senders_address(pair, batched):
         other.close()
     with pytest.raises(ValueError):
         mrecv.MultiReceiver(stage, REC, sizes, names=np.zeros((8, 8), np.uint8))
+
+
+GSO = (17, 103)  # SOL_UDP, UDP_SEGMENT: one send, a train of datagrams
+
+
+def _gro_receiver(rx, n=2048, rec=REC):
+    stage = np.zeros((n, rec), np.uint8)
+    sizes = np.zeros(n, np.int64)
+    r = mrecv.MultiReceiver(stage, rec, sizes)
+    if not r.use_gro([rx]):
+        pytest.fail("UDP_GRO refused: the kernel of CI has it (Linux 5.0 on)")
+    return r, stage, sizes
+
+
+def test_a_train_of_record_sized_datagrams_lands_one_a_record(pair):
+    """A UDP GSO send on loopback reaches a UDP_GRO socket as one train, as results coalesced by
+    an interface's GRO do: one read puts each datagram in its record, the last one shorter."""
+    tx, rx = pair
+    r, stage, sizes = _gro_receiver(rx)
+    train = b"".join(bytes([i]) * REC for i in range(9)) + b"\xee" * 10
+    tx.sendmsg([train], [(*GSO, struct.pack("H", REC))], 0, rx.getsockname())
+    tx.sendto(b"\x77" * 5, rx.getsockname())
+    m = r.drain(rx, 3)
+    assert m == 3 + 10 + 1 and r.trains == 1 and r.train_datagrams == 10
+    assert sizes[3:14].tolist() == [REC] * 9 + [10, 5]
+    assert [stage[3 + i, 0] for i in range(9)] == list(range(9)) and stage[12, 0] == 0xEE and stage[13, 0] == 0x77
+
+
+@pytest.mark.parametrize("seg", [REC // 2, REC + 8])
+def test_a_train_of_another_segment_size_is_moved_apart(pair, seg):
+    """Datagrams of another size than a record are moved one a record (cut to a record, as the
+    batched reads do)."""
+    tx, rx = pair
+    r, stage, sizes = _gro_receiver(rx)
+    train = b"".join(bytes([i + 1]) * seg for i in range(5))
+    tx.sendmsg([train], [(*GSO, struct.pack("H", seg))], 0, rx.getsockname())
+    assert r.drain(rx, 0) == 5
+    assert sizes[:5].tolist() == [min(seg, REC)] * 5
+    for i in range(5):
+        assert bytes(stage[i, :min(seg, REC)]) == bytes([i + 1]) * min(seg, REC)
+
+
+def test_reads_stop_while_the_stage_cannot_take_a_whole_train(pair):
+    tx, rx = pair
+    rec = 1024
+    r, stage, sizes = _gro_receiver(rx, n=80, rec=rec)
+    assert r.full_at == 80 - 64 + 1
+    for _ in range(3):
+        tx.sendmsg([bytes(rec * 10)], [(*GSO, struct.pack("H", rec))], 0, rx.getsockname())
+    assert r.drain(rx, 0) == 20  # a third train might not fit the 60 records left: kept for the next drain
+    assert r.drain(rx, 0) == 10
+
+
+def test_no_trains_at_all_turns_gro_off_again(pair, monkeypatch):
+    """Where nothing is coalesced a read a datagram costs more than recvmmsg: after LONE_LIMIT
+    datagrams read alone the receiver turns UDP_GRO off and reads in batches again."""
+    if not mrecv.AVAILABLE:
+        pytest.skip("libc has no recvmmsg")
+    monkeypatch.setattr(mrecv, "LONE_LIMIT", 4)
+    tx, rx = pair
+    r, stage, sizes = _gro_receiver(rx)
+    for i in range(10):
+        tx.sendto(bytes([i]) * 8, rx.getsockname())
+    assert r.drain(rx, 0) == 10 and not r.gro and r.full_at == 2048
+    assert rx.getsockopt(17, mrecv.UDP_GRO) == 0
+    assert [stage[i, 0] for i in range(10)] == list(range(10))

@@ -55,6 +55,24 @@ def test_bench_allreduce_with_loss_and_a_cpu_hog_rows_say_their_slowdown():
     assert "slowdown_over_quiet" not in rows[0] and rows[1]["slowdown_over_quiet"] > 0, rows
 
 
+def test_bench_allreduce_with_and_without_gro_on_the_workers():
+    """``--gro off,on``: each system on the workers' two receive paths in turn, in one lab; with GRO
+    (as a NIC) aggd's results reach the workers in trains, read one a call."""
+    out = subprocess.run(
+        [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp,gloo", "--size", "1M",
+         "--workers", "2", "--iters", "2", "--mtu", "1500", "--gro", "off,on", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [(r["system"], r["gro"]) for r in rows] == [("aggd-xdp", False), ("gloo", False), ("aggd-xdp", True),
+                                                      ("gloo", True)], rows
+    assert all(r["within_bound"] and r["errors"] == 0 and r["mtu"] == 1500 for r in rows), rows
+    assert rows[0]["result_trains"] == 0 and rows[2]["result_trains"] > 0, rows
+    bad = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--gro", "maybe"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--gro" in bad.stderr
+
+
 def test_bench_allreduce_refuses_an_unknown_system():
     out = subprocess.run([sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "nccl"],
                          capture_output=True, text=True, timeout=60)

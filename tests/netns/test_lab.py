@@ -366,3 +366,24 @@ def test_loss_option_rejects_nonsense(text):
     res = CliRunner().invoke(aggctl, ["lab", "up", "--workers", "1", "--loss", text, "--name", "x"])
     assert res.exit_code == 2 and "--loss" in res.output
     assert not Lab.exists("x")
+
+
+def _features(ns: str, ifname: str) -> dict[str, bool]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ethtool", "-k", ifname], capture_output=True, text=True,
+                         check=True).stdout
+    return {k.strip(): v.split()[0] == "on" for k, v in (line.split(":", 1) for line in out.splitlines()[1:] if ":" in line)}
+
+
+def test_workers_receive_as_nics_do_with_gro():
+    """`aggctl lab up --gro`: GRO on every worker's veth, TSO off on its bridge port (TCP cut to the
+    MTU there, as on a wire); kept by load, and ``set_gro(False)`` restores the plain veths."""
+    with aggctl_lab("--workers", "2", "--gro") as (_, lab):
+        assert lab.gro
+        for i in range(2):
+            assert _features(lab.worker_ns(i), "eth0")["generic-receive-offload"]
+            assert not _features(lab.switch_ns, f"sw-w{i}")["tx-tcp-segmentation"]
+        lab.set_gro(False)
+        assert not Lab.load(lab.name).gro
+        for i in range(2):
+            assert not _features(lab.worker_ns(i), "eth0")["generic-receive-offload"]
+            assert _features(lab.switch_ns, f"sw-w{i}")["tx-tcp-segmentation"]

@@ -62,6 +62,10 @@ def bench():
 @click.option("--cpu-hogs", "hogs", default="0", show_default=True,
               help="processes spinning on the host's cores while each system runs, e.g. 0,1 (a busy host; "
                    "with 0 among them every row also gets its slowdown over the quiet run)")
+@click.option("--gro", "gros", default="off", show_default=True,
+              help="the workers' receive path, e.g. off,on: on receives as a NIC does (GRO in NAPI, TCP cut to "
+                   "the MTU at the bridge, aggd's results read in trains), off through the host's backlog "
+                   "(TCP passed in 64 KiB segments)")
 @click.option("--precision", "precisions", default="32", show_default=True,
               help="bits a contribution value of aggd's systems, e.g. 8,16,32 (docs/precision.md); the "
                    "XDP program holds 8 and 16 bits in packets of at most 832 values")
@@ -71,8 +75,8 @@ def bench():
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
-def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, precisions,
-                    combines, as_json, plot_path):
+def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, gros,
+                    precisions, combines, as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -116,6 +120,10 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     hog_list = tuple(sorted(set(_int_list(hogs))))
     if not hog_list or any(h < 0 or h > 64 for h in hog_list):
         raise click.BadParameter("hog counts must be in 0..64", param_hint="--cpu-hogs")
+    gro_words = [g.strip() for g in gros.split(",") if g.strip()]
+    if not gro_words or any(g not in ("on", "off") for g in gro_words):
+        raise click.BadParameter("use on and/or off, comma-separated", param_hint="--gro")
+    gro_list = tuple(sorted({g == "on" for g in gro_words}))
     if iters < 1 or warmup < 0:
         raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
     bits = sorted({b.strip() for b in precisions.split(",") if b.strip()}, key=lambda b: -int(b) if b.isdigit() else 0)
@@ -144,14 +152,15 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         name = row["system"] + ("" if row.get("precision", 32) == 32 else f"@{row['precision']}") + \
             ("" if row.get("combine", "sum") == "sum" else f"/{row['combine']}")
         click.echo(f"{name:<12} workers={row['workers']:<2} bytes={row['bytes']:<10} "
-                   f"loss={row['loss_percent']:g}% hogs={row['cpu_hogs']}  {row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
+                   f"loss={row['loss_percent']:g}% hogs={row['cpu_hogs']}{' gro' if row.get('gro') else ''}  "
+                   f"{row['seconds_per_allreduce'] * 1e3:9.2f} ms  {row['algbw_gbps']:7.3f} Gbit/s  "
                    f"max_err={row['max_abs_error']:.3g} (bound {row['error_bound']:.3g})  "
                    f"worker extra RSS {row['worker_extra_rss_ratio']:.2f}x tensor{agg}{extra}")
 
     try:
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
-                      on_row=show, losses=loss_list, hogs=hog_list, precisions=tuple(int(b) for b in bits),
+                      on_row=show, losses=loss_list, hogs=hog_list, gros=gro_list, precisions=tuple(int(b) for b in bits),
                       combines=how_list or ("sum",))
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
@@ -165,7 +174,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         parts += [f"{system} {x:.2f}x its {base} time" for system, base, x in r["slowdown"]]
         if parts and not as_json:  # (JSON rows carry what they are computed from)
             click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}% "
-                       f"hogs={r['cpu_hogs']}  " + "  ".join(parts))
+                       f"hogs={r['cpu_hogs']}{' gro' if r['gro'] else ''}  " + "  ".join(parts))
     if plot_path:
         ab.plot(rows, plot_path)
         if not as_json:

@@ -50,16 +50,19 @@ def lab():
 @click.option("--racks", type=click.IntRange(0, MAX_AGGREGATORS - 1), default=0, show_default=True,
               help="Racks behind a spine bridge (docs/hierarchy.md): a bridge a rack with its share of the "
                    "workers and an aggregator each; the last aggregator on the spine.")
+@click.option("--gro", is_flag=True,
+              help="Workers receive as a NIC does: GRO in NAPI, TCP cut to the MTU at the bridge (default: "
+                   "through the host's backlog, TCP passed in 64 KiB segments).")
 @name_option
-def up(workers, loss, mtu, aggregators, racks, name):
+def up(workers, loss, mtu, aggregators, racks, gro, name):
     """Build a lab and leave it running."""
     if racks and aggregators < racks + 1:
         aggregators = racks + 1          # one a rack and the spine's
     try:
-        made = Lab(name, workers, loss_percent=loss, mtu=mtu, aggregators=aggregators, racks=racks).up()
+        made = Lab(name, workers, loss_percent=loss, mtu=mtu, aggregators=aggregators, racks=racks, gro=gro).up()
     except (LabError, ValueError) as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"lab {name} is up: {workers} worker(s), loss {loss:g}%, mtu {mtu}")
+    click.echo(f"lab {name} is up: {workers} worker(s), loss {loss:g}%, mtu {mtu}" + (", GRO" if gro else ""))
     _print_table(made.status())
     click.echo(f"run in it:  ip netns exec {made.worker_ns(0)} <command>")
     click.echo(f"remove it:  aggctl lab down --name {name}")
