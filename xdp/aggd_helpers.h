@@ -25,10 +25,13 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
 }
 
 /* The UDP checksum of a result to workers (their GRO coalesces a train of datagrams only when
- * each carries one: udp_gro_receive_segment), over the pseudo-header, the UDP and aggd headers
- * and `words` 32-bit words of values at `values` (in the frame, or the copy stored into it). Sums
- * of native-order words folded to 16 bits give the checksum in the order it is stored. */
-static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values)
+ * each carries one: udp_gro_receive_segment), over the pseudo-header, the UDP and aggd headers and
+ * the values at `values` (in the frame, or the copy stored into it): ELEMS int32, or ELEMS int16
+ * (`int16_values`: an int8 job's result; a constant 0 in a build without narrow lanes, whose
+ * loop then stays within the instruction limit). Sums of native-order words folded to 16 bits give the checksum in the
+ * order it is stored (every word starts at an even offset of the datagram). */
+static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values,
+					    int int16_values)
 {
 	__u64 sum = (__u64)ip->saddr + ip->daddr + ((__u32)htons(IPPROTO_UDP) | ((__u32)udp->len << 16));
 	const __u32 *w = (const __u32 *)udp; /* the UDP header and the aggd header: 48 bytes */
@@ -36,9 +39,16 @@ static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp
 #pragma unroll
 	for (int i = 0; i < (int)((sizeof(struct udphdr) + sizeof(struct aggd_hdr)) / 4); i++)
 		sum += w[i];
+	/* int16 values: half the words, and the last value alone if ELEMS is odd */
+	int words = int16_values ? ELEMS / 2 : ELEMS;
 	_Pragma("clang loop unroll_count(8)")
-	for (int i = 0; i < ELEMS; i++)
+	for (int i = 0; i < ELEMS; i++) {
+		if (i >= words)
+			break;
 		sum += values[i];
+	}
+	if ((ELEMS & 1) && int16_values)
+		sum += *(const __u16 *)(values + ELEMS / 2);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);

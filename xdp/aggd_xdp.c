@@ -1162,7 +1162,6 @@ int aggd_xdp(struct xdp_md *ctx)
 		address_to_group(eth, ip, udp, cfg);
 	else
 		address_to_sender(eth, ip, udp); /* re-sends, late answers and async running sums */
-	if (prec == AGGD_PRECISION_INT32)
-		result_udp_csum(ip, udp, (__u32 *)payload);
+	result_udp_csum(ip, udp, (__u32 *)payload, AGGD_NARROW && prec == AGGD_PRECISION_INT8);
 	return XDP_TX;
 }

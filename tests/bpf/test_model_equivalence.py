@@ -294,3 +294,10 @@ def test_random_sequences_norm_bounded(harness, kind, precision):
     refused = bounded_sequences(harness, f"norm-bounded {precision.name.lower()} {kind}", kind, precision,
                                 NORM_SEQUENCES, (0.5, 3000.0, 20000.0, 2.0**35), "norm_bound")
     assert refused > 0     # some contributions were beyond it
+
+
+@pytest.mark.parametrize("kind", ["sync", "quorum"])
+def test_int8_results_of_an_odd_packet_size(odd_harness, kind):
+    """An int8 job's int16 results at an odd packet size: the last value is half a 32-bit word of
+    the UDP checksum's sum (the harness checks every result's checksum)."""
+    sequences_at_packet_size(odd_harness, kind, f"odd int8 {kind}", 30, precision=Precision.INT8)
