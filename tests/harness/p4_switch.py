@@ -533,7 +533,8 @@ class SimSwitch:
             ipb[2:4] = struct.pack("!H", 20 + 8 + proto.HEADER_SIZE)
             udp[4:6] = struct.pack("!H", 8 + proto.HEADER_SIZE)
         ipb[8] = 64
-        udp[6:8] = b"\0\0"
+        ipb[4:8] = b"\0\0\x40\0"  # IP ID 0, don't fragment
+        udp[6:8] = b"\0\0"       # no UDP checksum: a switch's deparser cannot sum the payload
         return Output("tx", bytes(eth + _with_checksum(ipb) + udp) + v.out, ports, v, data, src)
 
 

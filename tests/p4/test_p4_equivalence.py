@@ -114,7 +114,7 @@ class Twin:
             assert out.action == "drop", why
         else:
             assert res.verdict_name == "tx" and out.action == "tx", why
-            assert out.frame == res.packet, why
+            assert out.frame == without_udp_checksum(res.packet), why
             if v.dest == "group":
                 assert set(out.ports) == {HOSTS[ip][1] for ip, _ in self.sim.model.jobs[v.job].cfg.members.values()}, why
             else:
@@ -144,7 +144,13 @@ def _xdp_agrees(res, out, pkt) -> bool:
         return out.action == "forward" and out.frame == pkt
     if res.verdict_name == "drop":
         return out.action == "drop"
-    return out.action == "tx" and out.frame == res.packet
+    return out.action == "tx" and out.frame == without_udp_checksum(res.packet)
+
+
+def without_udp_checksum(frame: bytes) -> bytes:
+    """An XDP frame as the P4 program sends it: the same but for the UDP checksum, which XDP
+    computes for results (docs/protocol.md, "Transport") and a switch leaves 0."""
+    return frame[:40] + b"\0\0" + frame[42:]
 
 
 @pytest.fixture

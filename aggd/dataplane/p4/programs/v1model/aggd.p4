@@ -267,6 +267,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
         hdr.ipv4.dst_addr = ip;
         hdr.ipv4.ttl = 64;
+        hdr.ipv4.identification = 0;   /* a fixed ID with DF: a receiver's GRO coalesces */
+        hdr.ipv4.flags = 2;
+        hdr.ipv4.frag_offset = 0;
         hdr.udp.src_port = hdr.udp.dst_port;
         hdr.udp.dst_port = port;
         hdr.udp.checksum = 0;
@@ -280,6 +283,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         hdr.ipv4.src_addr = hdr.ipv4.dst_addr;
         hdr.ipv4.dst_addr = meta.group_ip;
         hdr.ipv4.ttl = 64;
+        hdr.ipv4.identification = 0;   /* a fixed ID with DF: a receiver's GRO coalesces */
+        hdr.ipv4.flags = 2;
+        hdr.ipv4.frag_offset = 0;
         hdr.udp.src_port = AGGD_PORT;
         hdr.udp.dst_port = meta.result_port;
         hdr.udp.checksum = 0;
