@@ -28,8 +28,9 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
  * each carries one: udp_gro_receive_segment), over the pseudo-header, the UDP and aggd headers and
  * the values at `values` (in the frame, or the copy stored into it): ELEMS int32, or ELEMS int16
  * (`int16_values`: an int8 job's result; a constant 0 in a build without narrow lanes, whose
- * loop then stays within the instruction limit). Sums of native-order words folded to 16 bits give the checksum in the
- * order it is stored (every word starts at an even offset of the datagram). */
+ * loop then stays within the instruction limit). Sums of native-order words folded to 16 bits
+ * give the checksum in the order it is stored (every word starts at an even offset of the
+ * datagram). */
 static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values,
 					    int int16_values)
 {
@@ -90,7 +91,7 @@ static __always_inline void address_to_group(struct ethhdr *eth, struct iphdr *i
 	fresh_ip(ip);
 	udp->source = htons(AGGD_PORT);
 	udp->dest = cfg->result_port;
-	udp->check = 0; /* optional for IPv4; recomputing it would cost a pass over the payload */
+	udp->check = 0; /* a result's is computed once its values are written (result_udp_csum) */
 }
 
 /* From a rack job's own address (the packet may have come to another group) to `mac`, `daddr`,
