@@ -288,9 +288,12 @@ class ShardedClient:
                 reason = f"aggregator{'s' if len(added) > 1 else ''} {', '.join(f'{h}:{p}' for h, p in added)} added"
             self._probe_failed()
             with self._lock:
-                revive = dict(self._revive) if self._switch is None else {}
-                if self._switch is None:   # (not while a failover's map is pending)
-                    self._revive.clear()
+                # not while a failover's map is pending, nor while a probe of that aggregator is in
+                # flight: its JOIN, answered after ours, would move our member address to its port
+                revive = {i: w for i, w in self._revive.items() if i not in self._probing} \
+                    if self._switch is None else {}
+                for i in revive:
+                    del self._revive[i]
             if revive:
                 back = sorted(i for i in revive if i in self.dead)
                 weights = list(chosen.weights)
@@ -366,7 +369,7 @@ class ShardedClient:
             return
         now = time.monotonic()
         with self._lock:
-            due = [i for i in sorted(self.dead - self._probing)
+            due = [i for i in sorted(self.dead - self._probing - set(self._revive))
                    if now >= self._probe_due.setdefault(i, now + self._probe_gap(i))]
             self._probing.update(due)
         for i in due:
@@ -387,6 +390,7 @@ class ShardedClient:
         log.warning("aggregator %d answers again: back at the next agreed call", i)
         with self._lock:
             self._revive.setdefault(i, None)
+            self._probe_due.pop(i, None)
             self._probing.discard(i)
 
     def set_weights(self, weights: Sequence[float]) -> None:

@@ -222,6 +222,11 @@ def test_the_leader_probes_a_failed_aggregator_and_brings_it_back(aggs):
         assert asked == [1] and not client._revive
         probe_when_due()                          # answered: revived at the next agreed call
         assert asked == [1, 1] and client._revive == {1: None}
+        # until that call, no more probes: a JOIN answered after the revival's own would move this
+        # member's address to the probe's port, and the aggregator would refuse its data
+        time.sleep(0.06)
+        client._probe_failed()
+        assert asked == [1, 1] and not client._probing and 1 not in client._probe_due
         client._failures[1] = 2                   # a host that failed twice: half as often
         assert client._probe_gap(1) == pytest.approx(0.1)
         with pytest.raises(ValueError, match="probe_every"):
