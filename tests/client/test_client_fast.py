@@ -33,6 +33,12 @@ def silent():
     s.close()
 
 
+def silent_client(server, *args, **kw) -> AggClient:
+    """A client of the silent server: nothing ever answers its rounds, so close() gives up at once
+    (instead of retransmitting them for the default give_up_after, 5 s)."""
+    return AggClient(server, *args, **{"give_up_after": 0.2, **kw})
+
+
 def transfer(client, x, fast, mean=False, out_dtype=None, kind=StrategyKind.SYNC, number=0):
     """A round of ``x`` registered with ``client`` and its (only) send, not sent yet."""
     rnd = _Round(number, x.shape, out_dtype or x.dtype, x.size, client._elements, mean)
@@ -77,7 +83,7 @@ finite = {w: st.floats(width=w, allow_nan=False, allow_infinity=False) for w in 
 def test_fill_is_bit_identical(silent, width, world, elements, kind, data):
     dtype = {16: np.float16, 32: np.float32, 64: np.float64}[width]
     x = data.draw(hnp.arrays(dtype, st.integers(1, 64 * elements), elements=finite[width]))
-    with AggClient(silent, JOB, 0, world, elements=elements, slots=64) as c:
+    with silent_client(silent, JOB, 0, world, elements=elements, slots=64) as c:
         slow = rings_after_fill(c, x, fast=False, kind=kind)
         fast = rings_after_fill(c, x, fast=True, kind=kind)
     assert same_rings(slow, fast)
@@ -99,7 +105,7 @@ def test_fill_large_random_and_extremes(silent):
         x[600:700] = info.smallest_subnormal
         x[900] = -info.max
         for world in (1, 3, 64):
-            with AggClient(silent, JOB, 1, world if world > 1 else 2, slots=16) as c:
+            with silent_client(silent, JOB, 1, world if world > 1 else 2, slots=16) as c:
                 assert same_rings(rings_after_fill(c, x, False), rings_after_fill(c, x, True))
 
 
@@ -131,7 +137,7 @@ def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0,
 
 
 def fresh_client(silent, fast, **kw):
-    c = AggClient(silent, JOB, 0, 4, **kw)
+    c = silent_client(silent, JOB, 0, 4, **kw)
     c._fast = fast
     return c
 
@@ -193,7 +199,7 @@ def test_scatter_anomalies_fall_back(silent, kind):
     rng = np.random.default_rng(2)
     E = 16
     x = np.zeros(E * 4, np.float32)
-    with AggClient(silent, JOB, 0, 2, elements=E) as c:
+    with silent_client(silent, JOB, 0, 2, elements=E) as c:
         assert c._fast
         rnd, t = transfer(c, x, True)
         t.state[:] = 1
@@ -225,7 +231,7 @@ def test_scatter_anomalies_fall_back(silent, kind):
 def test_kernels_can_be_disabled(monkeypatch, silent):
     monkeypatch.setattr(_fast, "AVAILABLE", False)
     assert _fast.warm_up() is False
-    with AggClient(silent, JOB, 0, 1) as c:
+    with silent_client(silent, JOB, 0, 1) as c:
         assert not c._fast
         rnd, t = transfer(c, np.ones(3, np.float32), c._fast)
         assert not t.fast_fill
@@ -259,7 +265,7 @@ def test_all_finite_finds_one_bad_value_anywhere(dtype, bad):
 def test_a_nan_is_refused_before_anything_is_sent_on_the_fast_path(silent):
     x = np.ones(10_000, np.float32)
     x[9_999] = np.nan
-    with AggClient(silent, JOB, 0, 2, slots=16) as c:
+    with silent_client(silent, JOB, 0, 2, slots=16) as c:
         assert c._fast
         with pytest.raises(ValueError, match="NaN"):
             c.allreduce(x)
@@ -275,7 +281,7 @@ def test_narrow_fill_rounds_as_the_numpy_path(silent, width, precision, world, e
     two integers around ``x * 2**e`` (stochastic rounding with another generator), within ±Q."""
     dtype = {16: np.float16, 32: np.float32, 64: np.float64}[width]
     x = data.draw(hnp.arrays(dtype, st.integers(1, 64 * elements), elements=finite[width]))
-    with AggClient(silent, JOB, 0, world, elements=elements, slots=64, precision=precision, seed=3) as c:
+    with silent_client(silent, JOB, 0, world, elements=elements, slots=64, precision=precision, seed=3) as c:
         slow = rings_after_fill(c, x, fast=False)[-1]
         fast = rings_after_fill(c, x, fast=True)[-1]
     assert np.array_equal(slow["hdr"], fast["hdr"])
