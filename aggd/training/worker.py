@@ -83,7 +83,9 @@ def main(argv=None) -> int:
     finally:
         ex.close()
     summary.pop("evals")
-    print(json.dumps({**summary, "summary": True}), flush=True)
+    stats = getattr(ex, "stats", None)   # the client's counters (retransmits...), for the tests and benches
+    print(json.dumps({**summary, **({"client": dict(stats)} if isinstance(stats, dict) else {}),
+                      "summary": True}, default=str), flush=True)
     return 0
 
 
