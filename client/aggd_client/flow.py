@@ -47,6 +47,12 @@ TAIL_PROBE_FLOOR = 0.002
 #: a probe is lost as its first send was (one probe, as TCP sends, left 5%-loss rounds waiting for
 #: 50 ms timeouts: 6.7x the lossless time against 2x with three).
 TAIL_PROBES = 3
+#: Under ``quorum``, a member with at most this many chunks in flight resends each every timeout,
+#: without doubling (at most ``max_retransmit_interval`` apart): few chunks cost little, and a
+#: chunk a shared slot refused ``busy`` is taken as soon as its bank frees (19 chunks on 4 slots at
+#: 5% loss: 1.8 s a round with doubling, 0.6 s without). More are a round waiting for its slowest
+#: members (a DDP bucket of 1377 chunks): those double, as elsewhere.
+QUORUM_STEADY_MAX = 64
 #: A loss cuts the window only where answers take this much longer than the shortest recent one
 #: (a queue has formed: the window is too large for a queue somewhere); a loss at short answer
 #: times is the path's (a lossy link), which a smaller window would not cure.

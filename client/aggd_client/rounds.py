@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _fast, quant
 from .errors import AggdError
-from .flow import TAIL_PROBE_FLOOR, TAIL_PROBE_MAX, TAIL_PROBES
+from .flow import QUORUM_STEADY_MAX, TAIL_PROBE_FLOOR, TAIL_PROBE_MAX, TAIL_PROBES
 from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 if TYPE_CHECKING:
@@ -371,16 +371,17 @@ class _Send:
             # (lost); one they have not reached is waiting for a slow member. (Quorum rounds
             # keep per-chunk timers: their retransmissions are the clock of the deadline.)
             late &= (cand < self.hi_answered) | (now - self.answered_at >= rto)
-            # RACK: sent before a chunk that was answered, and a reordering window past that
-            # answer's time
-            sent = self.sent_at[cand]
-            late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
-            if self.next >= self.n and cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
-                # tail loss probes: the round's last few chunks, after every other answer came, are
-                # resent two answer times after the last answer, then after twice that, up to
-                # TAIL_PROBES times (each member probes its own: a chunk waits for every member's)
-                pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(retries.astype(np.float64)), rto)
-                late |= (retries < TAIL_PROBES) & (now - sent >= pto) & (now - self.answered_at >= pto)
+        # RACK: sent before a chunk that was answered, and a reordering window past that answer's
+        # time. (Under quorum too: there it also resends a chunk a shared slot refused `busy` once
+        # the members of a later chunk of that slot have freed its bank.)
+        sent = self.sent_at[cand]
+        late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
+        if self.next >= self.n and cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
+            # tail loss probes: the round's last few chunks, after every other answer came, are
+            # resent two answer times after the last answer, then after twice that, up to
+            # TAIL_PROBES times (each member probes its own: a chunk waits for every member's)
+            pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(retries.astype(np.float64)), rto)
+            late |= (retries < TAIL_PROBES) & (now - sent >= pto) & (now - self.answered_at >= pto)
         due = cand[late]
         if due.size == 0:
             return
@@ -502,7 +503,11 @@ class RoundScheduler:
             self._rounds = [r for r in self._rounds if not (r.complete and not r.sends)]
 
     def _retransmit(self, now: float) -> None:
-        cap = self._quorum_cap if self._strategy.kind == StrategyKind.QUORUM else self._rto_cap
+        cap = self._rto_cap
+        if self._strategy.kind == StrategyKind.QUORUM:
+            cap = self._quorum_cap
+            if sum(s.inflight for s in self._sends) <= QUORUM_STEADY_MAX:
+                cap = min(self._rtt.rto, cap)     # no doubling for a few chunks (flow.QUORUM_STEADY_MAX)
         for s in list(self._sends):
             if s.rnd.complete and now - s.last_ack >= self._give_up:
                 # answers to contributions sent after the round's result came (a wbsp step, a

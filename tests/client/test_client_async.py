@@ -563,7 +563,7 @@ def test_first_result_of_a_chunk_wins_and_later_rounds_answer_stragglers():
     srv = Scripted()
     try:
         with AggClient(srv.address, JOB, 0, 2, elements=E, bind=("127.0.0.1", 0),
-                       retransmit_timeout=5.0) as c:
+                       retransmit_timeout=5.0, give_up_after=0.5) as c:   # (round 6 stays open)
             x = np.full(3, 1.0, np.float32)
             h = c.allreduce_async(x)
             (hdr, _, src), = srv.contributions(1)
@@ -689,6 +689,31 @@ def test_quorum_deadline_is_driven_by_retransmissions():
             gaps = np.diff(arrivals)
             assert len(arrivals) >= 5 and gaps.max() < cap + 0.05, gaps
             assert {cause for key, *_, cause in fake.released if key[0] == 1} == {"timeout"}
+
+
+@pytest.mark.parametrize("chunks", [3, 100])
+def test_under_quorum_few_chunks_in_flight_are_resent_every_timeout(chunks):
+    """Under quorum, at most flow.QUORUM_STEADY_MAX chunks in flight are resent every timeout, not
+    doubled (a chunk a shared slot refused ``busy`` is taken as soon as its bank frees); more
+    (a round waiting for its slowest members) double up to max_retransmit_interval."""
+    from aggd_client.flow import QUORUM_STEADY_MAX
+    world = 2
+    # rounds 0-2 under quorum:1 (answered at once: the window grows past 64), round 3 under
+    # quorum:2 with rank 0 alone, released by its deadline
+    with StrategyFake(world, [(0, "quorum:1"), (3, "quorum:2")], timeout=1.2, slots=128) as fake:
+        c = AggClient(fake.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, slots=128,
+                      give_up_after=10, retransmit_timeout=0.03, max_retransmit_interval=0.5,
+                      strategy="quorum:1")
+        with c:
+            for _ in range(4):
+                c.allreduce(np.ones(chunks * E, np.float32))
+            assert c.round == 4
+            arrivals = sorted(t for t, k, r, ch, *_ in fake.log if k == 0 and r == 3 and ch == 0)
+            gaps = np.diff(arrivals)
+            if chunks <= QUORUM_STEADY_MAX:
+                assert len(gaps) >= 15 and gaps.max() < 0.15, gaps       # every 30 ms or so
+            else:
+                assert len(gaps) <= 8 and gaps.max() > 0.2, gaps          # 30, 60, 120, 240, 480 ms...
 
 
 def test_quorum_quantises_with_headroom_for_carried_contributions():
