@@ -54,7 +54,7 @@ Transport, as docs/protocol.md asks:
   retransmit_timeout)``; at most ``max_retransmit_interval`` under ``quorum``, whose data plane uses
   the members' retransmissions as the clock of its deadline, and not doubled there while at most
   ``flow.QUORUM_STEADY_MAX`` chunks are in flight) is sent again flagged RETRANSMIT, or sooner
-  once chunks sent after it are answered (RACK) or as a round's tail (tail loss probes).
+  once chunks sent after it are answered (RACK) or as the last few in flight (tail loss probes).
   Chunks in flight are further bounded by a congestion window (``flow.CongestionWindow``: halved
   when first timeouts fire for chunks that answers to later chunks have passed by, regrown as
   answers come; without ``window``, at most ``flow.MAX_INFLIGHT_BYTES`` of packets).

@@ -36,10 +36,11 @@ BETA = 1 / 4
 #: Chunks in flight at the start (one GSO batch) and never fewer than this.
 INITIAL_WINDOW = 64
 MIN_WINDOW = 16
-#: Chunks tail loss probes resend at most: a round's last chunks, unanswered after every other
+#: Chunks tail loss probes resend at most: the last chunks in flight (a round's, or a small window's:
+#: 19 chunks on 4 slots at 5% loss went from 0.4 s a round to 0.05), unanswered after every other
 #: answer came, are probed two smoothed answer times after the last answer instead of a timeout
-#: (RACK-TLP, RFC 8985: nothing sent later can reveal their loss). More than this still open at
-#: the end is the round waiting for a slow member, not a loss.
+#: (RACK-TLP, RFC 8985: nothing sent later can reveal their loss). More than this still open
+#: is the window waiting for a slow member, not a loss.
 TAIL_PROBE_MAX = 16
 #: The shortest wait before a tail loss probe (seconds; the progress loop scans every 1 ms at best).
 TAIL_PROBE_FLOOR = 0.002

@@ -376,8 +376,8 @@ class _Send:
         # the members of a later chunk of that slot have freed its bank.)
         sent = self.sent_at[cand]
         late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
-        if self.next >= self.n and cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
-            # tail loss probes: the round's last few chunks, after every other answer came, are
+        if cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
+            # tail loss probes: the last few chunks in flight, after every other answer came, are
             # resent two answer times after the last answer, then after twice that, up to
             # TAIL_PROBES times (each member probes its own: a chunk waits for every member's)
             pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(retries.astype(np.float64)), rto)

@@ -314,16 +314,19 @@ def test_lossy_aggregator_still_correct(path):
     assert sum(c.stats["retransmits"] for c in clients) > 0
 
 
-@pytest.mark.parametrize("lost,most", [(5, 4), (299, 16)], ids=["rack", "tail-probe"])
-def test_a_lost_chunk_is_resent_without_waiting_for_the_timeout(path, lost, most):
+@pytest.mark.parametrize("lost,most,slots", [(5, 4, 1024), (299, 16, 1024), (0, 16, 4)],
+                         ids=["rack", "tail-probe", "small-window"])
+def test_a_lost_chunk_is_resent_without_waiting_for_the_timeout(path, lost, most, slots):
     """A contribution of rank 0 lost, the retransmission timeout 5 s (beyond the 3 s give-up: the
     round would fail). ``rack``: a chunk lost while later ones are answered is resent a reordering
     window after their answers (RACK). ``tail-probe``: the round's last chunk, with nothing sent
-    after it to reveal the loss, is resent two answer times after the last answer."""
+    after it to reveal the loss, is resent two answer times after the last answer.
+    ``small-window``: 4 slots, so 4 chunks in flight, sent together, and chunk 4 (then every
+    later one) held until chunk 0, the one lost, is answered: nothing sent after it either."""
     world = 2
     arrays = make_arrays(world, 300 * ELEMENTS, np.float32, seed=4)
     with FakeAggregator(world, lose_once={(0, lost, 0)}) as fake:
-        results, clients = run_workers(fake, arrays, retransmit_timeout=5.0, give_up_after=3.0, slots=1024)
+        results, clients = run_workers(fake, arrays, retransmit_timeout=5.0, give_up_after=3.0, slots=slots)
         assert fake.dropped == 1 and not fake.lose_once
     exact, bound = expected_and_bound(arrays, world, ELEMENTS)
     for res in results:
