@@ -143,6 +143,7 @@ class _Send:
         self.state = np.zeros(self.n, np.uint8)
         self.sent_at = np.zeros(self.n, np.float64)
         self.retries = np.zeros(self.n, np.uint8)
+        self.probes = np.zeros(self.n, np.uint8)   # of those retries, tail loss probes
         self.next = 0        # next chunk to admit
         self.lo = 0          # lowest chunk without an answer
         self.open_lo = 0     # lowest chunk without an answer, sent or not (first_open)
@@ -362,8 +363,10 @@ class _Send:
         if cand.size == 0:
             return
         c = self.c
-        retries = self.retries[cand]
-        rto = np.minimum(c._rtt.rto * np.exp2(retries.astype(np.float64)), cap)
+        retries, probes = self.retries[cand], self.probes[cand]
+        # tail loss probes do not back the timer off: probed while the round waits for a slow
+        # member, a chunk would otherwise wait 8 timeouts once that member comes
+        rto = np.minimum(c._rtt.rto * np.exp2((retries - probes).astype(np.float64)), cap)
         late = now - self.sent_at[cand] >= rto
         if c._strategy.kind != StrategyKind.QUORUM:
             # As TCP restarts its timer on every new acknowledgement (RFC 6298, 5.3): while
@@ -376,15 +379,19 @@ class _Send:
         # the members of a later chunk of that slot have freed its bank.)
         sent = self.sent_at[cand]
         late |= (sent < self.rack_sent) & (now - sent >= self.rack_rtt + (c._rtt.srtt or 0.0) / 4)
+        probe = None
         if cand.size <= TAIL_PROBE_MAX and c._rtt.srtt is not None:
             # tail loss probes: the last few chunks in flight, after every other answer came, are
             # resent two answer times after the last answer, then after twice that, up to
             # TAIL_PROBES times (each member probes its own: a chunk waits for every member's)
-            pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(retries.astype(np.float64)), rto)
-            late |= (retries < TAIL_PROBES) & (now - sent >= pto) & (now - self.answered_at >= pto)
+            pto = np.minimum(max(2 * c._rtt.srtt, TAIL_PROBE_FLOOR) * np.exp2(probes.astype(np.float64)), rto)
+            probe = ~late & (probes < TAIL_PROBES) & (now - sent >= pto) & (now - self.answered_at >= pto)
+            late |= probe
         due = cand[late]
         if due.size == 0:
             return
+        if probe is not None:
+            self.probes[cand[probe]] += 1
         first = due[retries[late] == 0]
         if first.size and int(first[0]) < self.hi_answered and c._rtt.queueing:
             # a first timeout of a chunk the answers have passed by: the path dropped it (a

@@ -716,6 +716,32 @@ def test_under_quorum_few_chunks_in_flight_are_resent_every_timeout(chunks):
                 assert len(gaps) <= 8 and gaps.max() > 0.2, gaps          # 30, 60, 120, 240, 480 ms...
 
 
+def test_tail_loss_probes_do_not_back_the_timer_off():
+    """A round's last chunk waits 0.8 s for the other member: probed three times within a few
+    answer times, then resent on its timeout (50, 100, 200, 400 ms), not on one already doubled
+    by the probes (400, 800 ms: the chunk would wait that long once the member came)."""
+    from aggd_client.flow import TAIL_PROBES
+    world = 2
+    with StrategyFake(world, "sync") as fake:
+        cs = make_clients(fake, world, retransmit_timeout=0.05, give_up_after=10)
+        try:
+            for k in range(3):          # answer times learnt (srtt)
+                hs = [c.allreduce_async(grad(r, k, E)) for r, c in enumerate(cs)]
+                for h in hs:
+                    h.wait(timeout=5)
+            h = cs[0].allreduce_async(grad(0, 3, E))
+            deadline = time.monotonic() + 0.8
+            while time.monotonic() < deadline:
+                h.done()
+                time.sleep(0.002)
+            sends = sorted(t for t, k, r, *_ in fake.log if k == 0 and r == 3)
+            cs[1].allreduce_async(grad(1, 3, E))
+            h.wait(timeout=5)
+            assert len(sends) >= 1 + TAIL_PROBES + 3, np.diff(sends)     # 1 + 3 + 4 here
+        finally:
+            close_all(cs)
+
+
 def test_quorum_quantises_with_headroom_for_carried_contributions():
     world = 2
     with StrategyFake(world, "quorum:1") as fake:
