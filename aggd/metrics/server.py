@@ -69,7 +69,6 @@ def serve(service) -> MetricsServer:
     reload applies them."""
     from contextlib import nullcontext
 
-
     cfg = service.config
     host, port = host_port(cfg.metrics.address)
     registry = registry_for(ServiceReader(service),

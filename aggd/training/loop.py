@@ -155,6 +155,10 @@ class FeedbackExchange:
     def job_info(self):
         return self.client.job_info
 
+    @property
+    def stats(self) -> dict:
+        return self.client.stats
+
     def allreduce_async(self, x: np.ndarray, op: str = "mean"):
         if self.feedback is not None and self.round > 0:   # round 0 is the model (the start barrier)
             out = self.feedback.allreduce(x, key="step", op=op)

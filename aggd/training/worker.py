@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     finally:
         ex.close()
     summary.pop("evals")
-    stats = getattr(ex, "stats", None)   # the client's counters (retransmits...), for the tests and benches
-    print(json.dumps({**summary, **({"client": dict(stats)} if isinstance(stats, dict) else {}),
+    stats = getattr(ex, "stats", None)   # the client's counters: where a run's time went (retransmits...)
+    print(json.dumps({**summary, **({"client": dict(stats)} if stats is not None else {}),
                       "summary": True}, default=str), flush=True)
     return 0
 
