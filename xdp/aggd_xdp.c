@@ -227,7 +227,13 @@ static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_
 		return 0;
 	}
 	__u32 slot_idx = chunk % cfg->n_slots;
-	if (payload_len != ELEMS * contrib_width(cfg->precision) || slot_idx >= cfg->kernel_slots
+	/* exactly ELEMS values; a narrow one may carry room for its result (docs/protocol.md, "Precision") */
+	int sized = payload_len == ELEMS * contrib_width(cfg->precision)
+#if AGGD_NARROW
+		    || (cfg->precision != AGGD_PRECISION_INT32 && payload_len == ELEMS * result_width(cfg->precision))
+#endif
+		;
+	if (!sized || slot_idx >= cfg->kernel_slots
 #if !AGGD_NARROW
 	    || cfg->precision != AGGD_PRECISION_INT32
 #endif
@@ -582,9 +588,10 @@ int aggd_xdp(struct xdp_md *ctx)
 #if AGGD_NARROW
 	if (prec != AGGD_PRECISION_INT32) {
 		/* The result is wider than the contribution: the frame grows to its size before any
-		 * state changes. A frame without the room (a small skb on native veth) goes up, and the
-		 * daemon runs it through this program again on a buffer that has it (BPF_PROG_TEST_RUN). */
-		if (bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
+		 * state changes, unless the sender gave it the room (JOIN_ACK `room`). A frame that can
+		 * not grow (a small skb on native veth) goes up, and the daemon runs it through this
+		 * program again on a buffer that has the room (BPF_PROG_TEST_RUN). */
+		if (payload_len == ELEMS * contrib_width(prec) && bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
 			jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 			return XDP_PASS;
 		}
@@ -1071,8 +1078,9 @@ int aggd_xdp(struct xdp_md *ctx)
 		return XDP_ABORTED;
 #if AGGD_NARROW
 	if (prec != AGGD_PRECISION_INT32 && out >= 0) {
-		ip->tot_len = htons(ntohs(ip->tot_len) + RESULT_GROWTH(prec));
-		udp->len = htons(ntohs(udp->len) + RESULT_GROWTH(prec));
+		/* the result's size, whether the frame grew to it or came with the room */
+		ip->tot_len = htons(sizeof(*ip) + sizeof(*udp) + sizeof(*h) + ELEMS * result_width(prec));
+		udp->len = htons(sizeof(*udp) + sizeof(*h) + ELEMS * result_width(prec));
 	}
 #endif
 

@@ -915,7 +915,7 @@ class AggregatorModel:
             return self._drop(cfg.job, DropReason.BAD_PRECISION)
         if hdr.chunk >= cfg.max_chunks:
             return self._drop(cfg.job, DropReason.BAD_CHUNK)
-        if not self.userspace and size - HEADER_SIZE != self.elements * lanes.contrib_bytes:
+        if not self.userspace and size - HEADER_SIZE not in self._kernel_sizes(lanes):
             job.count("to_userspace")    # the kernel takes exactly its packet size of values
             return Verdict("pass", job=cfg.job)
 
@@ -928,6 +928,11 @@ class AggregatorModel:
         if cfg.combine.robust and hdr.type == MsgType.CONTRIB and hdr.step:
             return self._drop(cfg.job, DropReason.BAD_STEP)     # one row a member
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
+
+    def _kernel_sizes(self, lanes) -> tuple[int, ...]:
+        """Payload sizes the kernel takes: its packet size of contribution values, and for a narrow
+        precision the same with room for the result (docs/protocol.md, "Precision")."""
+        return (self.elements * lanes.contrib_bytes, self.elements * lanes.result_bytes)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
         """A result of the upper aggregator for the rack job ``state`` (docs/protocol.md, "Two

@@ -67,6 +67,10 @@ class Limits:
     #: ... and checks per-member bounds (the XDP program up to native XDP's largest packet; the P4
     #: programs do not): otherwise a bounded job is served in user space
     bounds_in_kernel: bool = True
+    #: the fast data plane answers a narrow contribution in its own frame but cannot grow a frame to
+    #: the wider result (native XDP on veth): workers of narrow jobs send contributions with room
+    #: for it (the JOIN_ACK's ``room``), or each goes through the daemon ([dataplane] narrow_room)
+    narrow_room: bool = False
 
 
 @dataclass(frozen=True)
@@ -677,6 +681,9 @@ def answer_join(registry: Registry, data: bytes | memoryview, src: Addr, now: fl
         return encode_join_ack(job_id, hdr.rank, outcome.code, {"error": outcome.message}), outcome
     body = outcome.job.join_info()
     body["gso"] = registry.limits.gso
+    job = outcome.job
+    if registry.limits.narrow_room and job.precision_bits != 32 and job.kernel_slots:
+        body["room"] = True
     body["round"] = int(round_of(outcome, hdr.rank))
     body["tag"] = f"{outcome.job.members[hdr.rank].tag:016x}"
     return encode_join_ack(outcome.job.id, hdr.rank, 0, body), outcome

@@ -171,6 +171,11 @@ class DataplaneConfig:
     kernel_memory: int = _setting(64 << 20, _size, "bytes of kernel memory for slots", (int, str))
     pin_dir: str = _setting("/sys/fs/bpf/aggd", _abs_path, "where maps are pinned (bpffs)")
     unpin_on_stop: bool = _setting(False, None, "remove the pinned maps on a clean stop")
+    narrow_room: str = _setting("auto", _one_of("auto", "always", "never"),
+                                "whether workers of 8- and 16-bit jobs send contributions with room for "
+                                "the wider result, so the XDP program answers them without growing the "
+                                "frame: auto (in native mode on a veth, whose frames cannot grow), "
+                                "always, never")
 
 
 #: Switch ports are bit<9> in v1model (aggd.dataplane.p4.layout.MAX_PORT); Tofino's are as wide.

@@ -112,6 +112,18 @@ def interface_address(ifname: str, netns: str | None) -> str:
     return addrs[0]
 
 
+def link_kind(ifname: str, netns: str | None) -> str | None:
+    """The kind of link ``ifname`` is (in ``netns``): "veth", "bridge"..., None for a plain NIC."""
+    from pyroute2 import IPRoute
+
+    with _netns(netns), IPRoute() as ipr:
+        links = ipr.get_links(ifname=ifname)
+    if not links:
+        raise ServiceError(f"no interface {ifname} (dataplane.interface)")
+    info = links[0].get_attr("IFLA_LINKINFO")
+    return info.get_attr("IFLA_INFO_KIND") if info is not None else None
+
+
 def _netns(name: str | None):
     if not name:
         return nullcontext()
@@ -162,7 +174,22 @@ class Service:
                       max_job_memory=jobs.max_job_memory, max_chunks=jobs.max_chunks,
                       gso=dp.mode == "native",
                       forwards_in_kernel=serves.relays, narrow_in_kernel=serves.narrow,
-                      bounds_in_kernel=serves.bounds)
+                      bounds_in_kernel=serves.bounds, narrow_room=self._narrow_room(cfg))
+
+    def _narrow_room(self, cfg: Config) -> bool:
+        """Whether narrow jobs' workers are asked for room for the result ([dataplane] narrow_room):
+        "auto" asks where native XDP's frames cannot grow, on a veth."""
+        dp = cfg.dataplane
+        if dp.kind != "xdp" or dp.narrow_room == "never":
+            return False
+        if dp.narrow_room == "always":
+            return True
+        if dp.mode != "native":
+            return False     # generic mode's skbs grow
+        try:
+            return link_kind(dp.interface, dp.netns or None) == "veth"
+        except ServiceError:
+            return False     # no such interface yet: start() says so
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:

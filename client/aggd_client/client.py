@@ -144,6 +144,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     ``precision``: the job's contribution width, a ``Precision`` or its bits (32, 16, 8; the
     JOIN_ACK's ``precision``, which ``join`` passes); 32 is the original int32 format. ``seed``: the
     seed of the generator that rounds narrow precisions stochastically (None: fresh entropy).
+    ``room``: a narrow job's contributions carry room for their wider result, so an aggregator whose
+    frames cannot grow answers in the kernel (the JOIN_ACK's ``room``, which ``join`` passes).
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -153,7 +155,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
                  gro: bool = True, catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
-                 span: int | None = None, precision: "Precision | int | str" = 32, seed=None):
+                 span: int | None = None, precision: "Precision | int | str" = 32, seed=None,
+                 room: bool = False):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -198,7 +201,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._rng = np.random.default_rng(seed)  # stochastic rounding of narrow precisions
         # ... and the numba fill's generator (xorshift64*: a nonzero state), from the same seed
         self._rng_state = self._rng.integers(1, 2**63, size=1, dtype=np.uint64)
-        self._dtype = packet_dtype(self._elements, prec)   # a contribution (ring record)
+        self._dtype = packet_dtype(self._elements, prec, room=bool(room))   # a contribution (ring record)
         self._rec = self._dtype.itemsize
         # a window the caller does not set is bounded by bytes in flight too (flow.default_window)
         self._window = (min(int(window), self._slots) if window is not None

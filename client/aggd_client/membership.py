@@ -61,6 +61,9 @@ class JobInfo:
     #: "trimmed:t" (docs/protocol.md, "Robust jobs"): its results are the statistic times
     #: ``n_contrib``, so the client treats them as sums either way. Absent: "sum".
     combine: str = "sum"
+    #: Contributions of a narrow job carry room for their result: a payload as long as the result's,
+    #: its values first (the aggregator's frames cannot grow: native XDP on veth). Absent: false.
+    room: bool = False
 
     @classmethod
     def from_json(cls, d: dict) -> "JobInfo":
@@ -74,9 +77,15 @@ class JobInfo:
                        tag=_tag(d.get("tag", "0")), headroom=int(d.get("headroom", quant.MAX_HEADROOM)),
                        span=int(d.get("span", 0)),
                        precision=quant.LANES[quant.precision_of(int(d.get("precision", 32)))].bits,
-                       combine=str(d.get("combine", "sum")))
+                       combine=str(d.get("combine", "sum")), room=_flag(d.get("room", False), "room"))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed JOIN_ACK payload ({exc!r}): {d!r}") from None
+
+
+def _flag(value, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, not {value!r}")
+    return value
 
 
 def _tag(text) -> int:
@@ -238,7 +247,7 @@ def client_for(server: tuple[str, int], info: JobInfo, address: tuple[str, int],
     client = AggClient((server[0], info.port), info.job, rank, info.world, group=info.group,
                        bind=address, elements=info.elements, slots=info.slots,
                        **{"first_round": info.round, "tag": info.tag, "headroom": info.headroom,
-                          "span": info.span or None, "precision": info.precision,
+                          "span": info.span or None, "precision": info.precision, "room": info.room,
                           **client_options})
     client.job_info = info
     return client

@@ -46,3 +46,46 @@ def test_a_round_rerun_through_the_program_equals_the_model(xdp_program, precisi
     finally:
         xdp_program.remove_job(job)
 
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+def test_contributions_with_room_are_answered_in_their_own_frame(xdp_program, precision):
+    """A narrow contribution that carries room for its result (the JOIN_ACK's ``room``: native XDP on
+    veth cannot grow a frame) is answered in the kernel in the frame it came in, the room's junk
+    never read: the same result as the model's and as that of the contributions without room, with
+    IP and UDP lengths of the result."""
+    from aggd.dataplane.xdp.bpf_syscall import XDP_TX, prog_test_run
+    from tests.harness.equivalence import frame
+
+    world, job = 2, 6
+    members = {r: member(r) for r in range(world)}
+    lanes = LANES[precision]
+    room = b"\xa5" * (ELEMENTS * (lanes.result_bytes - lanes.contrib_bytes))
+    model = AggregatorModel(ELEMENTS)
+    model.add_job(JobConfig(job=job, world=world, slots=4, max_chunks=64, members=members, group=GROUP,
+                            precision=precision))
+    xdp_program.install_job(job_config(job=job, world=world, slots=4, max_chunks=64, group=GROUP,
+                                       members=members, precision=int(precision)))
+    try:
+        rng = np.random.default_rng(7)
+        for round_ in range(4):
+            with_room = round_ % 2 == 0
+            for r in range(world):
+                q = rng.integers(-lanes.contrib_max, lanes.contrib_max + 1, ELEMENTS).astype(lanes.contrib)
+                data = Header(type=MsgType.CONTRIB, job=job, rank=r, round=round_, count=ELEMENTS,
+                              code=int(precision)).pack() + q.tobytes() + (room if with_room else b"")
+                want = model.process(data, members[r], 0)
+                sent = frame(data, members[r])
+                got = prog_test_run(xdp_program.prog_fd, sent)
+            assert want.action == "tx" and got.verdict == XDP_TX
+            out = got.packet
+            if with_room:
+                assert len(out) == len(sent)      # answered in place: the frame did not grow
+            assert int.from_bytes(out[16:18], "big") == len(out) - 14          # IP total length
+            assert int.from_bytes(out[38:40], "big") == len(out) - 34          # UDP length
+            hdr, payload = decode(out[42:])
+            assert hdr.type == MsgType.RESULT and len(payload) == ELEMENTS
+            assert out[42:] == want.out
+        assert xdp_program.job_stats(job).counters["to_userspace"] == 0
+    finally:
+        xdp_program.remove_job(job)

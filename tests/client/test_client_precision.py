@@ -17,9 +17,11 @@ from .test_client import JOB, FakeAggregator, check_close, make_arrays, run_work
 
 
 class PrecisionFake(FakeAggregator):
-    def __init__(self, world: int, precision: Precision, *, result_code: int | None = None, **kw):
+    def __init__(self, world: int, precision: Precision, *, result_code: int | None = None, room: bool = False,
+                 **kw):
         super().__init__(world, **kw)
         self.precision = Precision(precision)
+        self.room = room      # contributions carry room for their result (its values first)
         self.result_code = int(self.precision) if result_code is None else int(result_code)
         self.codes: set[int] = set()
         self.sizes: set[int] = set()
@@ -49,7 +51,9 @@ class PrecisionFake(FakeAggregator):
         if len(contribs) < self.world:
             return
         del self.pending[key]
-        q = np.stack([np.frombuffer(contribs[r][0], lanes.contrib, offset=HEADER_SIZE)
+        width = lanes.result_bytes if self.room else lanes.contrib_bytes
+        q = np.stack([np.frombuffer(contribs[r][0], lanes.contrib, offset=HEADER_SIZE,
+                                    count=(len(contribs[r][0]) - HEADER_SIZE) // width)
                       for r in sorted(contribs)])
         assert np.abs(q.astype(np.int64)).max(initial=0) <= lanes.contrib_max
         assert not q[:, h.count:].any(), "padding is zero"
@@ -83,16 +87,17 @@ E = 64
 
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("size", [1, E - 3, 5 * E + 7])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_narrow_sum_against_fake(bits, size, dtype):
+@pytest.mark.parametrize("dtype,room", [(np.float32, False), (np.float16, False), (np.float32, True)])
+def test_narrow_sum_against_fake(bits, size, dtype, room):
     world = 4
     p = quant.precision_of(bits)
     arrays = make_arrays(world, size, dtype, seed=size + bits)
-    with PrecisionFake(world, p) as fake:
-        results, clients = run_workers(fake, arrays, elements=E, precision=bits, rounds=2)
+    with PrecisionFake(world, p, room=room) as fake:
+        results, clients = run_workers(fake, arrays, elements=E, precision=bits, rounds=2, room=room)
         assert fake.codes == {int(p)}
-        # contribution packets carry the narrow type
-        assert fake.sizes == {HEADER_SIZE + E * LANES[p].contrib_bytes}
+        # contribution packets carry the narrow type (with room: as long as the result)
+        lanes = LANES[p]
+        assert fake.sizes == {HEADER_SIZE + E * (lanes.result_bytes if room else lanes.contrib_bytes)}
     exact, b = bound(arrays, world, E, p)
     for rs in results:
         for res in rs:

@@ -25,10 +25,14 @@ def run(lab, d, name: str, bits: int, strategy: str = "sync", sizes: str = SIZES
     return d.call("jobs.show", job=name)
 
 
-@pytest.mark.parametrize("mode", ["native", "generic"])
-def test_narrow_jobs_in_the_kernel(make_lab, make_daemon, mode):
+@pytest.mark.parametrize("mode,room", [("native", "auto"), ("native", "never"), ("generic", "auto")])
+def test_narrow_jobs_in_the_kernel(make_lab, make_daemon, mode, room):
+    """Native XDP on the lab's veths cannot grow a frame: by default ("auto") the JOIN_ACK asks the
+    workers for room for the result, and the program answers every contribution in its own frame;
+    without ("never") each goes through the daemon's re-run of the program. Generic mode's frames
+    grow."""
     lab = make_lab(4)
-    d = make_daemon(lab, dataplane={"mode": mode})
+    d = make_daemon(lab, dataplane={"mode": mode, "narrow_room": room})
     for bits in (8, 16):
         shown = run(lab, d, f"p{bits}", bits)
         assert shown["kernel_slots"] == 64
@@ -42,6 +46,10 @@ def test_narrow_jobs_in_the_kernel(make_lab, make_daemon, mode):
         assert kernel["counters"]["contributions"] > 0
         assert kernel["drops"]["bad_precision"] == 0
         assert user["counters"]["contributions"] == 0     # a frame that could not grow: the kernel's slots
+        if (mode, room) == ("native", "auto"):
+            assert kernel["counters"]["to_userspace"] == 0   # room in every frame: none went up
+        elif mode == "native":
+            assert kernel["counters"]["to_userspace"] > 0    # re-run by the daemon, decided alike
 
 
 def test_narrow_job_in_user_space(make_lab, make_daemon):

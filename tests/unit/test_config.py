@@ -49,6 +49,7 @@ def test_bad_mode_names_key_and_reason():
     ({"dataplane": {"port": 70000}}, "dataplane.port: must be between 1 and 65535, not 70000"),
     ({"dataplane": {"port": "47000"}}, "dataplane.port: must be an integer, not '47000'"),
     ({"dataplane": {"unpin_on_stop": 1}}, "dataplane.unpin_on_stop: must be true or false"),
+    ({"dataplane": {"narrow_room": "yes"}}, 'dataplane.narrow_room: must be "auto", "always" or "never", not "yes"'),
     ({"dataplane": {"elements_per_packet": 8193}}, "dataplane.elements_per_packet: must be between 1 and 8192"),
     ({"dataplane": {"elements_per_packet": 2234}},
      "dataplane.elements_per_packet: native XDP takes at most 2233 values a packet (an MTU of 9000), not 2234"),

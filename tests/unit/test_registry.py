@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from aggd.core.registry import Limits, Registry, RegistryError, answer_join
 from aggd_client.membership import JobInfo, decode_join_ack, encode_join
+from aggd_client.errors import ProtocolError
 from aggd_client.protocol import MAX_ELEMENTS, MsgType, NackCode
 
 LIMITS = Limits(kernel_budget=16, elements=256, port=47000, userspace_port=47002, result_port=47001)
@@ -201,6 +202,23 @@ def test_answer_join_round_trip():
     hdr, body = decode_join_ack(answer)
     assert hdr.code == NackCode.BAD_TOKEN and "refused" in body["error"]
     assert answer_join(r, b"\xa6\x6d\x01\x05" + bytes(10), ("10.0.0.3", 1)) == (None, None)   # no header
+
+
+@pytest.mark.parametrize("narrow_room", [False, True])
+def test_join_ack_asks_narrow_jobs_in_the_kernel_for_room(narrow_room):
+    """``room`` (docs/protocol.md, "Precision"): only where the data plane cannot grow a frame, and
+    only for a narrow job with kernel slots (an int32 result is no wider; user space reads any size)."""
+    r = registry(narrow_room=narrow_room)
+    jobs = [r.create("n8", 2, slots=4, precision=8), r.create("n16", 2, slots=4, precision=16),
+            r.create("n32", 2, slots=4), r.create("u8", 2, slots=4, precision=8, kernel_slots=0)]
+    room = {}
+    for job in jobs:
+        _, body = decode_join_ack(answer_join(r, encode_join(job.name, 0, job.token), ("10.0.0.2", 5000))[0])
+        room[job.name] = JobInfo.from_json(body).room
+        assert body.get("room", False) is room[job.name]
+    assert room == {"n8": narrow_room, "n16": narrow_room, "n32": False, "u8": False}
+    with pytest.raises(ProtocolError, match="room must be true or false"):
+        JobInfo.from_json({**body, "room": "yes"})
 
 
 JOIN_HEADER = encode_join("a", 1, "t")[:40]

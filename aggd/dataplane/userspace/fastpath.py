@@ -1,6 +1,7 @@
 """The user-space aggregator's fast path: a received batch's common case decided in numba.
 
-The common case is a well-formed contribution of exactly its job's packet size, from the
+The common case is a well-formed contribution of exactly its job's packet size (a narrow one with or
+without room for its result), from the
 registered address of a member, with a step below STEPS, to a slot where no bank is past its
 deadline, that either goes to the open bank of its key (rule 1: added, or dropped ``duplicate``) or
 opens the bank of a key newer than the slot's newest (rule 3: opened and added, or dropped
@@ -236,10 +237,12 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
     # the members every round awaits (the kernel runs only jobs that await them all)
     everyone = np.uint64(0xFFFFFFFFFFFFFFFF) if world == 64 else (np.uint64(1) << np.uint64(world)) - np.uint64(1)
     size_ok = HDR + (4 if prec == INT32 else (2 if prec == INT16 else 1)) * elements
+    # a narrow contribution may carry room for its result (docs/protocol.md, "Precision")
+    size_room = HDR + (2 if prec == INT8 else 4) * elements
     i = start
     while i < n:
         p = stage[i]
-        if sizes[i] != size_ok or _be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION \
+        if (sizes[i] != size_ok and sizes[i] != size_room) or _be16(p, O_MAGIC) != MAGIC or p[O_VERSION] != VERSION \
                 or p[O_TYPE] != CONTRIB or _be16(p, O_JOB) != job or p[O_CODE] != prec:
             break                                            # (the code byte: the job's precision)
         count, rank, chunk, step = _be16(p, O_COUNT), _be16(p, O_RANK), _be32(p, O_CHUNK), _be16(p, O_STEP)

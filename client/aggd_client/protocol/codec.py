@@ -26,10 +26,17 @@ def payload_dtype(precision: int = d.Precision.INT32, result: bool = False) -> n
     return np.dtype(lanes.result if result else lanes.contrib)
 
 
-def packet_dtype(elements: int, precision: int = d.Precision.INT32, result: bool = False) -> np.dtype:
+def packet_dtype(elements: int, precision: int = d.Precision.INT32, result: bool = False,
+                 room: bool = False) -> np.dtype:
     """One whole aggd message (header + payload) as a numpy record, for vectorised building: a
-    contribution of ``precision`` (or its result, ``result=True``)."""
-    return np.dtype([("hdr", HEADER_DTYPE), ("payload", payload_dtype(precision, result), (elements,))])
+    contribution of ``precision`` (or its result, ``result=True``). ``room``: a contribution as long
+    as its result, its values first (the JOIN_ACK's ``room``; docs/protocol.md, "Precision")."""
+    values = payload_dtype(precision, result)
+    if not room:
+        return np.dtype([("hdr", HEADER_DTYPE), ("payload", values, (elements,))])
+    width = max(values.itemsize, payload_dtype(precision, True).itemsize)
+    return np.dtype({"names": ["hdr", "payload"], "formats": [HEADER_DTYPE, (values, (elements,))],
+                     "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + width * elements})
 
 
 _DEFAULTS = {"magic": d.MAGIC, "version": d.VERSION, "type": int(d.MsgType.CONTRIB)}
