@@ -40,16 +40,20 @@ static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp
 #pragma unroll
 	for (int i = 0; i < (int)((sizeof(struct udphdr) + sizeof(struct aggd_hdr)) / 4); i++)
 		sum += w[i];
-	/* int16 values: half the words, and the last value alone if ELEMS is odd */
-	int words = int16_values ? ELEMS / 2 : ELEMS;
-	_Pragma("clang loop unroll_count(8)")
-	for (int i = 0; i < ELEMS; i++) {
-		if (i >= words)
-			break;
-		sum += values[i];
+	/* int16 values: half the words, and the last value alone if ELEMS is odd. Two loops of constant
+	 * trip counts: one that stops at a count the verifier cannot bound (the precision's) walked
+	 * past the buffer in a multi-buffer build's 2233-value loop. */
+	if (int16_values) {
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS / 2; i++)
+			sum += values[i];
+		if (ELEMS & 1)
+			sum += *(const __u16 *)(values + ELEMS / 2);
+	} else {
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS; i++)
+			sum += values[i];
 	}
-	if ((ELEMS & 1) && int16_values)
-		sum += *(const __u16 *)(values + ELEMS / 2);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);

@@ -21,12 +21,19 @@
  * the headers stay there, and the payload is copied into this per-CPU buffer before the loops and
  * back into the frame after them (bpf_xdp_load_bytes / bpf_xdp_store_bytes). Without it the loops
  * work on the packet in place. */
-/* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here in frames of
- * one page: their results are wider than their contributions, and the frame grows to hold one. A
- * multi-buffer frame can grow only into its last buffer's tailroom, too little for the result of a
- * packet that needed several (and in a jumbo build the widening and narrowing loops would take the
- * program past the verifier's limit): there the daemon gives such jobs no kernel slots. */
-#define AGGD_NARROW (ELEMS <= AGGD_PAGE_MAX_ELEMENTS)
+/* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here up to native
+ * XDP's largest packet (in a jumbo build the widening and narrowing loops would take the program
+ * past the verifier's limit, and the daemon gives such jobs no kernel slots). Their results are
+ * wider than their contributions: a frame without room for the result grows to hold it, in a
+ * frame of one page. A multi-buffer frame can grow only into its last buffer's tailroom, too little
+ * for the result of a packet that needed several: there a narrow frame is taken only with room,
+ * and one without goes up (the daemon re-runs it here with the room added). */
+#define AGGD_NARROW (ELEMS <= AGGD_NATIVE_MAX_ELEMENTS)
+#ifdef AGGD_FRAGS
+#define AGGD_NARROW_GROWS 0
+#else
+#define AGGD_NARROW_GROWS AGGD_NARROW
+#endif
 /* Bytes a narrow job's frame grows by, from its contribution to its result. */
 #define RESULT_GROWTH(prec) (ELEMS * (result_width(prec) - contrib_width(prec)))
 
@@ -228,7 +235,8 @@ static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_
 	}
 	__u32 slot_idx = chunk % cfg->n_slots;
 	/* exactly ELEMS values; a narrow one may carry room for its result (docs/protocol.md, "Precision") */
-	int sized = payload_len == ELEMS * contrib_width(cfg->precision)
+	int sized = (payload_len == ELEMS * contrib_width(cfg->precision) &&
+		     (AGGD_NARROW_GROWS || cfg->precision == AGGD_PRECISION_INT32))
 #if AGGD_NARROW
 		    || (cfg->precision != AGGD_PRECISION_INT32 && payload_len == ELEMS * result_width(cfg->precision))
 #endif
@@ -591,7 +599,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		 * state changes, unless the sender gave it the room (JOIN_ACK `room`). A frame that can
 		 * not grow (a small skb on native veth) goes up, and the daemon runs it through this
 		 * program again on a buffer that has the room (BPF_PROG_TEST_RUN). */
-		if (payload_len == ELEMS * contrib_width(prec) && bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
+		if (AGGD_NARROW_GROWS && payload_len == ELEMS * contrib_width(prec) &&
+		    bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
 			jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 			return XDP_PASS;
 		}

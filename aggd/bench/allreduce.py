@@ -63,6 +63,9 @@ class Config:
     mode: str = "native"
     precision: int = 32   # bits a contribution value (aggd's systems)
     combine: str = "sum"  # aggd-user's: a robust job's median or trimmed:t (docs/protocol.md, "Robust jobs")
+    #: narrow jobs' workers send room for the result in native mode, as the daemon asks them to
+    #: ([dataplane] narrow_room "auto"); False: their frames go through the program's re-run
+    narrow_room: bool = True
 
 
 @contextlib.contextmanager
@@ -174,19 +177,20 @@ def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
     job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
     if cfg.precision != 32 and not dp.narrow:
         raise BenchError(f"the XDP program holds {cfg.precision}-bit contributions in packets of at most "
-                         f"{proto.PAGE_MAX_ELEMENTS} values (--elements {proto.PAGE_MAX_ELEMENTS} or fewer), "
+                         f"{proto.NATIVE_MAX_ELEMENTS} values (--elements {proto.NATIVE_MAX_ELEMENTS} or fewer), "
                          f"not {cfg.elements}")
+    room = cfg.narrow_room and cfg.precision != 32 and cfg.mode == "native"
     dp.install_job(job.config(lab))
     try:
         with _handing_back(lab, dp, job):
             runs = run_workers(lab, job, elements=cfg.elements, gso=(cfg.mode == "native"),
-                               timeout=_timeout(cfg), extra=_worker_args(cfg))
+                               timeout=_timeout(cfg), extra=_worker_args(cfg) + (["--room"] if room else []))
         counters = dp.job_stats(JOB).counters
     finally:
         dp.remove_job(JOB)
     return _row("aggd-xdp", cfg, runs, {
         "mode": cfg.mode, "elements_per_packet": cfg.elements, "retransmits": counters["retransmits"],
-        "handed_back": counters["to_userspace"],
+        "handed_back": counters["to_userspace"], "room": room,
         "aggregator_memory_bytes": bpf_map_bytes(dp), "aggregator_memory": "bpf_maps"})
 
 
@@ -257,7 +261,8 @@ def cpu_hogs(count: int):
 def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters: int, warmup: int,
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
         losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,), gros: tuple[bool, ...] = (False,),
-        precisions: tuple[int, ...] = (32,), combines: tuple[str, ...] = ("sum",)) -> list[dict]:
+        precisions: tuple[int, ...] = (32,), combines: tuple[str, ...] = ("sum",),
+        narrow_room: bool = True) -> list[dict]:
     """Every (workers, size, loss, hogs) with every system (aggd's at every precision; aggd-user's
     with every ``combines``: "sum" and robust jobs' "median", "trimmed:t"), in that order; returns
     the rows.
@@ -265,7 +270,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
     on the host's cores meanwhile (``cpu_hogs``); ``gros``: the workers' receive path (False: the host's
     backlog, True: GRO, as a NIC: ``Lab.set_gro``); each set in turn, lowest first. A row says its
     ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
-    ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row."""
+    ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row. ``narrow_room``:
+    see ``Config``."""
     from aggd.lab.runner import xdp_aggregator
 
     losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
@@ -286,7 +292,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                 lab.set_loss(loss)
                 for system, bits, how in [(s, b, c) for s in systems for b in (precisions if s != "gloo" else (32,))
                                           for c in (combines if s == "aggd-user" else ("sum",))]:
-                    cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits, how)
+                    cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits, how,
+                                 narrow_room)
                     with cpu_hogs(hog):
                         if system == "aggd-xdp":
                             row = run_aggd_xdp(lab, dp, cfg)

@@ -758,11 +758,14 @@ class AggregatorModel:
 
     ``userspace=True`` is the user-space path: payloads of any length that holds ``count`` are
     served (zero-padded), never passed on, and every message sent carries Flag.USERSPACE.
+    ``frames_grow`` (the kernel path): whether a frame can grow to a narrow job's wider result (the
+    XDP program in frames of one page; a multi-buffer frame cannot, ``XdpDataPlane.frags``).
     """
 
     def __init__(self, elements: int = DEFAULT_ELEMENTS, *, userspace: bool = False,
-                 arithmetic: Arithmetic = NUMPY_ARITHMETIC) -> None:
+                 arithmetic: Arithmetic = NUMPY_ARITHMETIC, frames_grow: bool = True) -> None:
         self.elements = elements
+        self.frames_grow = frames_grow
         self.userspace = userspace
         self.served_flags = int(Flag.USERSPACE) if userspace else 0
         self.arith = arithmetic
@@ -931,8 +934,12 @@ class AggregatorModel:
 
     def _kernel_sizes(self, lanes) -> tuple[int, ...]:
         """Payload sizes the kernel takes: its packet size of contribution values, and for a narrow
-        precision the same with room for the result (docs/protocol.md, "Precision")."""
-        return (self.elements * lanes.contrib_bytes, self.elements * lanes.result_bytes)
+        precision the same with room for the result (docs/protocol.md, "Precision"); where frames
+        cannot grow, a narrow one only with the room."""
+        room = self.elements * lanes.result_bytes
+        if lanes.contrib_bytes == lanes.result_bytes or self.frames_grow:
+            return (self.elements * lanes.contrib_bytes, room)
+        return (room,)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
         """A result of the upper aggregator for the rack job ``state`` (docs/protocol.md, "Two

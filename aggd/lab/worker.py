@@ -241,6 +241,8 @@ def main(argv=None) -> int:
                     help="bits a contribution value (not with --token: the join answer says)")
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--no-gso", action="store_true")
+    ap.add_argument("--room", action="store_true",
+                    help="narrow contributions carry room for their result (not with --token: the join answer says)")
     ap.add_argument("--check", choices=["all", "last", "partial", "none"], default="all",
                     help="which timed rounds to check against the exact sum (partial: every round, each "
                          "chunk against the sum of as many members as its n_contrib says, as async answers)")
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
                 clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
                                          elements=args.elements, slots=args.slots, window=args.window,
                                          gso=not args.no_gso, give_up_after=args.give_up_after,
-                                         precision=args.precision))
+                                         precision=args.precision, room=args.room))
         store = None
         if args.rebalance_every is not None or args.failover_after is not None:
             if args.store is None:

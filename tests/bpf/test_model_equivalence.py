@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 
+import numpy as np
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
@@ -231,21 +232,51 @@ def test_random_sequences_narrow(harness, kind, precision):
                              precision=precision)
 
 
-def test_narrow_packets_pass_up_in_multi_buffer_frames(frags_harness):
-    """The multi-buffer build holds no narrow lanes (aggd_xdp.c, AGGD_NARROW: a multi-buffer frame
-    cannot grow to a wider result): a narrow job's packets go up, counted."""
+#: Narrow sequences at native XDP's largest packet: a multi-buffer frame cannot grow, so the
+#: program takes a narrow contribution there only with room for its result (aggd_xdp.c,
+#: AGGD_NARROW_GROWS); the traffic sends half its packets with room, the other half go up.
+FRAGS_NARROW_SEQUENCES = 30   #: per strategy and precision
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+@pytest.mark.parametrize("kind", KINDS)
+def test_random_sequences_narrow_multi_buffer_frames(frags_harness, kind, precision):
+    sequences_at_packet_size(frags_harness, kind, f"frags {precision.name.lower()} {kind}", FRAGS_NARROW_SEQUENCES,
+                             precision=precision)
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+def test_narrow_packets_without_room_go_up_in_multi_buffer_frames_and_are_rerun(frags_harness, precision):
+    """A narrow packet without room for its result goes up from the multi-buffer build, counted; the
+    daemon's re-run (``XdpDataPlane.rerun``) adds the room and the program decides it as the model
+    decides the same packet with room."""
+    from aggd.core.model import AggregatorModel, JobConfig
     from aggd.dataplane.xdp.bpf_syscall import XDP_PASS, prog_test_run
-    from aggd_client.protocol import Header, MsgType
+    from aggd_client.protocol import LANES, Header, MsgType
     from tests.bpf.conftest import job_config
+    from tests.fixtures.scenarios import GROUP
     from tests.harness.equivalence import frame, member
-    dp = frags_harness.dp
-    assert not dp.narrow
-    dp.install_job(job_config(job=7, world=2, slots=4, members={0: member(0), 1: member(1)}, precision=2))
+    dp, E = frags_harness.dp, frags_harness.elements
+    lanes = LANES[precision]
+    members = {0: member(0), 1: member(1)}
+    assert dp.frags and dp.narrow
+    model = AggregatorModel(E, frames_grow=False)
+    model.add_job(JobConfig(job=7, world=2, slots=4, max_chunks=64, members=members, group=GROUP,
+                            precision=precision))
+    dp.install_job(job_config(job=7, world=2, slots=4, max_chunks=64, members=members, group=GROUP,
+                              precision=int(precision)))
     try:
-        data = Header(type=MsgType.CONTRIB, job=7, rank=0, count=frags_harness.elements, code=2).pack() + \
-            bytes(frags_harness.elements)
-        assert prog_test_run(dp.prog_fd, frame(data, member(0))).verdict == XDP_PASS
-        assert dp.job_stats(7).counters["to_userspace"] == 1
+        rng = np.random.default_rng(3)
+        for r in (0, 1):
+            q = rng.integers(-lanes.contrib_max, lanes.contrib_max + 1, E).astype(lanes.contrib)
+            data = Header(type=MsgType.CONTRIB, job=7, rank=r, count=E, code=int(precision)).pack() + q.tobytes()
+            assert prog_test_run(dp.prog_fd, frame(data, member(r))).verdict == XDP_PASS
+            assert model.process(data, member(r), 0).action == "pass"
+            want = model.process(data + bytes(E * (lanes.result_bytes - lanes.contrib_bytes)), member(r), 0)
+            got = dp.rerun(data, member(r))
+            assert (got.action, got.out, got.dest) == (want.action, want.out, want.dest)
+        assert want.action == "tx" and len(want.out) == 40 + E * lanes.result_bytes
+        assert dp.job_stats(7).counters["to_userspace"] == 2
     finally:
         dp.remove_job(7)
 

@@ -35,7 +35,7 @@ class Harness:
     def start(self, world: int, slots: int, max_chunks: int, entries: list[TableEntry],
               precision: int = 0, bound=None, norm_bound=None) -> None:
         members = {r: member(r) for r in range(world)}
-        self.model = AggregatorModel(self.elements)
+        self.model = AggregatorModel(self.elements, frames_grow=not self.dp.frags)
         self.model.add_job(JobConfig(job=JOB, world=world, slots=slots, max_chunks=max_chunks,
                                      members=members, tags={r: tag(r) for r in members}, group=GROUP,
                                      precision=precision, bound=bound, norm_bound=norm_bound))

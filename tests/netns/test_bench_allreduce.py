@@ -121,8 +121,8 @@ def test_bench_allreduce_native_takes_the_largest_packet_the_mtu_holds(mtu):
 
 def test_bench_allreduce_at_every_precision():
     """aggd's systems at 8, 16 and 32 bits beside one gloo row, native XDP at 832 values a packet
-    (the program's narrow lanes; the frames it cannot grow on veth go back to it through the
-    user-space aggregator beside it); every result within its precision's bound."""
+    (the program's narrow lanes, the workers' frames with room for the result); every result within
+    its precision's bound."""
     out = subprocess.run(
         [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp,aggd-user,gloo",
          "--size", "1M", "--workers", "2", "--iters", "2", "--elements", "832", "--precision", "8,16,32",
@@ -133,12 +133,14 @@ def test_bench_allreduce_at_every_precision():
         ("aggd-xdp", 32), ("aggd-xdp", 16), ("aggd-xdp", 8), ("aggd-user", 32), ("aggd-user", 16),
         ("aggd-user", 8), ("gloo", 32)]
     assert all(r["within_bound"] and r["errors"] == 0 for r in rows), rows
-    (wide,) = [r for r in rows if r["system"] == "aggd-xdp" and r["precision"] == 32]
-    assert wide["handed_back"] == 0
-    too_big = subprocess.run(
+    # narrow workers send room for the result (--narrow-room auto): no frame goes back through the daemon
+    xdp = [r for r in rows if r["system"] == "aggd-xdp"]
+    assert [(r["room"], r["handed_back"]) for r in xdp] == [(False, 0), (True, 0), (True, 0)], xdp
+    too_big = subprocess.run(     # generic mode's jumbo packets (8192 values)
         [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp", "--size", "64K",
-         "--workers", "2", "--iters", "1", "--precision", "8"], capture_output=True, text=True, timeout=600)
-    assert too_big.returncode != 0 and "at most 832 values" in too_big.stderr, too_big.stderr[-2000:]
+         "--workers", "2", "--iters", "1", "--precision", "8", "--mode", "generic"],
+        capture_output=True, text=True, timeout=600)
+    assert too_big.returncode != 0 and "at most 2233 values" in too_big.stderr, too_big.stderr[-2000:]
 
 
 def test_bench_allreduce_robust_jobs_beside_the_summing_one():

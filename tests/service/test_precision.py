@@ -61,3 +61,20 @@ def test_narrow_job_in_user_space(make_lab, make_daemon):
     assert shown["kernel_slots"] == 0
     assert shown["paths"]["userspace"]["counters"]["contributions"] > 0
     assert shown["paths"]["kernel"]["counters"]["contributions"] == 0
+
+
+@pytest.mark.parametrize("room", ["auto", "never"])
+def test_narrow_jobs_in_multi_buffer_frames(make_lab, make_daemon, room):
+    """At MTU 9000 (native XDP's largest packet, 2233 values) the program takes multi-buffer frames,
+    which cannot grow: a narrow job's workers send room for the result and every contribution is
+    answered in the kernel; without it each goes up and the daemon's re-run adds the room."""
+    lab = make_lab(4, mtu=9000)
+    d = make_daemon(lab, dataplane={"elements_per_packet": 2233, "narrow_room": room})
+    for bits in (8, 16):
+        shown = run(lab, d, f"f{bits}", bits, sizes="1,3000,100000")
+        assert shown["kernel_slots"] >= 45    # every chunk of the largest tensor has a kernel slot
+        kernel, user = shown["paths"]["kernel"], shown["paths"]["userspace"]
+        print(room, bits, "kernel", kernel["counters"])
+        assert kernel["counters"]["contributions"] >= 4 * 4 * (1 + 2 + 45)
+        assert user["counters"]["contributions"] == 0
+        assert (kernel["counters"]["to_userspace"] == 0) == (room == "auto")

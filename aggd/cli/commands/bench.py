@@ -68,15 +68,18 @@ def bench():
                    "(TCP passed in 64 KiB segments)")
 @click.option("--precision", "precisions", default="32", show_default=True,
               help="bits a contribution value of aggd's systems, e.g. 8,16,32 (docs/precision.md); the "
-                   "XDP program holds 8 and 16 bits in packets of at most 832 values")
+                   "XDP program holds 8 and 16 bits in packets of at most 2233 values (native XDP's largest)")
 @click.option("--combine", "combines", default="sum", show_default=True,
               help="how aggd-user's job combines rounds, e.g. sum,median: a robust job's median or trimmed:T "
                    "(docs/protocol.md \"Robust jobs\"; each row then gets its slowdown over sum)")
+@click.option("--narrow-room", type=click.Choice(["auto", "never"]), default="auto", show_default=True,
+              help="aggd-xdp's 8- and 16-bit workers in native mode send room for the result (auto, as the "
+                   "daemon asks them to), or not (never: each frame goes through the program's re-run)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
 def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, gros,
-                    precisions, combines, as_json, plot_path):
+                    precisions, combines, narrow_room, as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -161,7 +164,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
                       on_row=show, losses=loss_list, hogs=hog_list, gros=gro_list, precisions=tuple(int(b) for b in bits),
-                      combines=how_list or ("sum",))
+                      combines=how_list or ("sum",), narrow_room=narrow_room == "auto")
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):

@@ -67,17 +67,21 @@ def _mac_of(text: str) -> bytes:
     return bytes.fromhex(text.replace(":", ""))
 
 
+#: where a message's ``code`` byte (its precision) is
+_CODE_OFFSET = proto.HEADER_DTYPE.fields["code"][1]
+
+
 class Serves(NamedTuple):
     """What the XDP program built for ``elements`` values a packet serves in the kernel (aggd_xdp.c:
     AGGD_RELAYS, AGGD_NARROW, AGGD_BOUNDS); the daemon gives other jobs no kernel slots."""
     relays: bool     #: a rack job's forwarding and relaying (not in a jumbo build)
-    narrow: bool     #: int8 and int16 contributions (in a page's frame only)
+    narrow: bool     #: int8 and int16 contributions (not in a jumbo build)
     bounds: bool     #: per-member bounds (not in a jumbo build)
 
     @classmethod
     def of(cls, elements: int) -> "Serves":
-        return cls(elements <= proto.NATIVE_MAX_ELEMENTS, elements <= proto.PAGE_MAX_ELEMENTS,
-                   elements <= proto.NATIVE_MAX_ELEMENTS)
+        native = elements <= proto.NATIVE_MAX_ELEMENTS
+        return cls(native, native, native)
 
 
 def layout_file(pin_dir: Path) -> Path:
@@ -300,9 +304,12 @@ class XdpDataPlane(DataPlane):
         native veth a small frame can be a short buffer). BPF_PROG_TEST_RUN hands the program a
         page, so it decides with the same slots and maps as for any packet; the answer is the
         ``Verdict`` it came to (its message, and where the frame was addressed), sent by the daemon.
-        The packet's receive counters are counted a second time."""
+        A narrow contribution without room for its result gets it here (docs/protocol.md,
+        "Precision": a multi-buffer build takes no other). The packet's receive counters are counted
+        a second time."""
         from aggd.core.model import Verdict
 
+        data = bytes(data) + bytes(self._room_for(data))
         udp_len = 8 + len(data)
         ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0, 64, 17, 0,
                                    socket.inet_aton(src[0]), socket.inet_aton("0.0.0.0")))
@@ -316,6 +323,15 @@ class XdpDataPlane(DataPlane):
         dest = (socket.inet_ntoa(out[30:34]), struct.unpack_from("!H", out, 36)[0])
         to_group = ipaddress.IPv4Address(dest[0]).is_multicast
         return Verdict("tx", None, bytes(out[42:42 + out_len]), "group" if to_group else "sender", (dest,))
+
+    def _room_for(self, data: bytes) -> int:
+        """Bytes of room a narrow contribution or re-read of exactly ``elements`` values lacks."""
+        if len(data) < proto.HEADER_SIZE:
+            return 0
+        lanes = proto.LANES.get(data[_CODE_OFFSET])
+        if lanes is None or len(data) - proto.HEADER_SIZE != self.elements * lanes.contrib_bytes:
+            return 0
+        return self.elements * (lanes.result_bytes - lanes.contrib_bytes)
 
     def detach(self) -> None:
         if self._attached:
