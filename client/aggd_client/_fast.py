@@ -27,7 +27,7 @@ import threading
 import numpy as np
 
 from .protocol import HEADER_DTYPE, HEADER_SIZE
-from .protocol.definition import MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
+from .protocol.definition import LANES, MAGIC, VERSION, ZERO_EXPONENT, Flag, MsgType, Precision, StrategyKind
 
 log = logging.getLogger("aggd_client")
 
@@ -37,6 +37,8 @@ AVAILABLE = (os.environ.get("AGGD_CLIENT_NUMBA", "1") != "0" and sys.byteorder =
              and importlib.util.find_spec("numba") is not None)
 
 _P = HEADER_SIZE // 4  # payload offset in int32 words
+_P16, _P8 = HEADER_SIZE // 2, HEADER_SIZE  # ... in int16 and int8 values
+_M32 = np.uint64(0xFFFFFFFF)
 # byte offsets of the header fields the kernels touch, from the one definition
 _O = {name: HEADER_DTYPE.fields[name][1] for name in HEADER_DTYPE.names}
 _MAGIC, _VERSION, _TYPE, _JOB, _ROUND = _O["magic"], _O["version"], _O["type"], _O["job"], _O["round"]
@@ -142,30 +144,58 @@ def _mix(z):  # pragma: no cover - jitted
     return z ^ (z >> np.uint64(31))
 
 
-def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, pay, r0, flags, qmax,
+def _hash32(z):  # pragma: no cover - jitted
+    """A 32-bit counter-based generator (Wellons' lowbias32) of the low half of ``z``: 32-bit
+    multiplies, which AVX2 vectorises (splitmix64's 64-bit ones it does not)."""
+    z = z & _M32
+    z ^= z >> np.uint64(16)
+    z = (z * np.uint64(0x7FEB352D)) & _M32
+    z ^= z >> np.uint64(15)
+    z = (z * np.uint64(0x846CA68B)) & _M32
+    return z ^ (z >> np.uint64(16))
+
+
+def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_n, r0, flags, qmax,
                  state):  # pragma: no cover - jitted
-    """``_fill`` for a narrow precision: ``pay`` is the ring's payload column (int8 or int16) and
-    each value is rounded stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from
-    a counter-based generator (splitmix64 of a per-chunk key drawn from ``state`` plus the value's
-    index; 24 bits a value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another
-    generator."""
+    """``_fill`` for a narrow precision: ``ring_n`` is the ring's rows as the precision's values (int8
+    or int16: ``ring_u8`` viewed so, the payload at ``_P8`` or ``_P16``) and each value is rounded
+    stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from a counter-based
+    generator (splitmix64 of a per-chunk key drawn from ``state`` plus the value's index; 24 bits a
+    value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another generator. Loops
+    run over slices of C-contiguous rows, without a branch inside: numba then vectorises them.
+
+    int8 values (|x * 2**e| below 128) take a faster way, 3x on AVX2: a 32-bit generator
+    (``_hash32``) and float32 arithmetic, where ``x * 2**e`` is exact and ``x * 2**e + U`` rounds to
+    2**-17 at most, a bias below 2**-18 of a step (error feedback carries what the rounding lost)."""
     n = x.size
     q = np.float64(qmax)
+    q32 = np.float32(qmax)
+    p = _P8 if ring_n.itemsize == 1 else _P16
     for i in range(k):
         r = r0 + i
         s = (xc0 + i) * E
         cnt = min(E, n - s)
         xs = x[s:s + cnt]
-        dst = pay[r]
+        dst = ring_n[r, p:p + E]
         e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
         key = _next_random(state)
-        scale = math.ldexp(1.0, e) if -1000 <= e <= 1000 else 0.0
-        for j in range(cnt):
-            u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
-                * (1.0 / 16777216.0)
-            v = np.float64(xs[j])
-            y = math.floor((v * scale if scale != 0.0 else math.ldexp(v, e)) + u)
-            dst[j] = max(-q, min(q, y))
+        if p == _P8 and -126 <= e <= 126:  # 2**e is a normal float32
+            scale32 = np.float32(math.ldexp(1.0, e))
+            for j in range(cnt):
+                k24 = np.int32(_hash32(key + np.uint64(j) * np.uint64(0x9E3779B9)) >> np.uint64(8))
+                u32 = (np.float32(k24) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+                dst[j] = np.int32(max(-q32, min(q32, np.floor(xs[j] * scale32 + u32))))
+        elif -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
+            scale = math.ldexp(1.0, e)
+            for j in range(cnt):
+                u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
+                    * (1.0 / 16777216.0)
+                dst[j] = max(-q, min(q, math.floor(np.float64(xs[j]) * scale + u)))
+        else:  # zero chunks and extreme magnitudes
+            for j in range(cnt):
+                u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
+                    * (1.0 / 16777216.0)
+                dst[j] = max(-q, min(q, math.floor(math.ldexp(np.float64(xs[j]), e) + u)))
         for j in range(cnt, E):
             dst[j] = 0
         _write_header(ring_u8, r, c0 + i, cnt, e, flags)
@@ -328,14 +358,14 @@ def warm_up() -> bool:
 
 
 def _compile() -> None:
-    global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix, \
+    global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix, _hash32, \
         _chunk_exponent, _write_header
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
     _max_abs_bits = max_abs_bits = jit(_max_abs_bits)  # fill calls it; all_finite too
-    _next_random, _mix = jit(_next_random), jit(_mix)
+    _next_random, _mix, _hash32 = jit(_next_random), jit(_mix), jit(_hash32)
     _chunk_exponent, _write_header = jit(_chunk_exponent), jit(_write_header)
     fill, fill_narrow, scatter, ack = jit(_fill), jit(_fill_narrow), jit(_scatter), jit(_ack)
 
@@ -355,10 +385,9 @@ def _compile() -> None:
         absmask, pick_b, pick_f = fill_args(dt)
         fill(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
         for prec in (Precision.INT16, Precision.INT8):
-            narrow = np.zeros(2, packet_dtype(4, prec))
+            narrow_u8 = np.zeros(2, packet_dtype(4, prec)).view(np.uint8).reshape(2, -1)
             fill_narrow(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq,
-                        narrow.view(np.uint8).reshape(2, -1), narrow["payload"], 0, True, 127,
-                        np.ones(1, np.uint64))
+                        narrow_u8, narrow_u8.view(LANES[prec].contrib), 0, True, 127, np.ones(1, np.uint64))
         all_finite(x)
         for mean in (False, True):
             for prec in Precision:

@@ -295,7 +295,7 @@ class _Send:
                            self.jq, ring.u8, ring.i32, r0, self.flags if self.flags_dirty else -1)
             else:
                 _fast.fill_narrow(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
-                                  self.jq, ring.u8, ring.pk["payload"], r0,
+                                  self.jq, ring.u8, ring.u8.view(self.c._lanes.contrib), r0,
                                   self.flags if self.flags_dirty else -1, self.qmax,
                                   self.c._rng_state)
             return
