@@ -378,6 +378,7 @@ RELOADABLE = {
     "log.level", "control.group", "jobs.default_slots", "jobs.max_slots", "jobs.max_job_memory", "jobs.max_chunks",
     *(f"policy.{f.name}" for f in dataclasses.fields(PolicyConfig)),
     "dataplane.kernel_memory",  # for jobs created afterwards, up to the size loaded at start
+    "dataplane.narrow_room",    # for workers joining afterwards (the JOIN_ACK's room)
     "metrics.max_jobs", "metrics.max_ranks",  # read at every scrape
 }
 

@@ -220,28 +220,20 @@ def test_simulated_training_quorum_in_shared_slots(harness, chunks, sizes, slots
 
 
 #: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
-#: lanes and narrowed into int16 / int32 results in a frame the program grows (docs/protocol.md,
-#: "Precision"). The values include each type's largest magnitudes.
-NARROW_SEQUENCES = 120   #: per strategy and precision
+#: lanes and narrowed into int16 / int32 results (docs/protocol.md, "Precision"), half of them with
+#: room for the result. The values include each type's largest magnitudes. ``page``: in a frame the
+#: program grows; ``frags``: at native XDP's largest packet, where a multi-buffer frame cannot grow
+#: and the program takes a narrow contribution only with room (aggd_xdp.c, AGGD_NARROW_GROWS): the
+#: others go up.
+NARROW_SEQUENCES = {"page": 120, "frags": 30}   #: per strategy and precision
 
 
+@pytest.mark.parametrize("build", ["page", "frags"])
 @pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
 @pytest.mark.parametrize("kind", KINDS)
-def test_random_sequences_narrow(harness, kind, precision):
-    sequences_at_packet_size(harness, kind, f"{precision.name.lower()} {kind}", NARROW_SEQUENCES,
-                             precision=precision)
-
-
-#: Narrow sequences at native XDP's largest packet: a multi-buffer frame cannot grow, so the
-#: program takes a narrow contribution there only with room for its result (aggd_xdp.c,
-#: AGGD_NARROW_GROWS); the traffic sends half its packets with room, the other half go up.
-FRAGS_NARROW_SEQUENCES = 30   #: per strategy and precision
-
-
-@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
-@pytest.mark.parametrize("kind", KINDS)
-def test_random_sequences_narrow_multi_buffer_frames(frags_harness, kind, precision):
-    sequences_at_packet_size(frags_harness, kind, f"frags {precision.name.lower()} {kind}", FRAGS_NARROW_SEQUENCES,
+def test_random_sequences_narrow(request, build, kind, precision):
+    h = request.getfixturevalue("harness" if build == "page" else "frags_harness")
+    sequences_at_packet_size(h, kind, f"{build} {precision.name.lower()} {kind}", NARROW_SEQUENCES[build],
                              precision=precision)
 
 

@@ -1,7 +1,8 @@
 """The XDP program's narrow lanes outside the equivalence sequences (those are in
 test_model_equivalence.py): a round re-run through ``XdpDataPlane.rerun`` (the daemon's way for a
 frame the attached program could not grow) is decided as the model decides it, the result's frame is
-the result's size, and the multi-buffer build passes narrow packets up."""
+the result's size, and a contribution with room for its result is answered in its own frame (the
+multi-buffer build's narrow packets: test_model_equivalence.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,15 +18,21 @@ pytestmark = pytest.mark.root
 GROUP = ("239.77.0.9", 47001)
 
 
-@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
-def test_a_round_rerun_through_the_program_equals_the_model(xdp_program, precision):
-    world, job = 3, 5
+def narrow_job(xdp_program, job: int, world: int, precision: Precision):
+    """A job of ``precision`` on the program and on the model: (members, model)."""
     members = {r: member(r) for r in range(world)}
     model = AggregatorModel(ELEMENTS)
     model.add_job(JobConfig(job=job, world=world, slots=4, max_chunks=64, members=members, group=GROUP,
                             precision=precision))
     xdp_program.install_job(job_config(job=job, world=world, slots=4, max_chunks=64, group=GROUP,
                                        members=members, precision=int(precision)))
+    return members, model
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+def test_a_round_rerun_through_the_program_equals_the_model(xdp_program, precision):
+    world, job = 3, 5
+    members, model = narrow_job(xdp_program, job, world, precision)
     try:
         lanes = LANES[precision]
         rng = np.random.default_rng(int(precision))
@@ -58,14 +65,9 @@ def test_contributions_with_room_are_answered_in_their_own_frame(xdp_program, pr
     from tests.harness.equivalence import frame
 
     world, job = 2, 6
-    members = {r: member(r) for r in range(world)}
+    members, model = narrow_job(xdp_program, job, world, precision)
     lanes = LANES[precision]
     room = b"\xa5" * (ELEMENTS * (lanes.result_bytes - lanes.contrib_bytes))
-    model = AggregatorModel(ELEMENTS)
-    model.add_job(JobConfig(job=job, world=world, slots=4, max_chunks=64, members=members, group=GROUP,
-                            precision=precision))
-    xdp_program.install_job(job_config(job=job, world=world, slots=4, max_chunks=64, group=GROUP,
-                                       members=members, precision=int(precision)))
     try:
         rng = np.random.default_rng(7)
         for round_ in range(4):
