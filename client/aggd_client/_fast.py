@@ -209,12 +209,12 @@ def _be32(b, i, o):  # pragma: no cover - jitted
     return (_be16(b, i, o) << 16) | _be16(b, i, o + 2)
 
 
-def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, have, ncontrib, out,
+def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, have, ncontrib, res_exp, out,
              mean, acks, meta, code, width):  # pragma: no cover - jitted
     """The results of round ``round32`` in a received batch. Every one (chunk below ``n_chunks``)
     is listed in ``acks``; one for a chunk without a result yet (``have`` 0) is dequantised into
-    ``out`` (divided by its ``n_contrib`` for a mean), and ``have``, ``ncontrib`` and ``meta``
-    (strategy, param, strategy_version of the last one) are set. Returns (status, new results,
+    ``out`` (divided by its ``n_contrib`` for a mean), and ``have``, ``ncontrib``, ``res_exp`` (its
+    exponent) and ``meta`` (strategy, param, strategy_version of the last one) are set. Returns (status, new results,
     acks, results of the job in the batch whatever their round). Writes nothing unless every
     message is either ignorable or a well-formed result (status OK); a NACK is an anomaly too, and
     so is a result of this round under quorum or wbsp (whether it answers our packet depends on its
@@ -277,6 +277,7 @@ def _scatter(st_u8, st_pay, sizes, m, job, round32, n_chunks, E, last_count, hav
                     dst[j] = math.ldexp(np.float64(src[j]), -e) / div
             have[c] = 1
             ncontrib[c] = ncon
+            res_exp[c] = e
             meta[0] = st_u8[i, _STRATEGY]
             meta[1] = st_u8[i, _PARAM]
             meta[2] = _be16(st_u8, i, _SVERSION)
@@ -393,4 +394,4 @@ def _compile() -> None:
             for prec in Precision:
                 res = np.zeros(2, packet_dtype(4, prec, result=True))
                 scatter(res.view(np.uint8).reshape(2, -1), res["payload"], sizes, 2, 1, 0, 2, 4, 1, have, ncontrib,
-                        np.zeros(5, dt), mean, acks, meta, int(prec), res["payload"].itemsize)
+                        np.zeros(2, np.int32), np.zeros(5, dt), mean, acks, meta, int(prec), res["payload"].itemsize)

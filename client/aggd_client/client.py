@@ -371,11 +371,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
 
         ``residual``: a C-contiguous, writable float64 array (or of ``array``'s dtype) of
         ``array``'s size that receives, for every value, its rounding residual: the value minus the
-        dequantised contribution sent for it, corrected once the round's result comes for what the
-        aggregator's alignment of it to the result's exponent dropped (exact when the aggregator
-        floors each contribution on its own: see ``aggd_client.feedback``). Complete once the
-        handle is done; each call (each ``wbsp`` step) writes its own. Results then take the numpy
-        path (no numba scatter).
+        dequantised contribution sent for it, corrected once the round's result is complete for what
+        the aggregator's alignment of it to the results' exponents dropped (exact when the
+        aggregator floors each contribution on its own: see ``aggd_client.feedback``). Complete once
+        the handle is done; each call (each ``wbsp`` step) writes its own.
         """
         self._check_open()
         if op not in ("sum", "mean"):
@@ -434,8 +433,6 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         else:
             rnd = into
             self.stats["steps"] += 1
-        if residual is not None:
-            rnd.fast = False  # the numpy result path corrects residuals for the alignment
         send = _Send(self, rnd, x, rnd.steps, self._strategy.kind,
                      None if residual is None else residual.reshape(-1))
         rnd.steps += 1

@@ -71,7 +71,7 @@ class ResultHandler:
             for rnd in list(self._rounds):
                 status, nd, na, jobs = _fast.scatter(
                     self._stage_u8, self._stage_pay, self._sizes, m, self._job, rnd.r32,
-                    rnd.n_chunks, self._elements, rnd.last_count, rnd.have, rnd.n_contrib, rnd.out,
+                    rnd.n_chunks, self._elements, rnd.last_count, rnd.have, rnd.n_contrib, rnd.res_exp, rnd.out,
                     rnd.mean, self._acks, self._meta, int(self._precision), self._lanes.result_bytes)
                 if status != _fast.OK:
                     handled = False
@@ -287,9 +287,7 @@ class ResultHandler:
         rnd.have[chunks] = 1
         rnd.n_contrib[chunks] = ncon
         mine = rounds == rnd.r32  # our own round's results: our contributions are aligned in them
-        if mine.any():
-            for s in rnd.sends:
-                s.realign(chunks[mine], h["exponent"][mine])
+        rnd.res_exp[chunks[mine]] = h["exponent"][mine]
         rnd.n_have += int(chunks.size)
         j = int(np.argmax(rounds))
         self._learn(rnd, int(rounds[j]), int(h["strategy"][j]), int(h["param"][j]),
@@ -325,6 +323,7 @@ class ResultHandler:
                           number)
             self._strategy, self._strategy_round = info, number
         if rnd.complete:
+            rnd.realign_residuals()
             now = time.monotonic()
             for s in rnd.sends:  # their remaining answers are waited for give_up_after from now
                 s.last_ack = now

@@ -40,6 +40,8 @@ RTO_CAP = 1.0
 RING_POOL = 4
 
 _PENDING, _INFLIGHT, _DONE = 0, 1, 2
+#: ``_Round.res_exp`` of a chunk without our own round's result (no exponent is this low)
+NOT_OURS = -(1 << 31)
 # plain ints: numpy compares against enum members far more slowly
 _CONTRIB, _RETRANSMIT, _ORDERED = int(MsgType.CONTRIB), int(Flag.RETRANSMIT), int(Flag.ORDERED)
 
@@ -62,6 +64,10 @@ class _Round:
         self.out_full = self.out[:self.n_full * E].reshape(self.n_full, E)
         self.have = np.zeros(n, np.uint8)
         self.n_contrib = np.zeros(n, np.uint16)
+        # per chunk: the exponent of our own round's result (NOT_OURS: a later round's answered it),
+        # to which the aggregator aligned our contributions (``realign_residuals``)
+        self.res_exp = np.full(n, NOT_OURS, np.int32)
+        self.realigned = False
         self.n_have = 0
         self.answered = number
         self.skips: np.ndarray | None = None  # per chunk: the packets' ``skip`` (None: all 0)
@@ -80,6 +86,19 @@ class _Round:
     @property
     def complete(self) -> bool:
         return self.n_have == self.n_chunks
+
+    def realign_residuals(self) -> None:
+        """Once the round is complete: every send's residuals take what the aggregator's alignment
+        of our contributions to our own round's results dropped (``_Send.realign``). Done once, for
+        all chunks together, so that the numba result path serves rounds with residuals too."""
+        if self.realigned:
+            return
+        self.realigned = True
+        own = self.res_exp != NOT_OURS
+        if self.sends and own.any():
+            chunks = np.flatnonzero(own)
+            for s in self.sends:
+                s.realign(chunks, self.res_exp[chunks])
 
     def carried_in(self) -> int:
         """How many contributions of ours to earlier rounds the aggregator may have carried, or

@@ -13,7 +13,7 @@ from aggd_client import AggClient, ProtocolError, quant
 from aggd_client.protocol import HEADER_SIZE, Header
 from aggd_client.protocol.definition import LANES, Flag, MsgType, NackCode, Precision
 
-from .test_client import JOB, FakeAggregator, check_close, make_arrays, run_workers
+from .test_client import JOB, FakeAggregator, check_close, make_arrays, path, run_workers  # noqa: F401 (path: a fixture)
 
 
 class PrecisionFake(FakeAggregator):
@@ -136,6 +136,38 @@ def test_mean_and_residual_at_int8():
              for a in arrays]
     for r, s in zip(residuals, steps):
         assert (np.abs(r) < 2 * s).all()  # one step of the own rounding, one of the alignment
+
+
+@pytest.mark.parametrize("path", ["numba", "numpy"], indirect=True)
+def test_residuals_with_members_of_different_scales(path, monkeypatch):
+    """Members whose chunks differ in scale get results aligned to the finest exponent, which drops
+    low bits of the coarser members' contributions: each residual takes them once the round is
+    complete, on the numba result path as on the numpy one (which the numba path no longer leaves
+    residual rounds to)."""
+    from aggd_client.results import ResultHandler
+    numpy_batches = []
+    original = ResultHandler._process_numpy
+    monkeypatch.setattr(ResultHandler, "_process_numpy",
+                        lambda self, m: numpy_batches.append(m) or original(self, m))
+    world = 3
+    arrays = [a * 4.0 ** r for r, a in enumerate(make_arrays(world, 7 * E + 5, np.float64, seed=8))]
+    residuals = [np.empty(a.size) for a in arrays]
+    with PrecisionFake(world, Precision.INT8) as fake:
+        clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), elements=E,
+                             precision=8, seed=r, give_up_after=10.0) for r in range(world)]
+        import threading
+        out = [None] * world
+        ts = [threading.Thread(target=lambda r=r: out.__setitem__(
+            r, clients[r].allreduce(arrays[r], "sum", residual=residuals[r]))) for r in range(world)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        for c in clients:
+            c.close()
+    exact = np.sum(arrays, axis=0)
+    assert np.allclose(out[0] + np.sum(residuals, axis=0), exact, rtol=0, atol=1e-12 * np.abs(exact).max())
+    assert (path == "numba") == (not numpy_batches), numpy_batches
 
 
 def test_result_of_another_precision_fails_the_round():
