@@ -135,6 +135,7 @@ class Service:
     def __init__(self, config: Config, *, reset_kernel_state: bool = False):
         self.config = config
         self.reset_kernel_state = reset_kernel_state
+        self._interface_kind: str | None = None   # "veth"...: the XDP interface's, once started
         self.lock = threading.RLock()
         #: job id -> (the job's newest round, the ranks that rejoined since it was that): when every
         #: member has rejoined and no round came in between, the whole group restarted
@@ -178,18 +179,13 @@ class Service:
 
     def _narrow_room(self, cfg: Config) -> bool:
         """Whether narrow jobs' workers are asked for room for the result ([dataplane] narrow_room):
-        "auto" asks where native XDP's frames cannot grow, on a veth."""
+        "auto" asks where native XDP's frames cannot grow, on a veth (learnt by ``start``)."""
         dp = cfg.dataplane
         if dp.kind != "xdp" or dp.narrow_room == "never":
             return False
         if dp.narrow_room == "always":
             return True
-        if dp.mode != "native":
-            return False     # generic mode's skbs grow
-        try:
-            return link_kind(dp.interface, dp.netns or None) == "veth"
-        except ServiceError:
-            return False     # no such interface yet: start() says so
+        return dp.mode == "native" and self._interface_kind == "veth"   # generic mode's skbs grow
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -202,6 +198,9 @@ class Service:
                                f"exist; `ip netns list` shows them)")
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = dpc.address or interface_address(dpc.interface, netns)
+        if dpc.kind == "xdp":
+            self._interface_kind = link_kind(dpc.interface, netns)
+            self.registry.with_limits(self._limits(cfg))     # ([dataplane] narrow_room "auto")
         if dpc.kind == "p4":
             self._start_p4()
         else:
