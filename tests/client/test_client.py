@@ -315,8 +315,9 @@ def test_lossy_aggregator_still_correct(path):
 
 
 # small-window: a tail loss probe fires whenever at most 16 chunks are in flight, and on a loaded
-# host an answer now and then comes after its probe (19 of 600 packets seen once): 32 allows that
-@pytest.mark.parametrize("lost,most,slots", [(5, 4, 1024), (299, 16, 1024), (0, 32, 4)],
+# host an answer now and then comes after its probe (19 and 43 of 600 packets seen in CI runs):
+# 60, a tenth of the packets, still tells probes from a storm (a retransmission of every packet)
+@pytest.mark.parametrize("lost,most,slots", [(5, 4, 1024), (299, 16, 1024), (0, 60, 4)],
                          ids=["rack", "tail-probe", "small-window"])
 def test_a_lost_chunk_is_resent_without_waiting_for_the_timeout(path, lost, most, slots):
     """A contribution of rank 0 lost, the retransmission timeout 5 s (beyond the 3 s give-up: the

@@ -473,7 +473,9 @@ def test_ssp_three_rounds_outstanding_then_waits(slots):
                 contribs = [grad(0, n, size), grad(1, n, size)]
                 assert_close(a, contribs, world, world)
                 assert np.array_equal(a, b)
-            assert fake.drops == {} and fake.carried == 0  # admitted every time, keys in order
+            # admitted every time, keys in order: nothing refused busy or stale, nothing carried (the
+            # fast member's tail loss probes while its rounds wait for the slow one are duplicates)
+            assert set(fake.drops) <= {"duplicate"} and fake.carried == 0, fake.drops
         finally:
             close_all(cs)
 
