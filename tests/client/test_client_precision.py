@@ -6,6 +6,8 @@ int8), as the protocol's Precision asks; ``result_code`` makes it answer in anot
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -108,15 +110,15 @@ def test_narrow_sum_against_fake(bits, size, dtype, room):
     assert all(c.precision == p for c in clients)
 
 
-def test_mean_and_residual_at_int8():
-    world = 3
-    arrays = make_arrays(world, 3 * E + 5, np.float64, seed=4)
+def sum_with_residuals(arrays, precision=Precision.INT8):
+    """Every member sums its array through a ``PrecisionFake`` with ``residual=``, in threads:
+    (results, residuals)."""
+    world = len(arrays)
     residuals = [np.empty(a.size) for a in arrays]
-    with PrecisionFake(world, Precision.INT8) as fake:
+    out = [None] * world
+    with PrecisionFake(world, precision) as fake:
         clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), elements=E,
-                             precision=8, seed=r, give_up_after=10.0) for r in range(world)]
-        import threading
-        out = [None] * world
+                             precision=LANES[precision].bits, seed=r, give_up_after=10.0) for r in range(world)]
 
         def work(r):
             out[r] = clients[r].allreduce(arrays[r], "sum", residual=residuals[r])
@@ -128,6 +130,13 @@ def test_mean_and_residual_at_int8():
             t.join(30)
         for c in clients:
             c.close()
+    return out, residuals
+
+
+def test_mean_and_residual_at_int8():
+    world = 3
+    arrays = make_arrays(world, 3 * E + 5, np.float64, seed=4)
+    out, residuals = sum_with_residuals(arrays)
     # the residuals say exactly what the result lacks of the inputs (alignment included)
     exact = np.sum(arrays, axis=0)
     lacking = np.sum(residuals, axis=0)
@@ -149,22 +158,8 @@ def test_residuals_with_members_of_different_scales(path, monkeypatch):
     original = ResultHandler._process_numpy
     monkeypatch.setattr(ResultHandler, "_process_numpy",
                         lambda self, m: numpy_batches.append(m) or original(self, m))
-    world = 3
-    arrays = [a * 4.0 ** r for r, a in enumerate(make_arrays(world, 7 * E + 5, np.float64, seed=8))]
-    residuals = [np.empty(a.size) for a in arrays]
-    with PrecisionFake(world, Precision.INT8) as fake:
-        clients = [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), elements=E,
-                             precision=8, seed=r, give_up_after=10.0) for r in range(world)]
-        import threading
-        out = [None] * world
-        ts = [threading.Thread(target=lambda r=r: out.__setitem__(
-            r, clients[r].allreduce(arrays[r], "sum", residual=residuals[r]))) for r in range(world)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(30)
-        for c in clients:
-            c.close()
+    arrays = [a * 4.0 ** r for r, a in enumerate(make_arrays(3, 7 * E + 5, np.float64, seed=8))]
+    out, residuals = sum_with_residuals(arrays)
     exact = np.sum(arrays, axis=0)
     assert np.allclose(out[0] + np.sum(residuals, axis=0), exact, rtol=0, atol=1e-12 * np.abs(exact).max())
     assert (path == "numba") == (not numpy_batches), numpy_batches
