@@ -68,8 +68,9 @@ class Limits:
     #: programs do not): otherwise a bounded job is served in user space
     bounds_in_kernel: bool = True
     #: the fast data plane answers a narrow contribution in its own frame but cannot grow a frame to
-    #: the wider result (native XDP on veth): workers of narrow jobs send contributions with room
-    #: for it (the JOIN_ACK's ``room``), or each goes through the daemon ([dataplane] narrow_room)
+    #: the wider result (native XDP on veth or in multi-buffer frames): workers of narrow jobs send
+    #: contributions with room for it (the JOIN_ACK's ``room``), or each goes through the daemon
+    #: ([dataplane] narrow_room)
     narrow_room: bool = False
 
 

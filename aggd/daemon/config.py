@@ -174,8 +174,8 @@ class DataplaneConfig:
     narrow_room: str = _setting("auto", _one_of("auto", "always", "never"),
                                 "whether workers of 8- and 16-bit jobs send contributions with room for "
                                 "the wider result, so the XDP program answers them without growing the "
-                                "frame: auto (in native mode on a veth, whose frames cannot grow), "
-                                "always, never")
+                                "frame: auto (in native mode where frames cannot grow: on a veth, and "
+                                "above 832 values a packet, in multi-buffer frames), always, never")
 
 
 #: Switch ports are bit<9> in v1model (aggd.dataplane.p4.layout.MAX_PORT); Tofino's are as wide.

@@ -112,6 +112,18 @@ def interface_address(ifname: str, netns: str | None) -> str:
     return addrs[0]
 
 
+def asks_narrow_room(setting: str, kind: str, mode: str, elements: int, interface_kind: str | None) -> bool:
+    """Whether narrow jobs' workers are asked for room for the result ([dataplane] narrow_room):
+    "auto" asks where native XDP's frames cannot grow: in the multi-buffer build (packets above a
+    page's), and on a veth (``interface_kind``, learnt by ``Service.start``). Generic mode's skbs
+    and a NIC's page buffers grow."""
+    if kind != "xdp" or setting == "never":
+        return False
+    if setting == "always":
+        return True
+    return mode == "native" and (elements > proto.PAGE_MAX_ELEMENTS or interface_kind == "veth")
+
+
 def link_kind(ifname: str, netns: str | None) -> str | None:
     """The kind of link ``ifname`` is (in ``netns``): "veth", "bridge"..., None for a plain NIC."""
     from pyroute2 import IPRoute
@@ -178,14 +190,8 @@ class Service:
                       bounds_in_kernel=serves.bounds, narrow_room=self._narrow_room(cfg))
 
     def _narrow_room(self, cfg: Config) -> bool:
-        """Whether narrow jobs' workers are asked for room for the result ([dataplane] narrow_room):
-        "auto" asks where native XDP's frames cannot grow, on a veth (learnt by ``start``)."""
         dp = cfg.dataplane
-        if dp.kind != "xdp" or dp.narrow_room == "never":
-            return False
-        if dp.narrow_room == "always":
-            return True
-        return dp.mode == "native" and self._interface_kind == "veth"   # generic mode's skbs grow
+        return asks_narrow_room(dp.narrow_room, dp.kind, dp.mode, dp.elements_per_packet, self._interface_kind)
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:

@@ -218,3 +218,17 @@ def test_aggctl_config_check_p4_reads_the_p4info(tmp_path):
     bad.write_text(f'[dataplane]\nkind = "p4"\n[p4]\np4info = "{tmp_path / "x.txtpb"}"\n' + hosts)
     res = CliRunner().invoke(aggctl, ["config", "check", str(bad)])
     assert res.exit_code == 1 and "p4.p4info: " in res.output
+
+
+@pytest.mark.parametrize("setting,kind,mode,elements,link,asks", [
+    ("auto", "xdp", "native", 256, "veth", True),       # a veth's short buffers
+    ("auto", "xdp", "native", 256, None, False),        # a NIC's page buffers grow
+    ("auto", "xdp", "native", 2233, None, True),        # multi-buffer frames never grow
+    ("auto", "xdp", "generic", 256, "veth", False),     # skbs grow
+    ("auto", "p4", "native", 256, "veth", False),       # the switch passes narrow packets up
+    ("always", "xdp", "generic", 256, None, True),
+    ("never", "xdp", "native", 2233, "veth", False),
+])
+def test_which_daemons_ask_narrow_jobs_for_room(setting, kind, mode, elements, link, asks):
+    from aggd.daemon.service import asks_narrow_room
+    assert asks_narrow_room(setting, kind, mode, elements, link) is asks
