@@ -57,7 +57,8 @@ Transport, as docs/protocol.md asks:
   once chunks sent after it are answered (RACK) or as the last few in flight (tail loss probes).
   Chunks in flight are further bounded by a congestion window (``flow.CongestionWindow``: halved
   when first timeouts fire for chunks that answers to later chunks have passed by, regrown as
-  answers come; without ``window``, at most ``flow.MAX_INFLIGHT_BYTES`` of packets).
+  answers come; without ``window``, at most ``flow.MAX_INFLIGHT_BYTES`` of packets, and the members'
+  windows together at most ``flow.MAX_INFLIGHT_PACKETS``).
   No new result for ``give_up_after`` seconds spent inside the client's calls while a round waits
   raises ``NoAnswerError``.
 
@@ -121,7 +122,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     worker's address. ``bind``: the worker's member address (port 0 picks one; see ``address``).
     ``elements``: values per packet, as configured on the aggregator. ``slots``: the job's slot
     pool; ``window``: chunks in flight (at most ``slots``; None: ``slots``, at most
-    ``flow.MAX_INFLIGHT_BYTES`` of packets). ``retransmit_timeout`` and
+    ``flow.MAX_INFLIGHT_BYTES`` of packets and a share of ``flow.MAX_INFLIGHT_PACKETS``).
+    ``retransmit_timeout`` and
     ``give_up_after`` in seconds; ``max_retransmit_interval``: the longest a chunk waits between
     retransmissions under ``quorum`` (the data plane checks a quorum round's deadline when a packet
     reaches its slot, so the members' retransmissions are its clock: keep this at or below the
@@ -205,7 +207,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._rec = self._dtype.itemsize
         # a window the caller does not set is bounded by bytes in flight too (flow.default_window)
         self._window = (min(int(window), self._slots) if window is not None
-                        else default_window(self._slots, self._rec))
+                        else default_window(self._slots, self._rec, self._world))
         self._rto = float(retransmit_timeout)
         self._rto_cap = max(RTO_CAP, self._rto)
         self._quorum_cap = min(float(max_retransmit_interval), self._rto_cap)

@@ -19,7 +19,8 @@ times show a queue (``RtoEstimator.queueing``: well above the shortest recent on
 overflows fills first, while a lossy link drops at short answer times, where halving the window
 for every loss held a 5%-loss lab at the floor (16 chunks in flight) and took 5x the lossless time.
 
-``default_window`` bounds the window by bytes (``MAX_INFLIGHT_BYTES``): where the path is the
+``default_window`` bounds the window by bytes (``MAX_INFLIGHT_BYTES``), and the members' windows
+together by packets (``MAX_INFLIGHT_PACKETS``, the aggregator's receive queue). Where the path is the
 host's CPU (every hop of a lab, and the aggregator's cores on a real one), chunks beyond what
 keeps it busy only queue. They lengthen every answer time (a 4096-chunk window of 832-value
 packets, 14 MiB a worker, measured 150-460 ms answer times), let the fastest member run that far
@@ -65,12 +66,21 @@ MIN_RTT_WINDOW = 10.0
 #: 4096 slots), 510 of 8,192. 4 MiB left a lab's two cores idle 40% of a 4-worker 64 MiB round
 #: (everyone waiting for the member that was off the CPU); 16 MiB keeps them busy.
 MAX_INFLIGHT_BYTES = 16 << 20
+#: Packets all of a job's members keep in flight by default, together: every member's window lands
+#: on the aggregator's one receive queue at once (incast), and every chunk's result on each member.
+#: At MTU 1500 16 MiB is 11,300 packets a member; 8 members' windows of the default 4096 slots
+#: overflowed the lab's 10,000-packet backlog in bursts (16,038 retransmissions in a 64 MiB
+#: allreduce against 354 with 1,024 a member, at the same speed). A NIC's receive ring holds
+#: 1,024-8,192 frames.
+MAX_INFLIGHT_PACKETS = 8192
 
 
-def default_window(slots: int, packet_bytes: int) -> int:
+def default_window(slots: int, packet_bytes: int, members: int = 1) -> int:
     """Chunks in flight when the caller does not say: the job's slots, at most
-    ``MAX_INFLIGHT_BYTES`` of packets of ``packet_bytes`` (never fewer than ``MIN_WINDOW``)."""
-    return max(1, min(int(slots), max(MIN_WINDOW, MAX_INFLIGHT_BYTES // max(1, int(packet_bytes)))))
+    ``MAX_INFLIGHT_BYTES`` of packets of ``packet_bytes`` and a ``members``-th share of
+    ``MAX_INFLIGHT_PACKETS`` (never fewer than ``MIN_WINDOW``)."""
+    share = min(MAX_INFLIGHT_BYTES // max(1, int(packet_bytes)), MAX_INFLIGHT_PACKETS // max(1, int(members)))
+    return max(1, min(int(slots), max(MIN_WINDOW, share)))
 
 
 class RtoEstimator:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from aggd_client.flow import (MAX_INFLIGHT_BYTES, MIN_WINDOW, CongestionWindow, RtoEstimator,
-                              default_window)
+from aggd_client.flow import (MAX_INFLIGHT_BYTES, MAX_INFLIGHT_PACKETS, MIN_WINDOW, CongestionWindow,
+                              RtoEstimator, default_window)
 
 
 def test_rto_starts_at_initial_and_follows_rfc6298():
@@ -79,6 +79,16 @@ def test_default_window_is_bounded_by_bytes_in_flight_and_by_slots():
     assert default_window(64, 1056) == 64  # small packets: the slots bound it
     assert default_window(4096, MAX_INFLIGHT_BYTES) == MIN_WINDOW  # never below the floor ...
     assert default_window(3, MAX_INFLIGHT_BYTES) == 3  # ... unless the slots are fewer
+
+
+def test_default_window_shares_packets_in_flight_among_members():
+    mtu1500 = 1474  # 358 values
+    assert default_window(4096, mtu1500, members=1) == 4096
+    assert default_window(4096, mtu1500, members=4) == MAX_INFLIGHT_PACKETS // 4
+    assert default_window(4096, mtu1500, members=8) == MAX_INFLIGHT_PACKETS // 8
+    assert default_window(4096, 8966, members=4) == MAX_INFLIGHT_BYTES // 8966  # MTU 9000: bytes bound
+    assert default_window(4096, mtu1500, members=256) == 32
+    assert default_window(4096, mtu1500, members=2048) == MIN_WINDOW  # never below the floor
 
 
 def test_an_answer_time_that_is_not_finite_or_negative_is_ignored():
