@@ -5,6 +5,7 @@ with DDP under torchrun through the hook (``aggctl bench train --precision``).""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +14,9 @@ from aggd.cli.main import main as aggctl
 from aggd.training import torchbench
 
 pytestmark = pytest.mark.root
+
+#: steps between the cnn's accuracy measurements
+EVAL_EVERY = 5
 
 
 def _rows(path) -> list[dict]:
@@ -44,10 +48,14 @@ def test_cnn_under_torchrun_at_8_bits_trains_as_32_bits():
     """DDP's buckets (one at the first step, then rebuilt by size: the hook's error feedback keys
     follow) through an 8-bit job's user-space path, beside the 32-bit job."""
     rows = torchbench.run(["cnn"], 4, 150, systems=("aggd-user",), lab_name="tp" + __import__("secrets").token_hex(3),
-                          target=0.9, precisions=(32, 8), eval_every=5)
+                          target=0.9, precisions=(32, 8), eval_every=EVAL_EVERY)
     by = {r["precision"]: r for r in rows}
     base, narrow = by[32], by[8]
     assert base["steps_to_target"] is not None
     assert abs(narrow["final_accuracy"] - base["final_accuracy"]) <= 0.005, (narrow["final_accuracy"], base)
-    assert narrow["steps_to_target"] is not None and narrow["steps_to_target"] <= 1.1 * base["steps_to_target"], \
+    # accuracy is measured every 5 steps, so a step count is known only to the next evaluation: 10%
+    # more steps than 32 bits' is allowed up to the evaluation at or after it (20 steps: 22 -> 25;
+    # runs of one code differ: CI saw 8 bits reach 90% at step 20 in one and 25 in another)
+    allowed = EVAL_EVERY * math.ceil(1.1 * base["steps_to_target"] / EVAL_EVERY)
+    assert narrow["steps_to_target"] is not None and narrow["steps_to_target"] <= allowed, \
         (narrow["steps_to_target"], base["steps_to_target"])
