@@ -70,8 +70,8 @@ MAX_INFLIGHT_BYTES = 16 << 20
 #: on the aggregator's one receive queue at once (incast), and every chunk's result on each member.
 #: At MTU 1500 16 MiB is 11,300 packets a member; 8 members' windows of the default 4096 slots
 #: overflowed the lab's 10,000-packet backlog in bursts (16,038 retransmissions in a 64 MiB
-#: allreduce against 354 with 1,024 a member, at the same speed). A NIC's receive ring holds
-#: 1,024-8,192 frames.
+#: allreduce against 354 with 1,024 a member, 4% slower; docs/benchmarks.md has the other pairs).
+#: A NIC's receive ring holds 1,024-8,192 frames.
 MAX_INFLIGHT_PACKETS = 8192
 
 
