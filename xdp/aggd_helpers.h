@@ -26,13 +26,11 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
 
 /* The UDP checksum of a result to workers (their GRO coalesces a train of datagrams only when
  * each carries one: udp_gro_receive_segment), over the pseudo-header, the UDP and aggd headers and
- * the values at `values` (in the frame, or the copy stored into it): ELEMS int32, or ELEMS int16
- * (`int16_values`: an int8 job's result; a constant 0 in a build without narrow lanes, whose
- * loop then stays within the instruction limit). Sums of native-order words folded to 16 bits
- * give the checksum in the order it is stored (every word starts at an even offset of the
- * datagram). */
-static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values,
-					    int int16_values)
+ * the values at `values` (in the frame, or the copy stored into it): ELEMS 32-bit words, every
+ * result's 4 * ELEMS bytes (int32 values, or an int8 job's int16 pairs). Sums of native-order words
+ * folded to 16 bits give the checksum in the order it is stored (every word starts at an even
+ * offset of the datagram). */
+static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp, const __u32 *values)
 {
 	__u64 sum = (__u64)ip->saddr + ip->daddr + ((__u32)htons(IPPROTO_UDP) | ((__u32)udp->len << 16));
 	const __u32 *w = (const __u32 *)udp; /* the UDP header and the aggd header: 48 bytes */
@@ -40,20 +38,9 @@ static __always_inline void result_udp_csum(struct iphdr *ip, struct udphdr *udp
 #pragma unroll
 	for (int i = 0; i < (int)((sizeof(struct udphdr) + sizeof(struct aggd_hdr)) / 4); i++)
 		sum += w[i];
-	/* int16 values: half the words, and the last value alone if ELEMS is odd. Two loops of constant
-	 * trip counts: one that stops at a count the verifier cannot bound (the precision's) walked
-	 * past the buffer in a multi-buffer build's 2233-value loop. */
-	if (int16_values) {
-		_Pragma("clang loop unroll_count(8)")
-		for (int i = 0; i < ELEMS / 2; i++)
-			sum += values[i];
-		if (ELEMS & 1)
-			sum += *(const __u16 *)(values + ELEMS / 2);
-	} else {
-		_Pragma("clang loop unroll_count(8)")
-		for (int i = 0; i < ELEMS; i++)
-			sum += values[i];
-	}
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++)
+		sum += values[i];
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);
@@ -143,6 +130,13 @@ static __always_inline __u32 contrib_width(__u8 code)
 static __always_inline __u32 result_width(__u8 code)
 {
 	return code == AGGD_PRECISION_INT8 ? 2 : 4;
+}
+
+/* Values a packet carries for each of its ELEMS lanes: an int8 job's two (aggd_lanes.h, "Packed
+ * lanes"), so that its result fills the lanes' 4 * ELEMS bytes as every other result does. */
+static __always_inline __u32 per_lane(__u8 code)
+{
+	return code == AGGD_PRECISION_INT8 ? 2 : 1;
 }
 
 /* Send a packet back where it came from. */

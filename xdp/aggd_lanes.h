@@ -24,6 +24,51 @@
 
 #define LANE_PAIRS (ELEMS / 2)
 
+/* Packed lanes: an int8 job's lane i holds its values 2i and 2i+1, a and b (sign-extended), as the
+ * int32 a + 65536 * b (|65536 * b| <= 2**23), so a lane's sum is the a's sum plus 65536 times the
+ * b's, added by the loops below as any int32. The a's sum is the sum's low 16 bits, sign-extended,
+ * and the b's is (sum - that) >> 16: exact while the a's sum fits int16, i.e. up to
+ * AGGD_INT8_MAX_CONTRIBUTIONS contributions (aggd_xdp.c). */
+
+/* The lane of an int8 pair read as one little-endian int16 (a its low byte, b its high). */
+static __always_inline __u32 lane_pack(__s16 w)
+{
+	return (__u32)((__s32)(__s8)w + (__s32)(w >> 8) * 65536);
+}
+
+/* With `pack` all ones (an int8 job), x's low value (x's low 16 bits, sign-extended; its high one is
+ * then (x - that) >> 16); with `pack` 0 x itself (and that high one 0). Without a branch, so that the
+ * loops using it serve both kinds of lane in one walk of the verifier. */
+static __always_inline __s64 lane_lo(__s64 x, __s64 pack)
+{
+	return x ^ ((x ^ (__s16)x) & pack);
+}
+
+/* |x| without a branch */
+static __always_inline __u64 abs64(__s64 x)
+{
+	__s64 sign = x >> 63;
+	return (__u64)((x ^ sign) - sign);
+}
+
+/* 1 if x is beyond the symmetric int16 range [-32767, 32767], else 0, without a branch. */
+static __always_inline __u64 beyond_int16(__s64 x)
+{
+	return (__u64)((x + 32767) | (32767 - x)) >> 63;
+}
+
+/* An int8 job's lane as sent (the low 32 bits v of its sum) into its int16 pair in place (the pair
+ * takes the lane's four bytes): lo = v's low 16 bits, hi = (v - lo) >> 16 (in 64 bits: v - lo may be
+ * 2**31), each sent as its low 16 bits. Returns 1 if either is beyond [-32767, 32767] (a sum outside
+ * it, or a's -32768), else 0. */
+static __always_inline __u64 lane_split(__u32 *lane)
+{
+	__s32 v = (__s32)*lane;
+	__s64 lo = (__s16)v, hi = ((__s64)v - lo) >> 16;
+	*lane = (__u32)(__u16)lo | (__u32)(__u16)hi << 16;
+	return beyond_int16(lo) | beyond_int16(hi);
+}
+
 /* A fresh bank: the lanes take the contribution (bias 2**31). */
 static __always_inline void lanes_set(__u64 *v, __u32 *p)
 {

@@ -17,6 +17,7 @@
 #define AGGD_ZERO_EXPONENT 16383
 #define AGGD_SKIP_MAX 65535
 #define AGGD_RESULT_WINDOW 3
+#define AGGD_INT8_MAX_CONTRIBUTIONS 256
 #define AGGD_HDR_SIZE 40
 
 enum aggd_msg_type {
@@ -114,7 +115,7 @@ struct aggd_hdr {
 	__be16 rank;	/* sender's rank (contributions, re-reads); 0xFFFF in results */
 	__be32 round;	/* the job's allreduce number */
 	__be32 chunk;	/* packet-sized piece of the round's tensor; selects slot chunk % slots */
-	__be16 count;	/* int32 elements that carry data (the payload may be padded beyond) */
+	__be16 count;	/* values that carry data (the payload may be padded beyond) */
 	__be16 strategy_version;	/* strategy-table version that governs this round (results) */
 	__be16 exponent;	/* values are int32 * 2**-exponent; the sum uses the smallest */
 	__u8 flags;	/* Flag bits */

@@ -23,19 +23,40 @@
  * work on the packet in place. */
 /* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here up to native
  * XDP's largest packet (in a jumbo build the widening and narrowing loops would take the program
- * past the verifier's limit, and the daemon gives such jobs no kernel slots). Their results are
- * wider than their contributions: a frame without room for the result grows to hold it, in a
- * frame of one page. A multi-buffer frame can grow only into its last buffer's tailroom, too little
- * for the result of a packet that needed several: there a narrow frame is taken only with room,
- * and one without goes up (the daemon re-runs it here with the room added). */
+ * past the verifier's limit, and the daemon gives such jobs no kernel slots). An int16 job's packet
+ * carries ELEMS values, one a lane; an int8 job's carries 2 * ELEMS, a pair a lane (per_lane): lane
+ * i holds values 2i and 2i+1, a and b, as the int32 a + 65536 * b, and the lanes add those as any
+ * int32 contribution. Every result is 4 * ELEMS bytes (int32 values, or an int8 job's int16 pairs),
+ * wider than the contribution (2 * ELEMS bytes either way): a frame without room for the result
+ * grows to hold it, in a frame of one page. A multi-buffer frame can grow only into its last
+ * buffer's tailroom, too little for the result of a packet that needed several: there a narrow
+ * frame is taken only with room, and one without goes up (the daemon re-runs it here with the room
+ * added). */
 #define AGGD_NARROW (ELEMS <= AGGD_NATIVE_MAX_ELEMENTS)
 #ifdef AGGD_FRAGS
 #define AGGD_NARROW_GROWS 0
 #else
 #define AGGD_NARROW_GROWS AGGD_NARROW
 #endif
-/* Bytes a narrow job's frame grows by, from its contribution to its result. */
-#define RESULT_GROWTH(prec) (ELEMS * (result_width(prec) - contrib_width(prec)))
+/* Payload bytes of a contribution of `prec` without room, of every result, and what a narrow job's
+ * frame grows by from the one to the other. */
+#define CONTRIB_BYTES(prec) (ELEMS * per_lane(prec) * contrib_width(prec))
+#define RESULT_BYTES (ELEMS * 4)
+#define RESULT_GROWTH(prec) (RESULT_BYTES - CONTRIB_BYTES(prec))
+/* All ones for an int8 job's packed lanes (aggd_lanes.h, lane_lo), else 0; from the precision's
+ * bits, not a comparison, which clang turns into a branch (the verifier would walk the loops that
+ * use it once each way). */
+_Static_assert(AGGD_PRECISION_INT32 == 0 && AGGD_PRECISION_INT16 == 1 && AGGD_PRECISION_INT8 == 2 &&
+	       AGGD_PRECISION__COUNT == 3, "int8 is the precision below 4 with bit 1 alone");
+static __always_inline __s64 pack_mask(__u8 prec)
+{
+	return AGGD_NARROW ? -(__s64)((prec >> 1) & ~prec & 1) : 0;
+}
+/* An int8 job's pair is split exactly from its lane's sum while the low value's sum fits int16: up
+ * to AGGD_INT8_MAX_CONTRIBUTIONS (aggd_proto.h: 256) contributions of |value| <= 128 (256 * 128 =
+ * 2**15; -32768 itself is split right, and flagged). A result of more is flagged OVERFLOW whatever
+ * its values. */
+_Static_assert(AGGD_INT8_MAX_CONTRIBUTIONS * 128 <= 32768, "an int8 lane's low sum fits int16");
 
 /* Per-member bounds (docs/protocol.md, "Bounds") are checked here up to native XDP's largest packet;
  * in a jumbo build their loop would take the program past the verifier's limit, and the daemon
@@ -234,11 +255,12 @@ static __always_inline struct slot *kernel_slot(struct job_cfg *cfg, struct job_
 		return 0;
 	}
 	__u32 slot_idx = chunk % cfg->n_slots;
-	/* exactly ELEMS values; a narrow one may carry room for its result (docs/protocol.md, "Precision") */
-	int sized = (payload_len == ELEMS * contrib_width(cfg->precision) &&
+	/* exactly a packet of values (ELEMS, an int8 job's 2 * ELEMS); a narrow one may carry room for
+	 * its result (docs/protocol.md, "Precision") */
+	int sized = (payload_len == CONTRIB_BYTES(cfg->precision) &&
 		     (AGGD_NARROW_GROWS || cfg->precision == AGGD_PRECISION_INT32))
 #if AGGD_NARROW
-		    || (cfg->precision != AGGD_PRECISION_INT32 && payload_len == ELEMS * result_width(cfg->precision))
+		    || (cfg->precision != AGGD_PRECISION_INT32 && payload_len == RESULT_BYTES)
 #endif
 		;
 	if (!sized || slot_idx >= cfg->kernel_slots
@@ -284,9 +306,11 @@ static __always_inline __u32 *payload_of(struct xdp_md *ctx, struct aggd_hdr *h,
 }
 
 #if AGGD_NARROW
-/* A narrow contribution's values (int8 or int16), widened to int32 in the per-CPU buffer, where the
- * loops work on them as on any contribution (`load` 0, a re-read: nothing to read). Widened in
- * place from the last value down: value i's four bytes never cover a byte still to be read. */
+/* A narrow contribution's values widened to int32 lanes in the per-CPU buffer, where the loops work
+ * on them as on any contribution (`load` 0, a re-read: nothing to read): an int16 value a lane, an
+ * int8 job's pair a lane (aggd_lanes.h, "Packed lanes"). Both are 2 * ELEMS bytes, 2 bytes a lane.
+ * Widened in place from the last lane down: lane i's four bytes never cover a byte still to be read
+ * (it reads bytes 2i and 2i+1). */
 static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load, struct job_stats *jst,
 					int *action)
 {
@@ -298,62 +322,54 @@ static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load,
 	}
 	if (!load)
 		return buf;
-	if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, prec == AGGD_PRECISION_INT8 ? ELEMS : ELEMS * 2)) {
+	if (bpf_xdp_load_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 2)) {
 		*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
 		return 0;
 	}
+	__s16 *w = (void *)buf;
 	if (prec == AGGD_PRECISION_INT8) {
-		__s8 *b = (void *)buf;
 		_Pragma("clang loop unroll_count(8)")
 		for (int i = ELEMS - 1; i >= 0; i--)
-			buf[i] = (__u32)(__s32)b[i];
+			buf[i] = lane_pack(w[i]);
 	} else {
-		__s16 *b = (void *)buf;
 		_Pragma("clang loop unroll_count(8)")
 		for (int i = ELEMS - 1; i >= 0; i--)
-			buf[i] = (__u32)(__s32)b[i];
+			buf[i] = (__u32)(__s32)w[i];
 	}
 	return buf;
 }
 
-/* A narrow job's result (the per-CPU buffer's) into the frame: int32 values as they are (int16
- * contributions), or int16 (int8 contributions: narrowed in place from the first value up).
- * Returns whether a value did not fit int16 (the low 16 bits go out, flagged), or -1 if the frame
- * could not take it. */
+/* A narrow job's result (the per-CPU buffer's) into the frame, 4 * ELEMS bytes: int32 values as they
+ * are (int16 contributions), or an int8 job's lanes split into their int16 pairs, in place (a pair
+ * takes its lane's four bytes). Returns whether an int8 job's value is beyond the symmetric int16
+ * range (the low 16 bits go out, flagged; aggd_lanes.h, lane_split), or -1 if the frame could not
+ * take it. */
 static __always_inline int narrow_out(struct xdp_md *ctx, __u8 prec)
 {
 	__u32 zero_key = 0;
 	__u32 *buf = (void *)payload_copy.lookup(&zero_key);
 	if (!buf)
 		return -1;
-	if (prec != AGGD_PRECISION_INT8)
-		return bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 4) ? -1 : 0;
-	__s16 *o = (void *)buf;
-	__u32 bad = 0;
-	_Pragma("clang loop unroll_count(8)")
-	for (int i = 0; i < ELEMS; i++) {
-		__s32 v = (__s32)buf[i];
-		bad |= (__u32)(v + 32768) >> 16;
-		o[i] = (__s16)v;
+	__u64 bad = 0;
+	if (prec == AGGD_PRECISION_INT8) {
+		_Pragma("clang loop unroll_count(8)")
+		for (int i = 0; i < ELEMS; i++)
+			bad |= lane_split(&buf[i]);
 	}
-	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, ELEMS * 2))
+	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, RESULT_BYTES))
 		return -1;
 	return bad != 0;
 }
 #endif
 
 #if AGGD_BOUNDS
-/* Whether a contribution's values (exponent `exp`) go beyond its job's bound: its largest |q| over
- * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more lets any int32 through). */
-static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp)
+/* Whether a contribution's values (exponent `exp`) go beyond its job's bound: a |q| over
+ * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more, or a limit of 2**32 or more,
+ * lets any int32 through). The values are the lanes', or with `pack` all ones an int8 job's pairs
+ * (aggd_lanes.h, lane_lo). The loop has no branch (the verifier walks it once a path): limit - |q|
+ * is negative exactly when |q| is beyond. */
+static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
 {
-	__u32 top = 0;
-	_Pragma("clang loop unroll_count(8)")
-	for (int i = 0; i < ELEMS; i++) {
-		__s32 v = (__s32)p[i];
-		__u32 a = v < 0 ? -(__u32)v : (__u32)v;
-		top = a > top ? a : top;
-	}
 	__s32 s = (__s32)cfg->bound_exp + exp;
 	if (s >= 40)
 		return 0;
@@ -364,13 +380,25 @@ static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp
 		limit = (__u64)cfg->bound_mant >> ((-s) & 63);
 	else
 		limit = 0;
-	return top > limit;
+	if (limit >> 32)
+		return 0;
+	__u64 under = 0;
+	_Pragma("clang loop unroll_count(8)")
+	for (int i = 0; i < ELEMS; i++) {
+		__s64 x = (__s32)p[i];
+		__s64 lo = lane_lo(x, pack), hi = (x - lo) >> 16;
+		under |= (limit - abs64(lo)) | (limit - abs64(hi));
+		LANE_DONE();
+	}
+	return under >> 63;
 }
 
-/* Whether a contribution's values (exponent `exp`) go beyond its job's bound on their L2 norm: the
- * sum of q**2 (each below 2**62; the sum saturates at 2**64 - 1) over norm_mant**2 shifted by
- * 2 * (norm_exp + exp), floored; no limit where that is 2**63 or more (aggd.core.model.Bound). */
-static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp)
+/* Whether a contribution's values (exponent `exp`, `pack` as above) go beyond its job's bound on
+ * their L2 norm: the sum of q**2 over norm_mant**2 shifted by 2 * (norm_exp + exp), floored; no
+ * limit where that is 2**63 or more (aggd.core.model.Bound). The limit is below 2**63, so a sum
+ * that reaches it is beyond: its top bit is kept in `over` and cleared, and with terms below 2**63
+ * the sum never wraps (no branch in the loop, as above). */
+static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
 {
 	__s32 s = 2 * ((__s32)cfg->norm_exp + exp);
 	__u64 m2 = (__u64)cfg->norm_mant * cfg->norm_mant;
@@ -386,15 +414,18 @@ static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp)
 	} else {
 		limit = 0;
 	}
-	__u64 sum = 0;
+	__u64 sum = 0, over = 0;
 	_Pragma("clang loop unroll_count(8)")
 	for (int i = 0; i < ELEMS; i++) {
-		__s32 v = (__s32)p[i];
-		__u64 a = v < 0 ? -(__u64)(__s64)v : (__u64)v;
-		__u64 t = sum + a * a;
-		sum = t < sum ? ~0ULL : t;
+		__s64 x = (__s32)p[i];
+		__s64 lo = lane_lo(x, pack), hi = (x - lo) >> 16;
+		/* at most 2**62 (hi is 0 unless both are int8) */
+		sum += (__u64)(lo * lo) + (__u64)(hi * hi);
+		over |= sum;
+		sum &= ~(1ULL << 63);
+		LANE_DONE();
 	}
-	return sum > limit;
+	return (over >> 63) || sum > limit;
 }
 #endif
 
@@ -422,7 +453,7 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 		return count_drop(NO_JOB, AGGD_DROP_REASON_TOO_SHORT);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
 	__u32 n = ntohs(HDR(h, __be16, count));
-	if (n == 0 || n > ELEMS || n * result_width(h->code) > payload_len)
+	if (n == 0 || n > ELEMS * per_lane(h->code) || n * result_width(h->code) > payload_len)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
 	struct job_cfg *cfg = job < AGGD_MAX_JOBS ? jobs.lookup(&job) : 0;
 	if (!cfg || !cfg->active || cfg->upstream != 2)
@@ -553,7 +584,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);
 	__u32 n = ntohs(HDR(h, __be16, count));
-	if (n == 0 || n > ELEMS || n * contrib_width(h->code) > payload_len)
+	/* values that carry data: up to a packet's (an int8 job's 2 * ELEMS), within the payload */
+	if (n == 0 || n > ELEMS * per_lane(h->code) || n * contrib_width(h->code) > payload_len)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_COUNT);
 
 	__u32 job = ntohs(HDR(h, __be16, job));
@@ -599,7 +631,7 @@ int aggd_xdp(struct xdp_md *ctx)
 		 * state changes, unless the sender gave it the room (JOIN_ACK `room`). A frame that can
 		 * not grow (a small skb on native veth) goes up, and the daemon runs it through this
 		 * program again on a buffer that has the room (BPF_PROG_TEST_RUN). */
-		if (AGGD_NARROW_GROWS && payload_len == ELEMS * contrib_width(prec) &&
+		if (AGGD_NARROW_GROWS && payload_len == CONTRIB_BYTES(prec) &&
 		    bpf_xdp_adjust_tail(ctx, RESULT_GROWTH(prec))) {
 			jst->counter[AGGD_COUNTER_TO_USERSPACE] += 1;
 			return XDP_PASS;
@@ -617,9 +649,12 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (!payload)
 		return action;
 #if AGGD_BOUNDS
+	/* an int8 job's values are its lanes' pairs: each is judged on its own */
+	__s64 pack_b = pack_mask(prec);
 	if (type == AGGD_MSG_TYPE_CONTRIB &&
-	    ((cfg->bounded && beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))) ||
-	     (cfg->norm_bounded && beyond_norm(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)))))) {
+	    ((cfg->bounded && beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), pack_b)) ||
+	     (cfg->norm_bounded &&
+	      beyond_norm(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), pack_b)))) {
 		struct member_stats *ms = member_stats.lookup(&midx);
 		if (ms)
 			ms->offences++;
@@ -1023,11 +1058,25 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 			__u64 bias = b->bias;
 			b->bias = bias + SUM_BIAS;
-			_Pragma("clang loop unroll(disable)")
-			for (int i = 0; i < ELEMS; i++) {
-				__s64 sum = (__s64)(v[i] + bias) >> sa;
-				__s64 y = (__s64)(__s32)p[i] >> sb;
-				v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+			if (AGGD_NARROW && prec == AGGD_PRECISION_INT8) {
+				/* an int8 job's lane is a pair (aggd_lanes.h): each value is shifted on its
+				 * own, and the two packed again */
+				_Pragma("clang loop unroll(disable)")
+				for (int i = 0; i < ELEMS; i++) {
+					__s64 sum = (__s64)(v[i] + bias), x = (__s32)p[i];
+					__s64 slo = (__s16)sum, shi = (sum - slo) >> 16;
+					__s64 xlo = (__s16)x, xhi = (x - xlo) >> 16;
+					sum = (slo >> sa) + (shi >> sa) * 65536;
+					__s64 y = (xlo >> sb) + (xhi >> sb) * 65536;
+					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+				}
+			} else {
+				_Pragma("clang loop unroll(disable)")
+				for (int i = 0; i < ELEMS; i++) {
+					__s64 sum = (__s64)(v[i] + bias) >> sa;
+					__s64 y = (__s64)(__s32)p[i] >> sb;
+					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+				}
 			}
 		}
 		b->n_contrib += weight;
@@ -1088,8 +1137,8 @@ int aggd_xdp(struct xdp_md *ctx)
 #if AGGD_NARROW
 	if (prec != AGGD_PRECISION_INT32 && out >= 0) {
 		/* the result's size, whether the frame grew to it or came with the room */
-		ip->tot_len = htons(sizeof(*ip) + sizeof(*udp) + sizeof(*h) + ELEMS * result_width(prec));
-		udp->len = htons(sizeof(*udp) + sizeof(*h) + ELEMS * result_width(prec));
+		ip->tot_len = htons(sizeof(*ip) + sizeof(*udp) + sizeof(*h) + RESULT_BYTES);
+		udp->len = htons(sizeof(*udp) + sizeof(*h) + RESULT_BYTES);
 	}
 #endif
 
@@ -1160,7 +1209,8 @@ int aggd_xdp(struct xdp_md *ctx)
 		int bad = narrow_out(ctx, prec);
 		if (bad < 0)
 			return XDP_ABORTED;
-		if (bad)
+		/* an int8 sum of more contributions may not split exactly (AGGD_INT8_MAX_CONTRIBUTIONS) */
+		if (bad || (prec == AGGD_PRECISION_INT8 && out_n > AGGD_INT8_MAX_CONTRIBUTIONS))
 			out_flags |= AGGD_FLAG_OVERFLOW;
 	}
 #endif
@@ -1181,6 +1231,6 @@ int aggd_xdp(struct xdp_md *ctx)
 		address_to_group(eth, ip, udp, cfg);
 	else
 		address_to_sender(eth, ip, udp); /* re-sends, late answers and async running sums */
-	result_udp_csum(ip, udp, (__u32 *)payload, AGGD_NARROW && prec == AGGD_PRECISION_INT8);
+	result_udp_csum(ip, udp, (__u32 *)payload);
 	return XDP_TX;
 }

@@ -173,6 +173,11 @@ def _handing_back(lab: Lab, dp, job: LabJob):
         agg.close()
 
 
+def _values(cfg: Config) -> int:
+    """Values a packet: the aggregator's lanes (``elements``), two a lane at 8 bits."""
+    return proto.values_per_packet(cfg.elements, proto.PRECISION_OF_BITS[cfg.precision])
+
+
 def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
     job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
     if cfg.precision != 32 and not dp.narrow:
@@ -189,7 +194,8 @@ def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
     finally:
         dp.remove_job(JOB)
     return _row("aggd-xdp", cfg, runs, {
-        "mode": cfg.mode, "elements_per_packet": cfg.elements, "retransmits": counters["retransmits"],
+        "mode": cfg.mode, "elements_per_packet": cfg.elements, "values_per_packet": _values(cfg),
+        "retransmits": counters["retransmits"],
         "handed_back": counters["to_userspace"], "room": room,
         "aggregator_memory_bytes": bpf_map_bytes(dp), "aggregator_memory": "bpf_maps"})
 
@@ -209,7 +215,8 @@ def run_aggd_user(lab: Lab, agg, cfg: Config) -> dict:
     finally:
         agg(cmd="remove_job", job=JOB)
     return _row("aggd-user", cfg, runs, {
-        "elements_per_packet": cfg.elements, "retransmits": stats["counters"]["retransmits"],
+        "elements_per_packet": cfg.elements, "values_per_packet": _values(cfg),
+        "retransmits": stats["counters"]["retransmits"],
         "aggregator_send_errors": stats["send_errors"],
         "aggregator_memory_bytes": stats["peak_rss_bytes"], "aggregator_memory": "peak_rss"})
 

@@ -15,8 +15,8 @@ Header checks and counters
   (the ``contributors`` field is not the rank's member tag: silent, so a forger cannot make the real
   member's client give up by a NACK sent to its address), bad_precision (``code`` is not the job's
   Precision), bad_chunk,
-  then the hand-off to user space of a payload that is not exactly ``elements`` values of the job's
-  precision (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound`` or a
+  then the hand-off to user space of a payload that is not exactly a packet of the job's
+  precision (``values_per_packet``: ``elements``, twice that for int8) (``pass``, Counter.TO_USERSPACE), then, for a contribution of a job with a ``bound`` or a
   ``norm_bound``, out_of_bounds (a value or the L2 norm beyond it: the member's ``offences``
   counted), then, for a robust job's contribution with ``step > 0``, bad_step, then the slot rules.
   Malformed or foreign packets are refused by the kernel. (The P4 programs do not know a job's precision: they pass any ``code`` but
@@ -43,9 +43,12 @@ Results
   ``strategy``), ``param``, ``exponent``, ``bitmap`` (as ``contributors``, carried senders not in it),
   ``n_contrib``, and flags ``bank.flags`` (CARRIED) | OVERFLOW when a value of the sum does not fit
   int32 | REREAD for re-sends | served_flags.
-  ``code`` is the job's Precision, ``step`` and ``skip`` are 0. All ``elements`` values are sent
+  ``code`` is the job's Precision, ``step`` and ``skip`` are 0. All of a packet's values are sent
   (padding included), in the precision's result type (int32; int16 for int8 contributions); a sum
-  that does not fit it goes out as its low bits with Flag.OVERFLOW.
+  that does not fit it goes out as its low bits with Flag.OVERFLOW. An int16 result's range is the
+  symmetric [-32767, 32767], and one of more than INT8_MAX_CONTRIBUTIONS contributions (``n_contrib``)
+  is flagged whatever its values: the kernel adds an 8-bit packet's values in pairs, one int32 lane
+  a pair, and splits a lane's sum exactly only within those bounds.
 * The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
   A bank holds exact sums (int64; the kernel keeps them biased in u64 lanes), so the order of
   contributions never matters. Aligning to a smaller exponent shifts the sum right by at most 63 and
@@ -121,10 +124,10 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, MAX_JOBS, MAX_MEMBERS, PAYLOAD_DTYPE,
-                                  RESULT_WINDOW, SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter,
+from aggd_client.protocol import (HEADER_SIZE, INT8_MAX_CONTRIBUTIONS, LANES, MAGIC, MAX_JOBS, MAX_MEMBERS,
+                                  PAYLOAD_DTYPE, RESULT_WINDOW, SKIP_MAX, STRATEGY_VERSIONS, VERSION, ZERO_EXPONENT, Counter,
                                   DropReason, Flag, Header, MsgType, NackCode, Precision, StrategyKind,
-                                  payload_dtype)
+                                  payload_dtype, values_per_packet)
 from aggd_client.protocol.definition import DEFAULT_ELEMENTS
 
 from aggd.core.robust import SUM, Combine, check_strategy, combine_rows, score_terms
@@ -193,7 +196,8 @@ def np_narrow(values: np.ndarray, dtype: np.dtype = PAYLOAD_DTYPE) -> tuple[np.n
     """The values a result carries in ``dtype`` (int32, or int16 for int8 contributions): the sums'
     low bits, and whether any did not fit."""
     info = np.iinfo(dtype)
-    overflow = bool(len(values)) and bool(values.min() < info.min or values.max() > info.max)
+    low = info.min if info.bits == 32 else -info.max      # int16: symmetric (module docstring)
+    overflow = bool(len(values)) and bool(values.min() < low or values.max() > info.max)
     return values.astype(dtype), overflow
 
 
@@ -276,7 +280,8 @@ class JobConfig:
     members: dict[int, Addr]
     #: Results' multicast group and port; None = unicast fan-out to every member's address.
     group: Addr | None = None
-    #: The job's packet size; None = the aggregator's. The kernel has one size, so it must match.
+    #: The job's packet size in int32 lanes (an int8 packet holds two values a lane,
+    #: ``values_per_packet``); None = the aggregator's. The kernel has one size, so it must match.
     elements: int | None = None
     #: Installed as version 0 from round 0; ``set_strategy`` replaces the table later.
     strategy: Strategy = SYNC
@@ -788,7 +793,7 @@ class AggregatorModel:
         if cfg.upstream is not None:
             check_upstream_table(cfg.job, table)
         check_strategy(cfg.combine, cfg.strategy.kind)
-        elements, rows = self.elements, cfg.world if cfg.combine.robust else 0
+        elements, rows = values_per_packet(self.elements, cfg.precision), cfg.world if cfg.combine.robust else 0
         slots = Slots(cfg.slots, lambda s: new_slot(elements, rows))   # made as packets reach them
         self.jobs[cfg.job] = JobState(cfg, slots, table, awaited=(1 << cfg.world) - 1)
         self._drops[cfg.job] = _zero_drops()
@@ -895,7 +900,8 @@ class AggregatorModel:
         lanes = LANES.get(hdr.code, LANES[Precision.INT32])
         width = lanes.result_bytes if hdr.type == MsgType.RESULT else lanes.contrib_bytes
         held = (size - HEADER_SIZE) // width
-        if hdr.count == 0 or hdr.count > self.elements or hdr.count > held:
+        per_packet = self.elements * lanes.per_lane
+        if hdr.count == 0 or hdr.count > per_packet or hdr.count > held:
             return self._drop(NO_JOB, DropReason.BAD_COUNT)
         if rack is not None:
             return self._from_upstream(self.jobs[rack], data, hdr, held)
@@ -922,7 +928,7 @@ class AggregatorModel:
             job.count("to_userspace")    # the kernel takes exactly its packet size of values
             return Verdict("pass", job=cfg.job)
 
-        values = np.frombuffer(data, lanes.contrib, count=min(held, self.elements), offset=HEADER_SIZE)
+        values = np.frombuffer(data, lanes.contrib, count=min(held, per_packet), offset=HEADER_SIZE)
         if hdr.type == MsgType.CONTRIB and (
                 (cfg.bound is not None and cfg.bound.beyond(values, hdr.exponent))
                 or (cfg.norm_bound is not None and cfg.norm_bound.beyond_norm(values, hdr.exponent))):
@@ -936,9 +942,10 @@ class AggregatorModel:
         """Payload sizes the kernel takes: its packet size of contribution values, and for a narrow
         precision the same with room for the result (docs/protocol.md, "Precision"); where frames
         cannot grow, a narrow one only with the room."""
-        room = self.elements * lanes.result_bytes
+        per_packet = self.elements * lanes.per_lane
+        room = per_packet * lanes.result_bytes
         if lanes.contrib_bytes == lanes.result_bytes or self.frames_grow:
-            return (self.elements * lanes.contrib_bytes, room)
+            return (per_packet * lanes.contrib_bytes, room)
         return (room,)
 
     def _from_upstream(self, state: JobState, data, hdr: Header, held: int) -> Verdict:
@@ -1198,7 +1205,7 @@ class AggregatorModel:
         if payload is None:
             values, overflow = self.arith.narrow(bank.values, job.cfg.result_dtype)
             payload = values.tobytes()
-            if overflow:
+            if overflow or (job.cfg.precision == Precision.INT8 and bank.n_contrib > INT8_MAX_CONTRIBUTIONS):
                 extra_flags |= Flag.OVERFLOW
         if (bank.flags | extra_flags) & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
             job.count("overflows")

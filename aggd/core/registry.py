@@ -21,7 +21,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
-from aggd_client.protocol import MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, PRECISION_OF_BITS, NackCode, Precision
+from aggd_client.protocol import (MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, PRECISION_OF_BITS, NackCode, Precision,
+                                  values_per_packet)
 from aggd_client.quant import HEADROOM, MAX_HEADROOM, MAX_SPAN
 
 from aggd.core import robust
@@ -207,6 +208,11 @@ class Job:
         return PRECISION_OF_BITS[self.precision_bits]
 
     @property
+    def values_per_packet(self) -> int:
+        """Values a packet of the job carries: ``elements`` (int32 lanes), two a lane at 8 bits."""
+        return values_per_packet(self.elements, self.precision)
+
+    @property
     def combine_rule(self) -> robust.Combine:
         return robust.parse_combine(self.combine, self.score_rho)
 
@@ -256,14 +262,15 @@ class Job:
         """The job's parameters a worker needs (the JOIN_ACK payload, see docs/protocol.md)."""
         return {"job": self.id, "name": self.name, "world": self.world,
                 "group": list(self.group) if self.group else None,
-                "port": self.port, "elements": self.elements, "slots": self.slots,
+                "port": self.port, "elements": self.values_per_packet, "slots": self.slots,
                 "max_chunks": self.max_chunks, "strategy": str(self.strategy),
                 "strategy_version": self.strategy_version, "headroom": self.headroom, "span": self.span,
                 "precision": self.precision_bits, "combine": self.combine}
 
     def describe(self, with_token: bool = True) -> dict:
         d = {"name": self.name, "id": self.id, "world": self.world, "slots": self.slots,
-             "max_chunks": self.max_chunks, "elements": self.elements, "group": list(self.group),
+             "max_chunks": self.max_chunks, "elements": self.elements,
+             "values_per_packet": self.values_per_packet, "group": list(self.group),
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
              "headroom": self.headroom, "precision": self.precision_bits, "max_abs": self.max_abs,
              "max_norm": self.max_norm, "quarantine_after": self.quarantine_after, "combine": self.combine,
@@ -480,8 +487,13 @@ class Registry:
         except ValueError as exc:
             raise RegistryError(str(exc), "bad_request") from None
         rows = world if rule.robust else 0
-        if slots_bytes(slots, elements, rows) > lim.max_job_memory:
-            raise RegistryError(f"{slots} slots of {elements} values take {slots_bytes(slots, elements, rows)} bytes"
+        precision = 32 if precision is None else precision
+        if not _is_int(precision) or precision not in PRECISION_OF_BITS:
+            raise RegistryError(f"precision must be one of 32, 16, 8 (bits of a contribution value), "
+                                f"not {precision!r}", "bad_request")
+        per_packet = values_per_packet(elements, PRECISION_OF_BITS[precision])
+        if slots_bytes(slots, per_packet, rows) > lim.max_job_memory:
+            raise RegistryError(f"{slots} slots of {per_packet} values take {slots_bytes(slots, per_packet, rows)} bytes"
                                 f"{f' (with a row a member: combine {combine})' if rows else ''}, "
                                 f"more than the {lim.max_job_memory} a job may have ([jobs] max_job_memory)",
                                 "too_large")
@@ -491,10 +503,6 @@ class Registry:
         if not _is_int(headroom) or not 1 <= headroom <= MAX_HEADROOM:
             raise RegistryError(f"headroom must be 1..{MAX_HEADROOM}, not {headroom!r}", "bad_request")
         parsed = _valid_strategy(strategy, world, headroom)
-        precision = 32 if precision is None else precision
-        if not _is_int(precision) or precision not in PRECISION_OF_BITS:
-            raise RegistryError(f"precision must be one of 32, 16, 8 (bits of a contribution value), "
-                                f"not {precision!r}", "bad_request")
         _check_positive("max_abs", max_abs, "the largest magnitude a member's contribution may have")
         _check_positive("max_norm", max_norm, "the largest L2 norm of a member's contribution, one packet's values")
         quarantine_after = _count("quarantine_after", quarantine_after, "contributions")

@@ -26,6 +26,7 @@ import numpy as np
 
 from aggd_client import AggClient, ShardedClient, ShardMap, join
 from aggd_client.shards import rejoiner
+from aggd_client.protocol import values_per_packet
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding, precision_of
 
 from aggd.lab import hostcpu
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
                     help="each round reduces every size in turn (DDP's buckets), not size by size")
     ap.add_argument("--warmup", type=int, default=0, help="untimed, unchecked rounds first")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--elements", type=int, default=256)
+    ap.add_argument("--elements", type=int, default=256, help="the aggregator's packet size (not with --token)")
     ap.add_argument("--slots", type=int, default=1024)
     ap.add_argument("--precision", type=int, choices=(32, 16, 8), default=32,
                     help="bits a contribution value (not with --token: the join answer says)")
@@ -299,6 +300,8 @@ def main(argv=None) -> int:
             groups = args.group or [None] * k
             if len(groups) != k:
                 ap.error(f"--group: {len(groups)} groups for {k} aggregators")
+            # --elements is the aggregator's packet size; an 8-bit packet holds two values a lane
+            args.elements = values_per_packet(args.elements, precision_of(args.precision))
             for server, group, bind in zip(args.server, groups, binds):
                 clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
                                          elements=args.elements, slots=args.slots, window=args.window,

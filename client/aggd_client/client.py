@@ -84,7 +84,8 @@ from .errors import AggdError
 from .flow import CongestionWindow, RtoEstimator, default_window
 from .progress import ProgressLoop
 from .protocol import packet_dtype
-from .protocol.definition import LANES, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, Precision, StrategyKind
+from .protocol.definition import (LANES, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, Precision, StrategyKind,
+                                  values_per_packet)
 from .results import ResultHandler
 from .rounds import RTO_CAP, RoundScheduler, _Round, _Send
 from .strategy import ASYNC_OUTSTANDING, WBSP_MAX_STEPS, StrategyInfo
@@ -120,7 +121,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     worker's rank and the number of members (as registered with the aggregator). ``group``: the
     job's result ``(multicast group, port)``, or None when results come back by unicast to the
     worker's address. ``bind``: the worker's member address (port 0 picks one; see ``address``).
-    ``elements``: values per packet, as configured on the aggregator. ``slots``: the job's slot
+    ``elements``: values per packet, as the JOIN_ACK says (the aggregator's ``E``; ``2 E`` for an
+    8-bit job). ``slots``: the job's slot
     pool; ``window``: chunks in flight (at most ``slots``; None: ``slots``, at most
     ``flow.MAX_INFLIGHT_BYTES`` of packets and a share of ``flow.MAX_INFLIGHT_PACKETS``).
     ``retransmit_timeout`` and
@@ -165,8 +167,6 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError(f"world must be in 1..{MAX_MEMBERS}, got {world}")
         if not 0 <= int(rank) < int(world):
             raise ValueError(f"rank must be in 0..{int(world) - 1}, got {rank}")
-        if not 1 <= int(elements) <= MAX_ELEMENTS:
-            raise ValueError(f"elements must be in 1..{MAX_ELEMENTS}, got {elements}")
         if int(slots) < 1:
             raise ValueError(f"slots must be at least 1, got {slots}")
         if window is not None and int(window) < 1:
@@ -183,6 +183,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             raise ValueError("retransmit_timeout, give_up_after and max_retransmit_interval must "
                              "be positive")
         prec = quant.precision_of(precision)
+        if not 1 <= int(elements) <= values_per_packet(MAX_ELEMENTS, prec):
+            raise ValueError(f"elements must be in 1..{values_per_packet(MAX_ELEMENTS, prec)}, got {elements}")
         if strategy is None:
             info = StrategyInfo()
         elif isinstance(strategy, StrategyInfo):

@@ -244,12 +244,12 @@ def test_narrow_packets_without_room_go_up_in_multi_buffer_frames_and_are_rerun(
     decides the same packet with room."""
     from aggd.core.model import AggregatorModel, JobConfig
     from aggd.dataplane.xdp.bpf_syscall import XDP_PASS, prog_test_run
-    from aggd_client.protocol import LANES, Header, MsgType
+    from aggd_client.protocol import LANES, Header, MsgType, values_per_packet
     from tests.bpf.conftest import job_config
     from tests.fixtures.scenarios import GROUP
     from tests.harness.equivalence import frame, member
     dp, E = frags_harness.dp, frags_harness.elements
-    lanes = LANES[precision]
+    lanes, values = LANES[precision], values_per_packet(frags_harness.elements, precision)
     members = {0: member(0), 1: member(1)}
     assert dp.frags and dp.narrow
     model = AggregatorModel(E, frames_grow=False)
@@ -260,14 +260,14 @@ def test_narrow_packets_without_room_go_up_in_multi_buffer_frames_and_are_rerun(
     try:
         rng = np.random.default_rng(3)
         for r in (0, 1):
-            q = rng.integers(-lanes.contrib_max, lanes.contrib_max + 1, E).astype(lanes.contrib)
-            data = Header(type=MsgType.CONTRIB, job=7, rank=r, count=E, code=int(precision)).pack() + q.tobytes()
+            q = rng.integers(-lanes.contrib_max, lanes.contrib_max + 1, values).astype(lanes.contrib)
+            data = Header(type=MsgType.CONTRIB, job=7, rank=r, count=values, code=int(precision)).pack() + q.tobytes()
             assert prog_test_run(dp.prog_fd, frame(data, member(r))).verdict == XDP_PASS
             assert model.process(data, member(r), 0).action == "pass"
-            want = model.process(data + bytes(E * (lanes.result_bytes - lanes.contrib_bytes)), member(r), 0)
+            want = model.process(data + bytes(values * (lanes.result_bytes - lanes.contrib_bytes)), member(r), 0)
             got = dp.rerun(data, member(r))
             assert (got.action, got.out, got.dest) == (want.action, want.out, want.dest)
-        assert want.action == "tx" and len(want.out) == 40 + E * lanes.result_bytes
+        assert want.action == "tx" and len(want.out) == 40 + 4 * E
         assert dp.job_stats(7).counters["to_userspace"] == 2
     finally:
         dp.remove_job(7)

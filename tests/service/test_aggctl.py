@@ -35,7 +35,7 @@ def test_every_command(make_lab, make_daemon, slot_bytes, tmp_path):
 
     out = ok(d.aggctl("jobs", "list"))
     assert out.splitlines()[0].split() == ["JOB", "ID", "WORLD", "JOINED", "STRATEGY", "SLOTS", "KERNEL",
-                                           "USERSPACE", "ELEMENTS"]
+                                           "USERSPACE", "VALUES/PACKET"]
     assert [r["name"] for r in json.loads(ok(d.aggctl("jobs", "list", "--json")))] == ["resnet", "bert", "tiny"]
 
     out = ok(d.aggctl("jobs", "show", "bert"))

@@ -27,7 +27,8 @@ def list_(as_json):
     if not rows:
         click.echo("no jobs")
         return
-    table(job_columns() + ("ELEMENTS",), [job_cells(j) + (j["elements"],) for j in rows])
+    table(job_columns() + ("VALUES/PACKET",), [job_cells(j) + (j.get("values_per_packet", j["elements"]),)
+                                                 for j in rows])
 
 
 @jobs.command()
@@ -154,7 +155,7 @@ def show(job, as_json):
         click.echo(f"combine:   {j['combine']} (one row a member; score rho {j.get('score_rho')}, "
                    f"{f'quarantine after {after} windows below -0.5' if after else 'no quarantine by score'})")
     click.echo(f"results:   {j['group'][0]}:{j['group'][1]}; workers send to port {j['port']}, "
-               f"{j['elements']} values a packet")
+               f"{j.get('values_per_packet', j['elements'])} values a packet")
     click.echo(f"slots:     {j['slots']} ({p['rule']})")
     sh = j.get("shards")
     if sh:

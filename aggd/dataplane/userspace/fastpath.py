@@ -33,8 +33,8 @@ import numpy as np
 from numba import njit
 
 from aggd_client.mrecv import SOCKADDR_IN, sockaddr_in
-from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, MAGIC, RESULT_WINDOW, SKIP_MAX, VERSION, ZERO_EXPONENT, \
-    Counter, DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind
+from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, INT8_MAX_CONTRIBUTIONS, MAGIC, RESULT_WINDOW, SKIP_MAX, \
+    VERSION, ZERO_EXPONENT, Counter, DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind, values_per_packet
 
 from aggd.dataplane.userspace.kernels import accumulate, combine_ranks, load, narrow, narrow16
 from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
@@ -151,7 +151,8 @@ def _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, count
     elements = values.shape[2]
     o = out[i]
     if prec == INT8:
-        over = narrow16(values[s, b], out16[i, HDR16:HDR16 + elements])
+        over = narrow16(values[s, b], out16[i, HDR16:HDR16 + elements]) or \
+            bi[s, b, F_NCONTRIB] > INT8_MAX_CONTRIBUTIONS
     else:
         over = narrow(values[s, b], out32[i, HDR32:HDR32 + elements])
     if over:
@@ -506,7 +507,8 @@ class FastJob:
         self.robust = cfg.combine.robust
         slots = cfg.slots
         arrays = {name: (files.array(name, dt, shape) if files is not None else np.zeros(shape, dt))
-                  for name, (dt, shape) in self.layout(slots, model.elements, self.rows_of(cfg)).items()}
+                  for name, (dt, shape) in self.layout(slots, values_per_packet(model.elements, cfg.precision),
+                                                       self.rows_of(cfg)).items()}
         self.bi, self.bu, self.steps, self.values = arrays["bi"], arrays["bu"], arrays["steps"], arrays["values"]
         self.pending = arrays["pending"]         # Slot.pending: key + 1, 0 for none
         self.shared = arrays["shared"]           # Slot.shared: 1, else 0

@@ -62,11 +62,12 @@ def narrow(values, out):
 
 @njit(cache=True, nogil=True)
 def narrow16(values, out):
-    """``narrow`` for int16 results (int8 contributions)."""
+    """``narrow`` for int16 results (int8 contributions), whose range is the symmetric [-32767,
+    32767] (``aggd.core.model``, "Results")."""
     overflow = False
     for i in range(values.shape[0]):
         v = values[i]
-        if v > 32767 or v < -32768:
+        if v > 32767 or v < -32767:
             overflow = True
         out[i] = np.int16(((v + 32768) & 0xFFFF) - 32768)
     return overflow

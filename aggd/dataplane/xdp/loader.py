@@ -99,10 +99,16 @@ def remove_pinned(pin_dir: str | Path) -> None:
     layout_file(pin_dir).unlink(missing_ok=True)
 
 
-def bank_sums(bank) -> np.ndarray:
-    """A bank's exact sums (int64) from its biased u64 lanes (xdp/aggd_maps.h, struct bank)."""
+def bank_sums(bank, precision: int = proto.Precision.INT32) -> np.ndarray:
+    """A bank's exact sums (int64) from its biased u64 lanes (xdp/aggd_maps.h, struct bank); an 8-bit
+    job's lane pairs split into its values' sums (xdp/aggd_lanes.h, "Packed lanes": exact up to
+    INT8_MAX_CONTRIBUTIONS contributions)."""
     lanes = np.ctypeslib.as_array(bank.values)
-    return (lanes + np.uint64(bank.bias)).view(np.int64)
+    sums = (lanes + np.uint64(bank.bias)).view(np.int64)
+    if precision != proto.Precision.INT8:
+        return sums
+    lo = sums.astype(np.int16).astype(np.int64)
+    return np.stack([lo, (sums - lo) >> 16], axis=1).reshape(-1)
 
 
 def load_xdp_function(bpf, name: str, *, frags: bool = False):
@@ -325,13 +331,18 @@ class XdpDataPlane(DataPlane):
         return Verdict("tx", None, bytes(out[42:42 + out_len]), "group" if to_group else "sender", (dest,))
 
     def _room_for(self, data: bytes) -> int:
-        """Bytes of room a narrow contribution or re-read of exactly ``elements`` values lacks."""
+        """Bytes of room a narrow contribution or re-read of exactly a packet of values
+        (``values_per_packet``: ``elements``, an 8-bit job's twice that) lacks."""
         if len(data) < proto.HEADER_SIZE:
             return 0
-        lanes = proto.LANES.get(data[_CODE_OFFSET])
-        if lanes is None or len(data) - proto.HEADER_SIZE != self.elements * lanes.contrib_bytes:
+        code = data[_CODE_OFFSET]
+        lanes = proto.LANES.get(code)
+        if lanes is None:
             return 0
-        return self.elements * (lanes.result_bytes - lanes.contrib_bytes)
+        values = proto.values_per_packet(self.elements, code)
+        if len(data) - proto.HEADER_SIZE != values * lanes.contrib_bytes:
+            return 0
+        return values * (lanes.result_bytes - lanes.contrib_bytes)
 
     def detach(self) -> None:
         if self._attached:
@@ -574,7 +585,7 @@ class XdpDataPlane(DataPlane):
         for i in range(int(j.slot_base), int(j.slot_base) + int(j.kernel_slots)):
             for bank in self.slots[ctypes.c_uint32(i)].bank:
                 if bank.state == 1:  # BANK_OPEN
-                    values = bank_sums(bank).astype(np.float64)
+                    values = bank_sums(bank, int(j.precision)).astype(np.float64)
                     total += float(np.ldexp(values, -int(bank.exponent)).sum())
         return total
 

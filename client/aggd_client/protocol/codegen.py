@@ -23,7 +23,7 @@ _P4_BITS = {"u8": 8, "u16": 16, "u32": 32, "u64": 64, "i16": 16}
 
 _CONSTANTS = ("MAGIC", "VERSION", "DEFAULT_PORT", "DEFAULT_RESULT_PORT", "DEFAULT_ELEMENTS",
               "PAGE_MAX_ELEMENTS", "NATIVE_MAX_MTU", "NATIVE_MAX_ELEMENTS", "MAX_ELEMENTS", "MAX_MEMBERS", "MAX_JOBS", "STRATEGY_VERSIONS", "ZERO_EXPONENT", "SKIP_MAX",
-              "RESULT_WINDOW")
+              "RESULT_WINDOW", "INT8_MAX_CONTRIBUTIONS")
 _ENUMS: tuple[type[enum.IntEnum], ...] = (d.MsgType, d.Flag, d.NackCode, d.Precision, d.StrategyKind,
                                           d.DropReason, d.Counter)
 

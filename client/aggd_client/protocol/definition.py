@@ -115,6 +115,13 @@ class Lanes:
         return int(self.result[-1])
 
     @property
+    def per_lane(self) -> int:
+        """Values a packet carries for each of the aggregator's ``E`` int32 lanes: as many as fill
+        the lane's four bytes in the result, so every result payload is ``4 * E`` bytes (an 8-bit
+        job's packet holds ``2 * E`` values; docs/protocol.md, "Precision")."""
+        return 4 // self.result_bytes
+
+    @property
     def contrib_max(self) -> int:
         """Largest magnitude a contribution value may have (symmetric range)."""
         return (1 << (self.bits - 1)) - 1
@@ -129,6 +136,16 @@ LANES: dict[Precision, Lanes] = {
     Precision.INT16: Lanes(16, "<i2", "<i4"),
     Precision.INT8: Lanes(8, "<i1", "<i2"),
 }
+
+
+def values_per_packet(elements: int, precision: int) -> int:
+    """Values a packet of a job of ``precision`` carries on an aggregator of ``elements`` lanes."""
+    return elements * LANES[Precision(precision)].per_lane
+
+
+#: An 8-bit sum is exact in its lane pair only up to this many contributions (256 * 128 = 2**15):
+#: a result holding more is flagged OVERFLOW (docs/protocol.md, "Precision").
+INT8_MAX_CONTRIBUTIONS = 256
 #: ``bits`` (what users and configs say: 32, 16, 8) to the wire's Precision
 PRECISION_OF_BITS: dict[int, Precision] = {lanes.bits: p for p, lanes in LANES.items()}
 
@@ -197,7 +214,7 @@ HEADER: tuple[Field, ...] = (
     Field("rank", "u16", "sender's rank (contributions, re-reads); 0xFFFF in results"),
     Field("round", "u32", "the job's allreduce number"),
     Field("chunk", "u32", "packet-sized piece of the round's tensor; selects slot chunk % slots"),
-    Field("count", "u16", "int32 elements that carry data (the payload may be padded beyond)"),
+    Field("count", "u16", "values that carry data (the payload may be padded beyond)"),
     Field("strategy_version", "u16", "strategy-table version that governs this round (results)"),
     Field("exponent", "i16", "values are int32 * 2**-exponent; the sum uses the smallest"),
     Field("flags", "u8", "Flag bits"),

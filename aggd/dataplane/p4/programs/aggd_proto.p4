@@ -17,6 +17,7 @@ const bit<32> AGGD_STRATEGY_VERSIONS = 4;
 const bit<32> AGGD_ZERO_EXPONENT = 16383;
 const bit<32> AGGD_SKIP_MAX = 65535;
 const bit<32> AGGD_RESULT_WINDOW = 3;
+const bit<32> AGGD_INT8_MAX_CONTRIBUTIONS = 256;
 const bit<32> AGGD_HDR_SIZE = 40;
 
 const bit<8> AGGD_MSG_TYPE_CONTRIB = 1;
@@ -94,7 +95,7 @@ header aggd_h {
     bit<16> rank;  // sender's rank (contributions, re-reads); 0xFFFF in results
     bit<32> round;  // the job's allreduce number
     bit<32> chunk;  // packet-sized piece of the round's tensor; selects slot chunk % slots
-    bit<16> count;  // int32 elements that carry data (the payload may be padded beyond)
+    bit<16> count;  // values that carry data (the payload may be padded beyond)
     bit<16> strategy_version;  // strategy-table version that governs this round (results)
     bit<16> exponent;  // values are int32 * 2**-exponent; the sum uses the smallest
     bit<8> flags;  // Flag bits
