@@ -16,31 +16,37 @@ import numpy as np
 
 from aggd.core import strategy as strat
 from aggd.dataplane.xdp.bpf_syscall import prog_test_run
-from aggd.testing.frames import frame, worker_addr
-from aggd_client.protocol import Header, MsgType
+from aggd.testing.frames import frame, raw_frame, worker_addr
+from aggd_client.protocol import LANES, PRECISION_OF_BITS, Header, MsgType, values_per_packet
 
 WORLD = 64
 
 
-def _job(world: int):
-    return types.SimpleNamespace(job=1, world=world, slots=1, max_chunks=1 << 20,
+def _job(world: int, precision: int = 0):
+    return types.SimpleNamespace(job=1, world=world, slots=1, max_chunks=1 << 20, precision=precision,
                                  group=("239.77.0.1", 47001), kernel_slots=None,
                                  members={r: worker_addr(r)[1:] for r in range(world)})
 
 
-def bench_strategy(dp, text: str, elements: int, packets: int) -> dict:
+def bench_strategy(dp, text: str, elements: int, packets: int, bits: int = 32) -> dict:
+    """``bits`` 8 or 16: a narrow job's contributions, each with room for its result (what native
+    XDP's workers send: docs/protocol.md, "Precision"), an 8-bit one of ``2 * elements`` values."""
+    prec = PRECISION_OF_BITS[bits]
+    lanes, values = LANES[prec], values_per_packet(elements, prec)
     dp.remove_job(1)
-    dp.install_job(_job(WORLD))
+    dp.install_job(_job(WORLD, int(prec)))
     dp.set_strategy(1, [strat.to_entry(strat.parse(text).validate(WORLD), 0, 0)])
     rng = np.random.default_rng(0)
-    payloads = [rng.integers(-1000, 1000, elements, dtype=np.int32) for _ in range(8)]
+    top = min(1000, lanes.contrib_max)
+    payloads = [rng.integers(-top, top, values).astype(lanes.contrib).tobytes()
+                + bytes(values * (lanes.result_bytes - lanes.contrib_bytes)) for _ in range(8)]
     frames = []
     rounds = -(-packets // WORLD)
     for r in range(rounds):
         for rank in range(WORLD):
             # wbsp: only the last member's step counts to release; all others add as step 0
-            hdr = Header(type=MsgType.CONTRIB, job=1, rank=rank, round=r, count=elements)
-            frames.append(frame(hdr, payloads[rank % 8], elements=elements))
+            hdr = Header(type=MsgType.CONTRIB, job=1, rank=rank, round=r, count=values, code=int(prec))
+            frames.append(raw_frame(hdr.pack() + payloads[rank % 8], src=worker_addr(rank)))
     frames = frames[:packets]
     total_ns = 0
     verdicts: dict[str, int] = {}
@@ -50,8 +56,9 @@ def bench_strategy(dp, text: str, elements: int, packets: int) -> dict:
         verdicts[res.verdict_name] = verdicts.get(res.verdict_name, 0) + 1
     ns = total_ns / len(frames)
     c = dp.job_stats(1).counters
-    return {"system": "aggd-xdp", "strategy": text, "elements_per_packet": elements, "packets": len(frames),
-            "ns_per_packet": ns, "elements_per_s_per_core": elements / ns * 1e9,
+    return {"system": "aggd-xdp", "strategy": text, "precision": bits, "elements_per_packet": elements,
+            "values_per_packet": values, "packets": len(frames),
+            "ns_per_packet": ns, "elements_per_s_per_core": values / ns * 1e9,
             "added": int(c["contributions"]), "released": int(c["released"]), "verdicts": verdicts}
 
 

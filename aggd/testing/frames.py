@@ -26,7 +26,12 @@ def frame(hdr: proto.Header, payload=None, *, elements: int | None = None, src=N
     values = np.zeros(0, np.int32) if payload is None else np.asarray(payload, dtype=np.int32)
     if elements is not None and len(values) < elements:
         values = np.concatenate([values, np.zeros(elements - len(values), np.int32)])
-    body = proto.encode(hdr, values)
+    return raw_frame(proto.encode(hdr, values), src=(mac, ip, port), dport=dport)
+
+
+def raw_frame(body: bytes, *, src: tuple[str, str, int], dport: int = proto.DEFAULT_PORT) -> bytes:
+    """A frame from ``src`` (mac, ip, port) to the aggregator carrying ``body`` as its UDP payload."""
+    mac, ip, port = src
     return bytes(Ether(src=mac, dst=AGG_MAC) / IP(src=ip, dst=AGG_IP, ttl=64) /
                  UDP(sport=port, dport=dport) / Raw(body))
 

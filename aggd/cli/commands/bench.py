@@ -400,17 +400,25 @@ def bench_shards(workers, size, calls, steady, rates, rebalance_every, scale, as
               help="packet sizes (int32 values a packet) to compile and time")
 @click.option("--strategies", default="sync,quorum:48:50ms,ssp:2,async,wbsp", show_default=True)
 @click.option("--packets", default=4096, show_default=True, help="timed packets per configuration")
+@click.option("--precision", "precisions", default="32", show_default=True,
+              help="bits a contribution value, e.g. 8,32: narrow ones with room for the result, an 8-bit "
+                   "packet holding two values a lane (docs/protocol.md, \"Precision\")")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
-def bench_xdp(elements_list, strategies, packets, as_json):
+def bench_xdp(elements_list, strategies, packets, precisions, as_json):
     """Time the production XDP program through BPF_PROG_TEST_RUN, next to numpy's int32 add."""
     from aggd.dataplane.xdp.loader import XdpDataPlane
     from aggd.bench.xdp import bench_strategy, harness_ns, numpy_add
 
+    bits_list = _int_list(precisions)
+    bad = [b for b in bits_list if b not in proto.PRECISION_OF_BITS]
+    if bad:
+        raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
     rows = []
     for elements in _int_list(elements_list):
         dp = XdpDataPlane(None, elements=elements, total_slots=4)
         try:
-            timed = [bench_strategy(dp, s, elements, packets) for s in strategies.split(",")]
+            timed = [bench_strategy(dp, s, elements, packets, bits) for bits in bits_list
+                     for s in strategies.split(",")]
         finally:
             dp.close()
         floor = harness_ns(elements, packets)
@@ -423,8 +431,9 @@ def bench_xdp(elements_list, strategies, packets, as_json):
             click.echo(json.dumps(row))
         else:
             harness = f"  (test-run harness {row['harness_ns']:.0f} ns/pkt)" if "harness_ns" in row else ""
-            click.echo(f"{row['strategy']:<16} {row['elements_per_packet']:>9} elems/pkt "
-                       f"{row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} elems/s/core "
+            bits = f" {row['precision']:>2}-bit" if "precision" in row else " " * 7
+            click.echo(f"{row['strategy']:<16}{bits} {row.get('values_per_packet', row['elements_per_packet']):>9} "
+                       f"values/pkt {row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} values/s/core "
                        f"({row['fraction_of_numpy']:.0%} of numpy){harness}")
 
 
