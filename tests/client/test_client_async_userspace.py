@@ -62,8 +62,13 @@ def test_ssp_outstanding_rounds(agg):
             assert_close(h.wait(), [grad(0, n, size), grad(1, n, size)], world, world)
         slow_rounds.join()
         # each slot keeps its round's last chunk for re-reads until both members sent it round + 3
-        # (docs/protocol.md, rule 3): a later key may wait for a bank, never anything else
-        assert set(drops(agg)) <= {"busy"}, drops(agg)
+        # (docs/protocol.md, rule 3): a later key may wait for a bank, never anything else. A
+        # retransmission whose original was only slow (a loaded host) is a ``duplicate``, so those
+        # are allowed up to the clients' retransmissions.
+        dropped = drops(agg)
+        assert set(dropped) <= {"busy", "duplicate"}, dropped
+        retransmits = sum(c.stats["retransmits"] for c in cs)
+        assert dropped.get("duplicate", 0) <= retransmits, (dropped, retransmits)
     finally:
         close_all(cs)
 
