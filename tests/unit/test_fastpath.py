@@ -19,7 +19,7 @@ from aggd.core.model import NO_JOB, AggregatorModel, BankState, Verdict
 from aggd.core.robust import SUM, Combine, parse_combine
 from aggd.core.strategy import StrategyTable, from_entry, parse
 from aggd_client.mrecv import sockaddr_in
-from aggd_client.protocol import HEADER_SIZE, DropReason, Header
+from aggd_client.protocol import HEADER_SIZE, DropReason, Flag, Header
 
 from tests.fixtures.scenarios import E, JOB, addr, entry, job_config
 
@@ -159,6 +159,8 @@ def test_fast_path_decides_as_the_model(shape, ops, text, swaps, cuts, precision
             decided["narrow"] += 1
         if kind == fastpath.DROPPED:
             decided[v.reason] += 1
+        if kind == fastpath.TO_SENDER and Header.unpack(v.out).flags & Flag.REREAD:
+            decided["reread"] += 1             # rule 2: a retransmission into its released round
     fp.sync()
     assert m.counters(JOB).tolist() == ref.counters(JOB).tolist()
     assert m.drops(JOB).tolist() == ref.drops(JOB).tolist()
@@ -199,7 +201,8 @@ def test_the_kernel_decided_most_packets():
     assert decided["narrow"] > 0, decided          # int8 and int16 jobs' packets too
     if decided["robust kernel"]:                    # (when the robust property ran before)
         assert decided["robust released"] > 0, decided
-    for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE):
+    for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE,
+                 "reread"):
         assert decided[what] > 0, (what, decided)
 
 
