@@ -225,6 +225,7 @@ def main(argv=None) -> int:
         "accuracy": curve, "final_accuracy": curve[-1][2] if curve else None, "grad_max": grad_max,
         "params_sha": hashlib.sha256(params.tobytes()).hexdigest()[:16], "params_path": str(npy),
         "aggd_round": None if client is None else client.round,
+        "client_stats": None if client is None else dict(client.stats),
     }
     tmp = dest.with_suffix(".tmp")
     tmp.write_text(json.dumps(record))

@@ -26,7 +26,7 @@ from aggd.training.torchlab import TorchRun
 SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
 
 
-def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 32) -> dict:
+def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 32, seed: int = 0) -> dict:
     recs = res.records
     n = min(len(r["step_times"]) for r in recs)
     per_step = [max(r["step_times"][i] for r in recs) for i in range(n)]
@@ -36,7 +36,7 @@ def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 
     ttt = next((t for _, t, a in curve if a >= target), None)
     steps_to_target = next((s for s, _, a in curve if a >= target), None)
     return {"bench": "train", "system": system, "precision": precision, "model": res.run.model, "workers": world,
-            "steps": res.run.steps, "steps_to_target": steps_to_target,
+            "seed": seed, "steps": res.run.steps, "eval_every": res.run.eval_every, "steps_to_target": steps_to_target,
             "batch": batch, "n_params": recs[0]["n_params"], "step_time_s": med,
             "step_time_mean_s": statistics.fmean(per_step), "samples_per_s": world * batch / med,
             "seconds": max(r["seconds"] for r in recs), "target_accuracy": target, "time_to_target_s": ttt,
@@ -46,13 +46,14 @@ def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 
 
 def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_name: str, batch: int = 32,
         lr: float = 0.02, momentum: float = 0.9, eval_every: int = 10, target: float = 0.9, slots: int = 512,
-        bucket_cap_mb: float | None = None, precisions=(32,), on_row=None) -> list[dict]:
-    """A row per model, system and (for aggd systems) precision: bits a contribution value, 8 and 16
-    with the hook's error feedback and reset."""
+        bucket_cap_mb: float | None = None, precisions=(32,), seeds=(0,), on_row=None) -> list[dict]:
+    """A row per model, seed, system and (for aggd systems) precision: bits a contribution value, 8
+    and 16 with the hook's error feedback and reset. A seed fixes the initial model and the shards
+    (``torch_train``), so rows of one seed differ only in how their gradients were summed."""
     rows = []
     outdir = Path(tempfile.mkdtemp(prefix="aggd-bench-train-"))
     with Lab(lab_name, workers) as lab:
-        for model in models:
+        for model, seed in [(m, sd) for m in models for sd in seeds]:
             for system, bits in [(s, b) for s in systems for b in (precisions if s != "gloo" else (32,))]:
                 # a daemon of its own for every aggd run (once, a second job created in the same
                 # daemon after the first was deleted got no JOIN_ACK: see the report of issue 19)
@@ -63,12 +64,13 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
                     tr = TorchRun(model=model, steps=steps, comm="gloo" if system == "gloo" else "aggd-hook",
                                   batch=batch, lr=lr, momentum=momentum, eval_every=eval_every, slots=slots,
                                   bucket_cap_mb=bucket_cap_mb, kernel_slots=0 if system == "aggd-user" else None,
-                                  precision=None if bits == 32 else bits, timeout_s=max(240.0, steps * 5.0))
-                    res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{system}-{bits}")
+                                  precision=None if bits == 32 else bits, seed=seed,
+                                  timeout_s=max(240.0, steps * 5.0))
+                    res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{seed}-{system}-{bits}")
                 finally:
                     if daemon is not None:
                         daemon.close()
-                r = row(system, res, target, bits)
+                r = row(system, res, target, bits, seed)
                 rows.append(r)
                 if on_row:
                     on_row(r)
@@ -81,16 +83,37 @@ def label(r: dict) -> str:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per model and aggd system: gloo's step time over the system's (above 1: faster than gloo)."""
+    """Per model, seed and aggd system: gloo's step time over the system's (above 1: faster than
+    gloo)."""
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows):
-        gloo = next((r for r in rows if r["model"] == model and r["system"] == "gloo"), None)
-        for r in rows:
-            if r["model"] == model and r["system"] != "gloo" and gloo is not None:
-                out.append({"model": model, "system": label(r),
+    for model, seed in dict.fromkeys((r["model"], r.get("seed", 0)) for r in rows):
+        mine = [r for r in rows if r["model"] == model and r.get("seed", 0) == seed]
+        gloo = next((r for r in mine if r["system"] == "gloo"), None)
+        for r in mine:
+            if r["system"] != "gloo" and gloo is not None:
+                out.append({"model": model, "seed": seed, "system": label(r),
                             "speed_vs_gloo": gloo["step_time_s"] / r["step_time_s"],
                             "time_to_target_vs_gloo": (gloo["time_to_target_s"] / r["time_to_target_s"]
                                                        if gloo["time_to_target_s"] and r["time_to_target_s"] else None)})
+    return out
+
+
+def steps_to_target(rows: list[dict]) -> list[dict]:
+    """Per model, system and precision over the seeds: the steps each seed took to the target
+    accuracy (None: never), their median (None if any seed never reached it), and for a narrow
+    precision the ratio of its median to the 32-bit median of the same system (issue 18 asks at
+    most 1.1). A step count is known to ``eval_every`` steps."""
+    out = []
+    for model, system, bits in dict.fromkeys((r["model"], r["system"], r.get("precision", 32)) for r in rows):
+        mine = [r for r in rows if (r["model"], r["system"], r.get("precision", 32)) == (model, system, bits)]
+        counts = [r["steps_to_target"] for r in mine]
+        median = None if None in counts else statistics.median(counts)
+        out.append({"model": model, "system": system, "precision": bits, "seeds": [r.get("seed", 0) for r in mine],
+                    "eval_every": mine[0].get("eval_every"), "steps_to_target": counts, "median": median})
+    for o in out:
+        wide = next((w for w in out if (w["model"], w["system"], w["precision"]) == (o["model"], o["system"], 32)), None)
+        o["vs_32_bits"] = (o["median"] / wide["median"] if wide and o["median"] is not None and wide["median"]
+                           else None)
     return out
 
 
@@ -100,11 +123,13 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in rows))
+    seeds = set(r.get("seed", 0) for r in rows)
     fig, axes = plt.subplots(1, len(models) + 1, figsize=(5 * (len(models) + 1), 4))
     for ax, model in zip(axes, models):
         for r in rows:
             if r["model"] == model:
-                ax.plot([t for _, t, _ in r["curve"]], [a for _, _, a in r["curve"]], marker=".", label=label(r))
+                name = label(r) if len(seeds) == 1 else f"{label(r)} seed {r.get('seed', 0)}"
+                ax.plot([t for _, t, _ in r["curve"]], [a for _, _, a in r["curve"]], marker=".", label=name)
         ax.set_title(f"{model}: test accuracy (rank 0)")
         ax.set_xlabel("seconds")
         ax.set_ylim(0, 1)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.root
 def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
     res = CliRunner().invoke(aggctl, ["bench", "train", "--model", "cnn", "--workers", "4", "--steps", "6",
-                                      "--target", "0.3", "--json", str(out), "--png", str(png)])
+                                      "--target", "0.3", "--eval-every", "2", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     rows = [x for x in lines if x["bench"] == "train"]
@@ -24,4 +24,9 @@ def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
     ratios = [x for x in lines if x["bench"] == "train-ratio"]
     assert {r["system"] for r in ratios} == {"aggd-xdp", "aggd-user"} and all(r["speed_vs_gloo"] > 0 for r in ratios)
     assert "speed vs gloo" in res.output
+    assert all([s for s, _, _ in r["curve"]] == [2, 4, 6] and r["eval_every"] == 2 and r["seed"] == 0 for r in rows)
+    summary = [x for x in lines if x["bench"] == "train-steps-to-target"]
+    assert [(r["system"], r["precision"], r["seeds"]) for r in summary] == \
+        [("aggd-xdp", 32, [0]), ("aggd-user", 32, [0]), ("gloo", 32, [0])]
+    assert "steps to 30%: median" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
