@@ -36,20 +36,24 @@ def row(system: str, res: torchlab.TorchResult, target: float, precision: int = 
     ttt = next((t for _, t, a in curve if a >= target), None)
     steps_to_target = next((s for s, _, a in curve if a >= target), None)
     return {"bench": "train", "system": system, "precision": precision, "model": res.run.model, "workers": world,
+            "strategy": res.run.strategy if system != "gloo" else None,
             "seed": seed, "steps": res.run.steps, "eval_every": res.run.eval_every, "steps_to_target": steps_to_target,
             "batch": batch, "n_params": recs[0]["n_params"], "step_time_s": med,
             "step_time_mean_s": statistics.fmean(per_step), "samples_per_s": world * batch / med,
             "seconds": max(r["seconds"] for r in recs), "target_accuracy": target, "time_to_target_s": ttt,
             "final_accuracy": recs[0]["final_accuracy"], "curve": curve,
-            "buckets_per_step": len(recs[0]["hook_buckets"][-1]) if recs[0]["hook_buckets"] else None}
+            "buckets_per_step": len(recs[0]["hook_buckets"][-1]) if recs[0]["hook_buckets"] else None,
+            "retransmits": sum((r.get("client_stats") or {}).get("retransmits", 0) for r in recs) if system != "gloo" else None}
 
 
 def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_name: str, batch: int = 32,
         lr: float = 0.02, momentum: float = 0.9, eval_every: int = 10, target: float = 0.9, slots: int = 512,
-        bucket_cap_mb: float | None = None, precisions=(32,), seeds=(0,), on_row=None) -> list[dict]:
+        bucket_cap_mb: float | None = None, precisions=(32,), seeds=(0,), strategy: str = "sync",
+        on_row=None) -> list[dict]:
     """A row per model, seed, system and (for aggd systems) precision: bits a contribution value, 8
     and 16 with the hook's error feedback and reset. A seed fixes the initial model and the shards
-    (``torch_train``), so rows of one seed differ only in how their gradients were summed."""
+    (``torch_train``), so rows of one seed differ only in how their gradients were summed. The aggd
+    jobs run ``strategy`` (``quorum`` and ``async`` need one DDP bucket a step: ``bucket_cap_mb``)."""
     rows = []
     outdir = Path(tempfile.mkdtemp(prefix="aggd-bench-train-"))
     with Lab(lab_name, workers) as lab:
@@ -64,7 +68,7 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
                     tr = TorchRun(model=model, steps=steps, comm="gloo" if system == "gloo" else "aggd-hook",
                                   batch=batch, lr=lr, momentum=momentum, eval_every=eval_every, slots=slots,
                                   bucket_cap_mb=bucket_cap_mb, kernel_slots=0 if system == "aggd-user" else None,
-                                  precision=None if bits == 32 else bits, seed=seed,
+                                  precision=None if bits == 32 else bits, seed=seed, strategy=strategy,
                                   timeout_s=max(240.0, steps * 5.0))
                     res = torchlab.run(lab, daemon, tr, outdir=outdir / f"{model}-{seed}-{system}-{bits}")
                 finally:

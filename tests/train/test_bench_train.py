@@ -25,6 +25,7 @@ def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
     assert {r["system"] for r in ratios} == {"aggd-xdp", "aggd-user"} and all(r["speed_vs_gloo"] > 0 for r in ratios)
     assert "speed vs gloo" in res.output
     assert all([s for s, _, _ in r["curve"]] == [2, 4, 6] and r["eval_every"] == 2 and r["seed"] == 0 for r in rows)
+    assert [(r["strategy"], r["retransmits"] is None) for r in rows] == [("sync", False), ("sync", False), (None, True)]
     summary = [x for x in lines if x["bench"] == "train-steps-to-target"]
     assert [(r["system"], r["precision"], r["seeds"]) for r in summary] == \
         [("aggd-xdp", 32, [0]), ("aggd-user", 32, [0]), ("gloo", 32, [0])]

@@ -195,6 +195,8 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
 @click.option("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb (default: DDP's)")
 @click.option("--precision", "precisions", default="32", show_default=True,
               help="the aggd jobs' bits a contribution value, e.g. 32,8 (8 and 16 with error feedback)")
+@click.option("--strategy", default="sync", show_default=True,
+              help="the aggd jobs' strategy (quorum and async take one DDP bucket a step: --bucket-cap-mb 100)")
 @click.option("--eval-every", type=click.IntRange(1), default=10, show_default=True,
               help="steps between test-accuracy measurements (steps to target are known to this many)")
 @click.option("--seeds", default="0", show_default=True,
@@ -203,8 +205,8 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
               help="write every row (one JSON object a line) to this file")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG: accuracy against time per model, samples/s per system")
-def bench_train(models, workers, steps, systems, batch, target, slots, bucket_cap_mb, precisions, eval_every,
-                seeds, json_path, png_path):
+def bench_train(models, workers, steps, systems, batch, target, slots, bucket_cap_mb, precisions, strategy,
+                eval_every, seeds, json_path, png_path):
     """Train a PyTorch model with DDP under torchrun on a lab's workers through aggd-xdp, aggd-user
     and gloo in the same run: step time, samples/s, time to a target accuracy."""
     import importlib.util
@@ -231,17 +233,23 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
         seed_list = []
     if not seed_list or any(x < 0 for x in seed_list):
         raise click.BadParameter("use non-negative integers, comma-separated", param_hint="--seeds")
+    from aggd.core.strategy import StrategyError, parse as parse_strategy
+    try:
+        parse_strategy(strategy)
+    except (StrategyError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="--strategy") from None
 
     def show(r):
         ttt = "never" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s"
         stt = "never" if r["steps_to_target"] is None else str(r["steps_to_target"])
         click.echo(f"{r['model']:<12} {tb.label(r):<17} seed {r['seed']}  step {r['step_time_s'] * 1e3:8.1f} ms  "
                    f"{r['samples_per_s']:8.1f} samples/s  to {r['target_accuracy']:.0%}: {ttt:>8}, "
-                   f"{stt} steps  final {r['final_accuracy']:.3f}")
+                   f"{stt} steps  final {r['final_accuracy']:.3f}"
+                   + ("" if r["retransmits"] is None else f"  {r['retransmits']} retransmits"))
 
     rows = tb.run(chosen_models, workers, steps, systems=chosen, lab_name="b" + uuid.uuid4().hex[:6],
                   batch=batch, target=target, slots=slots, bucket_cap_mb=bucket_cap_mb, eval_every=eval_every,
-                  precisions=tuple(int(b) for b in bits), seeds=tuple(seed_list), on_row=show)
+                  precisions=tuple(int(b) for b in bits), seeds=tuple(seed_list), strategy=strategy, on_row=show)
     for r in tb.ratios(rows):
         ttt = "" if r["time_to_target_vs_gloo"] is None else f", time to target {r['time_to_target_vs_gloo']:.2f}x"
         click.echo(f"{r['model']:<12} {r['system']:<17} seed {r['seed']}  speed vs gloo {r['speed_vs_gloo']:.2f}x{ttt}")
