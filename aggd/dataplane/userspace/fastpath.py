@@ -3,11 +3,13 @@
 The common case is a well-formed contribution of exactly its job's packet size (a narrow one with or
 without room for its result), from the
 registered address of a member, with a step below STEPS, to a slot where no bank is past its
-deadline, that either goes to the open bank of its key (rule 1: added, or dropped ``duplicate``) or
+deadline, that either goes to the open bank of its key (rule 1: added, or dropped ``duplicate``),
 opens the bank of a key newer than the slot's newest (rule 3: opened and added, or dropped
-``busy``). The kernel decides those exactly as ``AggregatorModel`` does -- counters, drops, the
-result's bytes -- with the same arithmetic kernels (``aggd.dataplane.userspace.kernels``). Any other packet (re-reads,
-late contributions, timeouts, malformed or foreign packets, NACKs, a short payload, a release
+``busy``), or is the member's retransmission into its released round (rule 2: the result re-sent to
+it, unless it is a deadline release's first answer). The kernel decides those exactly as
+``AggregatorModel`` does -- counters, drops, the result's bytes -- with the same arithmetic kernels
+(``aggd.dataplane.userspace.kernels``). Any other packet (re-reads, late contributions: carried,
+timeouts, malformed or foreign packets, NACKs, a short payload, a release
 observer) stops the kernel and goes to ``AggregatorModel.process`` unchanged; the kernel then goes
 on from the packet after it. tests/unit/test_fastpath.py plays random sequences through both.
 
