@@ -26,11 +26,11 @@ def parse_size(text: str) -> int:
     return value
 
 
-def _int_list(text: str) -> list[int]:
+def _int_list(text: str, hint: str | None = None) -> list[int]:
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers") from None
+        raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=hint) from None
 
 
 @click.group()
@@ -227,16 +227,13 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
     bits = [b.strip() for b in precisions.split(",") if b.strip()]
     if not bits or any(b not in ("32", "16", "8") for b in bits):
         raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
-    try:
-        seed_list = list(dict.fromkeys(int(x) for x in seeds.split(",") if x.strip()))
-    except ValueError:
-        seed_list = []
-    if not seed_list or any(x < 0 for x in seed_list):
-        raise click.BadParameter("use non-negative integers, comma-separated", param_hint="--seeds")
-    from aggd.core.strategy import StrategyError, parse as parse_strategy
+    seed_list = tuple(dict.fromkeys(_int_list(seeds, "--seeds")))
+    if any(x < 0 for x in seed_list):
+        raise click.BadParameter("seeds must be non-negative", param_hint="--seeds")
+    from aggd.core.strategy import parse as parse_strategy
     try:
         parse_strategy(strategy)
-    except (StrategyError, ValueError) as exc:
+    except ValueError as exc:           # (StrategyError is one)
         raise click.BadParameter(str(exc), param_hint="--strategy") from None
 
     def show(r):
@@ -249,11 +246,12 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
 
     rows = tb.run(chosen_models, workers, steps, systems=chosen, lab_name="b" + uuid.uuid4().hex[:6],
                   batch=batch, target=target, slots=slots, bucket_cap_mb=bucket_cap_mb, eval_every=eval_every,
-                  precisions=tuple(int(b) for b in bits), seeds=tuple(seed_list), strategy=strategy, on_row=show)
-    for r in tb.ratios(rows):
+                  precisions=tuple(int(b) for b in bits), seeds=seed_list, strategy=strategy, on_row=show)
+    ratios, summary = tb.ratios(rows), tb.steps_to_target(rows)
+    for r in ratios:
         ttt = "" if r["time_to_target_vs_gloo"] is None else f", time to target {r['time_to_target_vs_gloo']:.2f}x"
         click.echo(f"{r['model']:<12} {r['system']:<17} seed {r['seed']}  speed vs gloo {r['speed_vs_gloo']:.2f}x{ttt}")
-    for r in tb.steps_to_target(rows):
+    for r in summary:
         med = "never" if r["median"] is None else f"{r['median']:g}"
         vs = "" if r["vs_32_bits"] is None or r["precision"] == 32 else f"  ({r['vs_32_bits']:.2f}x 32 bits)"
         click.echo(f"{r['model']:<12} {tb.label(r):<17} steps to {target:.0%}: median {med} of "
@@ -262,9 +260,9 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
         with open(json_path, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-            for r in tb.ratios(rows):
+            for r in ratios:
                 f.write(json.dumps({"bench": "train-ratio", **r}) + "\n")
-            for r in tb.steps_to_target(rows):
+            for r in summary:
                 f.write(json.dumps({"bench": "train-steps-to-target", **r}) + "\n")
     if png_path:
         tb.plot(rows, png_path)
