@@ -5,11 +5,13 @@ without room for its result), from the
 registered address of a member, with a step below STEPS, to a slot where no bank is past its
 deadline, that either goes to the open bank of its key (rule 1: added, or dropped ``duplicate``),
 opens the bank of a key newer than the slot's newest (rule 3: opened and added, or dropped
-``busy``), or is the member's retransmission into its released round (rule 2: the result re-sent to
-it, unless it is a deadline release's first answer). The kernel decides those exactly as
-``AggregatorModel`` does -- counters, drops, the result's bytes -- with the same arithmetic kernels
-(``aggd.dataplane.userspace.kernels``). Any other packet (re-reads, late contributions: carried,
-timeouts, malformed or foreign packets, NACKs, a short payload, a release
+``busy``), is the member's retransmission into its released round (rule 2: the result re-sent to
+it, unless it is a deadline release's first answer), or is late to its released round (rule 4, a
+quorum's straggler: carried into the chunk's next round, opening a holding bank for it if need be,
+and answered with its round's result). The kernel decides those exactly as ``AggregatorModel`` does
+-- counters, drops, the result's bytes -- with the same arithmetic kernels
+(``aggd.dataplane.userspace.kernels``). Any other packet (re-reads, late contributions whose round
+is gone, timeouts, malformed or foreign packets, NACKs, a short payload, a release
 observer) stops the kernel and goes to ``AggregatorModel.process`` unchanged; the kernel then goes
 on from the packet after it. tests/unit/test_fastpath.py plays random sequences through both.
 
@@ -39,7 +41,7 @@ from aggd_client.protocol import HEADER_DTYPE, HEADER_SIZE, INT8_MAX_CONTRIBUTIO
     VERSION, ZERO_EXPONENT, Counter, DropReason, MAX_MEMBERS, Flag, MsgType, Precision, StrategyKind, values_per_packet
 
 from aggd.dataplane.userspace.kernels import accumulate, combine_ranks, load, narrow, narrow16
-from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND,
+from aggd.core.model import (ASYNC_MAX_OPEN, BANKS, M_CONTRIBUTIONS, M_LAG_NS, M_LAST_NS, M_LAST_ROUND, M_LATE,
                              RESULT_RANK, S_DOT, S_NORM, S_REF, STEPS, AggregatorModel, Bank, BankState, JobState,
                              Slot, Verdict)
 from aggd.core.robust import CombineKind
@@ -63,6 +65,9 @@ QUORUM, SSP, ASYNC = int(StrategyKind.QUORUM), int(StrategyKind.SSP), int(Strate
 C_RX_PACKETS, C_RX_BYTES, C_ELEMENTS = int(Counter.RX_PACKETS), int(Counter.RX_BYTES), int(Counter.ELEMENTS)
 C_CONTRIBUTIONS, C_RELEASED, C_OVERFLOWS = int(Counter.CONTRIBUTIONS), int(Counter.RELEASED), int(Counter.OVERFLOWS)
 C_RETRANSMITS, C_PARTIALS, C_REREADS = int(Counter.RETRANSMITS), int(Counter.PARTIALS), int(Counter.REREADS)
+C_CARRIED = int(Counter.CARRIED)
+CARRIED = int(Flag.CARRIED)
+U32_MAX = 0xFFFFFFFF
 D_DUPLICATE, D_BUSY = int(DropReason.DUPLICATE), int(DropReason.BUSY)
 SUM, TRIMMED, ZENO = int(CombineKind.SUM), int(CombineKind.TRIMMED), int(CombineKind.ZENO)
 
@@ -144,6 +149,71 @@ def _governing(table, round_):
                 table[e, T_FROM] == table[best, T_FROM] and table[e, T_VERSION] > table[best, T_VERSION]):
             best = e
     return best
+
+
+@njit(inline="always")
+def _reusable(bi, bu, s, b, everyone, kind, shared_s):
+    """Slot.reusable of bank (s, b) for a new round that ``kind`` governs (every member awaited)."""
+    if bi[s, b, F_STATE] != RELEASED:
+        return False
+    kb = bi[s, b, F_KIND]
+    if shared_s != 0 and (kb == SSP or kb == ASYNC or kb == QUORUM):
+        return bu[s, b, U_HELD] & everyone == everyone
+    return not (kb == SSP or kb == ASYNC) or kind == QUORUM or bu[s, b, U_HELD] & everyone == everyone
+
+
+@njit(inline="always")
+def _hold_bank(bi, bu, s, everyone, kind, shared_s):
+    """AggregatorModel._hold's choice of bank for a carry's holding round: Slot.free_bank, if
+    Slot.n_free leaves another bank for the rounds in progress; -1 when there is none (busy)."""
+    empty = 0
+    first_empty = -1
+    oldest = -1
+    for b in range(BANKS):
+        if bi[s, b, F_STATE] == EMPTY:
+            empty += 1
+            if first_empty < 0:
+                first_empty = b
+        elif bi[s, b, F_STATE] == RELEASED and (oldest < 0 or _key_less(
+                bi[s, b, F_ROUND], bi[s, b, F_CHUNK], bi[s, oldest, F_ROUND], bi[s, oldest, F_CHUNK])):
+            oldest = b
+    n_free = empty
+    if oldest >= 0 and _reusable(bi, bu, s, oldest, everyone, kind, shared_s):
+        for b in range(BANKS):
+            if _reusable(bi, bu, s, b, everyone, kind, shared_s):
+                n_free += 1
+    if n_free < 2:
+        return -1
+    if first_empty >= 0:
+        return first_empty
+    return oldest      # reusable: n_free counted it
+
+
+@njit(inline="always")
+def _add_values(bi, values, s, b, i, fresh, exponent, prec, stage32, stage16, stage8):
+    """AggregatorModel._add's sums of a summing job: packet ``i``'s values loaded into a fresh
+    bank (s, b), else added (one call a type: numba types each payload view on its own)."""
+    elements = values.shape[2]
+    if prec == INT32:
+        if fresh:
+            load(values[s, b], stage32[i, HDR32:HDR32 + elements])
+        else:
+            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                              stage32[i, HDR32:HDR32 + elements], exponent)
+    elif prec == INT16:
+        if fresh:
+            load(values[s, b], stage16[i, HDR16:HDR16 + elements])
+        else:
+            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                              stage16[i, HDR16:HDR16 + elements], exponent)
+    else:
+        if fresh:
+            load(values[s, b], stage8[i, HDR:HDR + elements])
+        else:
+            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
+                                              stage8[i, HDR:HDR + elements], exponent)
+    if fresh:
+        bi[s, b, F_EXPONENT] = exponent
 
 
 @njit(cache=True, nogil=True)
@@ -229,8 +299,9 @@ def _combine(bu, values, rows, row_exp, scores, s, b, world, combine_kind, trim,
 
 @njit(cache=True, nogil=True)
 def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, world, max_chunks, served_flags,
-        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, shared, values, counters, drops, dirty,
-        members, out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp, scores):
+        prec, member_ip, member_port, member_tag, table, bi, bu, steps, pending, shared, late_ranks, values, counters,
+        drops, dirty, members, out, out32, out16, out_len, out_kind, out_reason, combine_kind, trim, rho, rows, row_exp,
+        scores):
     """Decide packets ``start ..`` of the batch while they are the common case of ``job`` (its
     contributions of precision ``prec``: ``stage32``, ``stage16`` and ``stage8`` are the batch's
     records as int32, int16 and int8); return the index of the first that is not (``n`` when all
@@ -296,17 +367,60 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
         fresh = False
         busy = False
         resend = False
+        carry = -1         # rule 4: the bank a late contribution is carried into
+        hold = False       # ... a holding bank opened for it (AggregatorModel._hold), of round r2
+        r2 = e2 = 0        # under table row e2
+        answer = -1        # the released bank that answers it
         if found >= 0:
             if bi[s, found, F_STATE] != OPEN:
-                # rule 2: a member's retransmission into its released round is answered with the
-                # result (AggregatorModel._resend); a late one, a deadline release's first answer
-                # and anything else are the model's. (In the model's path, the retransmissions a
-                # slow aggregator drew cost 0.3 ms each and made it slower still: a quorum's DDP
-                # bucket of 1377 chunks went from 0.2 s to 7 s a call.)
-                if bi[s, found, F_STATE] != RELEASED or not steps[s, found, rank] >> step & 1 \
-                        or bi[s, found, F_UNANNOUNCED] != 0:
+                # Rule 2: a member's retransmission into its released round is answered with the
+                # result (AggregatorModel._resend). Rule 4 with that round released: a quorum's
+                # straggler, its contribution carried into the chunk's next round and answered with
+                # its round's result (AggregatorModel._late). What these need beyond (a forwarded
+                # round, a deadline release's first re-send, no bank to carry into, a late memory
+                # of the member in the slot) is the model's. (In the model's path each cost
+                # 0.3 ms: under quorum:3 a fourth of all contributions are late, and a DDP bucket
+                # of 1377 chunks went from 0.2 s to 7 s a call as retransmissions piled up.)
+                if bi[s, found, F_STATE] != RELEASED:
                     break
-                resend = True
+                if steps[s, found, rank] >> step & 1:
+                    if bi[s, found, F_UNANNOUNCED] != 0:
+                        break
+                    resend = True
+                else:
+                    if combine_kind != SUM or late_ranks[s] >> np.uint64(rank) & np.uint64(1):
+                        break
+                    for b2 in range(BANKS):           # the chunk's earliest later round still open
+                        if bi[s, b2, F_STATE] == OPEN and bi[s, b2, F_CHUNK] == chunk and \
+                                bi[s, b2, F_ROUND] > round_ and (carry < 0 or bi[s, b2, F_ROUND] < bi[s, carry, F_ROUND]):
+                            carry = b2
+                    if carry < 0:                    # else a holding bank for the chunk's next round
+                        r2 = round_
+                        for b2 in range(BANKS):
+                            if bi[s, b2, F_STATE] != EMPTY and bi[s, b2, F_CHUNK] == chunk and \
+                                    bi[s, b2, F_HOLDING] == 0 and bi[s, b2, F_ROUND] > r2:
+                                r2 = bi[s, b2, F_ROUND]
+                        r2 += 1
+                        if newest and not _key_less(nr, nc, r2, chunk):
+                            r2 = nr + (1 if chunk <= nc else 0)
+                        if r2 > U32_MAX:
+                            break
+                        e2 = _governing(table, r2)
+                        carry = _hold_bank(bi, bu, s, everyone, table[e2, T_KIND], shared[s])
+                        if carry < 0:
+                            break
+                        hold = True
+                    answer = found
+                    if carry == found:
+                        # the holding bank is K's own (the oldest released, reused): the answer is
+                        # the chunk's newest result left; with none the model remembers the carry
+                        answer = -1
+                        for b2 in range(BANKS):
+                            if b2 != found and bi[s, b2, F_STATE] == RELEASED and bi[s, b2, F_CHUNK] == chunk and \
+                                    (answer < 0 or bi[s, b2, F_ROUND] > bi[s, answer, F_ROUND]):
+                                answer = b2
+                        if answer < 0:
+                            break
             b = found
             if bi[s, b, F_HOLDING] and pending[s] != 0 and not steps[s, b, rank] >> step & 1 and \
                     (np.uint64(round_) << np.uint64(32) | np.uint64(chunk)) >= pending[s]:
@@ -394,6 +508,45 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             out_kind[i], out_reason[i] = DROPPED, D_BUSY
             i += 1
             continue
+        if carry >= 0:
+            dirty[s] = 1
+            t = carry
+            if hold:                                          # Bank.open(holding=True)
+                bi[s, t, F_STATE], bi[s, t, F_ROUND], bi[s, t, F_CHUNK] = OPEN, r2, chunk
+                bi[s, t, F_HOLDING], bi[s, t, F_NCONTRIB], bi[s, t, F_FLAGS] = 1, 0, 0
+                bi[s, t, F_VERSION], bi[s, t, F_KIND] = table[e2, T_VERSION], table[e2, T_KIND]
+                bi[s, t, F_PARAM], bi[s, t, F_TIMEOUT_US] = table[e2, T_PARAM], table[e2, T_TIMEOUT]
+                bi[s, t, F_UNANNOUNCED], bi[s, t, F_COUNT] = 0, count
+                bu[s, t, U_BITMAP], bu[s, t, U_LATE], bu[s, t, U_TFIRST], bu[s, t, U_HELD] = 0, 0, now, 0
+                bi[s, t, F_EXPONENT] = ZERO_EXPONENT
+                steps[s, t, :] = 0
+            _add_values(bi, values, s, t, i, hold, exponent, prec, stage32, stage16, stage8)
+            weight = _be16(p, O_NCONTRIB)
+            bi[s, t, F_NCONTRIB] = (bi[s, t, F_NCONTRIB] + (weight if weight > 0 else 1)) & 0xFFFF
+            counters[C_CONTRIBUTIONS] += np.uint64(1)
+            counters[C_ELEMENTS] += np.uint64(count)
+            members[rank, M_CONTRIBUTIONS] += np.uint64(1)          # JobState.count_member(late=True)
+            members[rank, M_LATE] += np.uint64(1)
+            if np.uint64(round_ + 1) > members[rank, M_LAST_ROUND]:
+                members[rank, M_LAST_ROUND] = np.uint64(round_ + 1)
+            members[rank, M_LAST_NS] = now
+            bi[s, t, F_FLAGS] |= CARRIED
+            counters[C_CARRIED] += np.uint64(1)
+            if t != b:                                             # K's own bank: answered from now on
+                bu[s, b, U_LATE] |= np.uint64(1) << np.uint64(rank)
+                steps[s, b, rank] |= np.uint8(1 << step)
+            a = answer
+            if bi[s, a, F_UNANNOUNCED] != 0:                       # _resend: a deadline release's first answer
+                bi[s, a, F_UNANNOUNCED] = 0
+                out_len[i] = _result(bi, bu, values, s, a, job, served_flags, out, out32, out16, i, counters, prec)
+                out_kind[i] = TO_GROUP
+            else:
+                counters[C_REREADS] += np.uint64(1)
+                out_len[i] = _result(bi, bu, values, s, a, job, served_flags, out, out32, out16, i, counters,
+                                     prec, REREAD)
+                out_kind[i] = TO_SENDER
+            i += 1
+            continue
         if resend:
             counters[C_REREADS] += np.uint64(1)
             out_len[i] = _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters,
@@ -407,7 +560,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             i += 1
             continue
         dirty[s] = 1
-        if combine_kind != SUM:     # a robust job's row (one call a type, as below)
+        if combine_kind != SUM:     # a robust job's row (one call a type, as in _add_values)
             if prec == INT32:
                 load(rows[s, b, rank], stage32[i, HDR32:HDR32 + elements])
             elif prec == INT16:
@@ -415,26 +568,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             else:
                 load(rows[s, b, rank], stage8[i, HDR:HDR + elements])
             row_exp[s, b, rank] = exponent
-        elif prec == INT32:    # (one call a type: numba types each payload view on its own)
-            if fresh:
-                load(values[s, b], stage32[i, HDR32:HDR32 + elements])
-            else:
-                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                                  stage32[i, HDR32:HDR32 + elements], exponent)
-        elif prec == INT16:
-            if fresh:
-                load(values[s, b], stage16[i, HDR16:HDR16 + elements])
-            else:
-                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                                  stage16[i, HDR16:HDR16 + elements], exponent)
         else:
-            if fresh:
-                load(values[s, b], stage8[i, HDR:HDR + elements])
-            else:
-                bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                                  stage8[i, HDR:HDR + elements], exponent)
-        if fresh and combine_kind == SUM:
-            bi[s, b, F_EXPONENT] = exponent
+            _add_values(bi, values, s, b, i, fresh, exponent, prec, stage32, stage16, stage8)
         weight = _be16(p, O_NCONTRIB)       # a rack's partial sum holds that many (a worker's: 0, one)
         bi[s, b, F_NCONTRIB] = (bi[s, b, F_NCONTRIB] + (weight if weight > 0 else 1)) & 0xFFFF
         counters[C_CONTRIBUTIONS] += np.uint64(1)
@@ -549,6 +684,9 @@ class FastJob:
         model._drops[job] = arrays["drops"]
         self.counters, self.drops, self.members = arrays["counters"], arrays["drops"], arrays["members"]
         self.dirty = np.zeros(slots, np.uint8)
+        #: per slot, the members the model's late memories (Slot.late) know of: their late
+        #: contributions are the model's (not kept in the files: a restart forgets them too)
+        self.late_ranks = np.zeros(slots, np.uint64)
         made = dict(self.state.slots.made())
         self.state.slots.make = self._make_slot
         for s, slot in made.items():                 # (slots the model made before: none, normally)
@@ -590,6 +728,7 @@ class FastJob:
         self.state.slots.make = None                 # (it refers back to this object)
         self.state.slots.made().clear()              # the banks' views of the values
         self.bi = self.bu = self.steps = self.values = self.rows = self.row_exp = self.pending = self.shared = None
+        self.late_ranks = None
 
     def refresh(self) -> None:
         """Take the job's members, group and strategy table again (after set_member/set_strategy)."""
@@ -623,6 +762,7 @@ class FastJob:
         p = self.state.slots[s].pending
         self.pending[s] = 0 if p is None else (p[0] << 32 | p[1]) + 1
         self.shared[s] = int(self.state.slots[s].shared)
+        self.late_ranks[s] = sum(1 << r for r, mem in self.state.slots[s].late.items() if mem.round is not None)
         self.dirty[s] = 0
 
     def to_objects(self, s: int) -> None:
@@ -737,8 +877,8 @@ class FastPath:
                 nxt = run(stage, batch.stage32, batch.stage16, batch.stage8, sizes, batch.names, batch.nows, i, n, job,
                           fj.state.cfg.world, fj.state.cfg.max_chunks, fj.model.served_flags,
                           int(fj.state.cfg.precision), fj.member_ip, fj.member_port, fj.member_tag,
-                          fj.table, fj.bi, fj.bu, fj.steps, fj.pending, fj.shared, fj.values, fj.counters, fj.drops, fj.dirty,
-                          fj.members,
+                          fj.table, fj.bi, fj.bu, fj.steps, fj.pending, fj.shared, fj.late_ranks, fj.values,
+                          fj.counters, fj.drops, fj.dirty, fj.members,
                           batch.out, batch.out32, batch.out16, batch.out_len, kind, batch.out_reason,
                           *fj.combine_args)
                 if nxt > i:
@@ -789,7 +929,7 @@ def warm_up() -> None:
         0, 0, np.zeros(64, np.int64),
         np.zeros(64, np.int64), np.zeros(64, np.uint64), np.zeros((1, 5), np.int64), np.zeros((1, BANKS, NF), np.int64),
         np.zeros((1, BANKS, NU), np.uint64), np.zeros((1, BANKS, 64), np.uint8), np.zeros(1, np.uint64),
-        np.zeros(1, np.uint8), np.zeros((1, BANKS, 2), np.int64),
+        np.zeros(1, np.uint8), np.zeros(1, np.uint64), np.zeros((1, BANKS, 2), np.int64),
         np.zeros(len(Counter), np.uint64), np.zeros(len(DropReason), np.uint64), np.zeros(1, np.uint8),
         np.zeros((64, 6), np.uint64), batch.out, batch.out32, batch.out16, one, batch.out_kind, batch.out_reason,
         0, 0, 0.05, *_NO_ROWS)
