@@ -190,30 +190,25 @@ def _hold_bank(bi, bu, s, everyone, kind, shared_s):
 
 
 @njit(inline="always")
+def _add_payload(bi, values, s, b, fresh, exponent, payload):
+    if fresh:
+        load(values[s, b], payload)
+        bi[s, b, F_EXPONENT] = exponent
+    else:
+        bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT], payload, exponent)
+
+
+@njit(inline="always")
 def _add_values(bi, values, s, b, i, fresh, exponent, prec, stage32, stage16, stage8):
     """AggregatorModel._add's sums of a summing job: packet ``i``'s values loaded into a fresh
     bank (s, b), else added (one call a type: numba types each payload view on its own)."""
     elements = values.shape[2]
     if prec == INT32:
-        if fresh:
-            load(values[s, b], stage32[i, HDR32:HDR32 + elements])
-        else:
-            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                              stage32[i, HDR32:HDR32 + elements], exponent)
+        _add_payload(bi, values, s, b, fresh, exponent, stage32[i, HDR32:HDR32 + elements])
     elif prec == INT16:
-        if fresh:
-            load(values[s, b], stage16[i, HDR16:HDR16 + elements])
-        else:
-            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                              stage16[i, HDR16:HDR16 + elements], exponent)
+        _add_payload(bi, values, s, b, fresh, exponent, stage16[i, HDR16:HDR16 + elements])
     else:
-        if fresh:
-            load(values[s, b], stage8[i, HDR:HDR + elements])
-        else:
-            bi[s, b, F_EXPONENT] = accumulate(values[s, b], bi[s, b, F_EXPONENT],
-                                              stage8[i, HDR:HDR + elements], exponent)
-    if fresh:
-        bi[s, b, F_EXPONENT] = exponent
+        _add_payload(bi, values, s, b, fresh, exponent, stage8[i, HDR:HDR + elements])
 
 
 @njit(cache=True, nogil=True)
@@ -535,18 +530,15 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             if t != b:                                             # K's own bank: answered from now on
                 bu[s, b, U_LATE] |= np.uint64(1) << np.uint64(rank)
                 steps[s, b, rank] |= np.uint8(1 << step)
-            a = answer
-            if bi[s, a, F_UNANNOUNCED] != 0:                       # _resend: a deadline release's first answer
-                bi[s, a, F_UNANNOUNCED] = 0
-                out_len[i] = _result(bi, bu, values, s, a, job, served_flags, out, out32, out16, i, counters, prec)
+            b = answer
+            if bi[s, b, F_UNANNOUNCED] == 0:
+                resend = True                                      # answered as rule 2's re-send, below
+            else:                                                  # _resend: a deadline release's first answer
+                bi[s, b, F_UNANNOUNCED] = 0
+                out_len[i] = _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters, prec)
                 out_kind[i] = TO_GROUP
-            else:
-                counters[C_REREADS] += np.uint64(1)
-                out_len[i] = _result(bi, bu, values, s, a, job, served_flags, out, out32, out16, i, counters,
-                                     prec, REREAD)
-                out_kind[i] = TO_SENDER
-            i += 1
-            continue
+                i += 1
+                continue
         if resend:
             counters[C_REREADS] += np.uint64(1)
             out_len[i] = _result(bi, bu, values, s, b, job, served_flags, out, out32, out16, i, counters,
