@@ -93,7 +93,16 @@ def served():
 @given(packets=st.lists(message(E, lambda r: ("127.0.0.1", r)), min_size=20, max_size=150))
 def test_the_server_takes_hostile_packets_and_still_serves_its_members_exactly(served, packets):
     agg, clients, addrs, stranger = served
-    before = sum(agg.job_stats(JOB).drops.values()) + sum(agg.job_stats(None).drops.values())
+
+    def dropped() -> tuple[int, int, int]:
+        """Every drop; the members' ``duplicate`` ones (a retransmission whose original was only
+        slow, on a loaded host: a stranger's packet is never one, its address is no member's);
+        the members' retransmissions."""
+        job = agg.job_stats(JOB).drops
+        return (sum(job.values()) + sum(agg.job_stats(None).drops.values()), job.get("duplicate", 0),
+                sum(c.stats["retransmits"] for c in clients))
+
+    before = dropped()
     for data, _ in packets:
         stranger.sendto(data, agg.address)
     handles = [c.allreduce_async(np.full(3 * E, r + 1, np.float32)) for r, c in enumerate(clients)]
@@ -101,5 +110,6 @@ def test_the_server_takes_hostile_packets_and_still_serves_its_members_exactly(s
         np.testing.assert_array_equal(h.wait(), np.full(3 * E, 6, np.float32))
     # a stranger's packets are all refused, each counted once (by the time the members' round is
     # answered, the server has read what the stranger sent before it)
-    after = sum(agg.job_stats(JOB).drops.values()) + sum(agg.job_stats(None).drops.values())
-    assert after - before == len(packets)
+    total, duplicates, retransmits = (a - b for a, b in zip(dropped(), before))
+    assert total - duplicates == len(packets)
+    assert duplicates <= retransmits, (duplicates, retransmits)
