@@ -1,9 +1,18 @@
 """Fixtures shared across test folders."""
 from __future__ import annotations
 
+import os
 import secrets
 
 import pytest
+from hypothesis import settings
+
+# The property tests draw new random cases on every run, which finds bugs but makes a run's verdict
+# a draw: CI (.ci/run sets AGGD_HYPOTHESIS_PROFILE=ci) plays the same cases every time, a developer's
+# `make test` new ones. Loaded here, before any test module builds its settings on the default.
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("AGGD_HYPOTHESIS_PROFILE", "explore"))
 
 
 def unique_lab_name() -> str:
