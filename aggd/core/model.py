@@ -1035,7 +1035,9 @@ class AggregatorModel:
         bank = self._open_in_order(job, slot, key, skip, count, entry, now)
         if bank is None and entry.kind in KEPT_KINDS:
             slot.pending = key
-        elif key == slot.pending:
+        elif bank is not None and key == slot.pending:
+            # only a bank holding it clears it: refused again under a strategy swapped in that
+            # keeps no pending key (sync), it still goes first
             slot.pending = None
         return bank
 

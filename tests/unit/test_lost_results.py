@@ -95,12 +95,19 @@ def test_a_released_ssp_round_stays_until_every_member_sent_a_round_the_window_l
     assert _send(model, 1, 4).reason is None                # rounds 4 (open) and 5 may go on
 
 
-def test_a_refused_key_goes_first():
+def _rank_0_ahead() -> AggregatorModel:
+    """ssp:2, rounds 0..2 released by both ranks, round 3 open with rank 0's contribution only
+    (rank 1 has not sent round 3, so rounds 0..2 are kept)."""
     model = _model("ssp:2")
     for r in range(3):
         for rank in (0, 1):
             _send(model, rank, r)
     _send(model, 0, 3)
+    return model
+
+
+def test_a_refused_key_goes_first():
+    model = _rank_0_ahead()
     slot = model.jobs[JOB].slots[0]
     assert _send(model, 0, 5).reason is not None            # round 4 not open yet: out of order
     assert slot.pending == (5, 0)
@@ -109,6 +116,24 @@ def test_a_refused_key_goes_first():
     _send(model, 1, 3)
     assert _send(model, 1, 5).reason is not None            # above the pending key: waits
     assert _send(model, 1, 4).reason is None                # takes round 0's bank
+    assert slot.pending is None
+
+
+def test_a_pending_key_refused_again_under_sync_stays_pending():
+    """Only a bank holding the pending key clears it: refused again once a swap put its round
+    under sync (which keeps none), it still goes first (found by CI's random sequences: the model
+    forgot it, the XDP program did not)."""
+    model = _rank_0_ahead()
+    slot = model.jobs[JOB].slots[0]
+    assert _send(model, 0, 4).reason is not None            # rounds 0..2 kept: refused, pending
+    assert slot.pending == (4, 0)
+    table = StrategyTable(parse("ssp:2"))
+    table.install(1, 4, parse("sync"))
+    model.set_strategy(JOB, check_table(table.table_entries()))
+    assert _send(model, 0, 4).reason is not None            # sync: round 3 is open
+    assert slot.pending == (4, 0)
+    _send(model, 1, 3)
+    assert _send(model, 1, 4).reason is None                # opens: no longer pending
     assert slot.pending is None
 
 

@@ -467,13 +467,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                         if bi[s, b2, F_STATE] == RELEASED and (b < 0 or _key_less(
                                 bi[s, b2, F_ROUND], bi[s, b2, F_CHUNK], bi[s, b, F_ROUND], bi[s, b, F_CHUNK])):
                             b = b2
-                    if b >= 0 and bu[s, b, U_HELD] != everyone:          # kept (Slot.reusable)
-                        kb = bi[s, b, F_KIND]
-                        if shared[s] != 0:                     # a slot serving several chunk indices
-                            if kb == SSP or kb == ASYNC or kb == QUORUM:
-                                b = -1
-                        elif (kb == SSP or kb == ASYNC) and kind != QUORUM:
-                            b = -1
+                    if b >= 0 and not _reusable(bi, bu, s, b, everyone, kind, shared[s]):
+                        b = -1                                 # kept (Slot.reusable)
                 busy = b < 0
             if busy and not queued and (kind == SSP or kind == ASYNC):     # Slot.pending: it goes first
                 pending[s] = key + np.uint64(1)
