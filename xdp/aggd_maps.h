@@ -111,6 +111,8 @@ struct bank {
 	__u16 count;         /* the round's count (the opening packet's; in a carry's holding bank,
 	                      * the first own contribution's): its results carry it, not a late
 	                      * packet's, maybe another tensor's (Bank.count) */
+	__u16 carried;       /* late contributions carried into it: a quorum round takes at most the
+	                      * world's (Bank.carried) */
 	/* members known to hold this round's result (the model's Bank.held): a released ssp/async
 	 * bank is reused only once it has every awaited member */
 	__u64 held;
@@ -143,6 +145,8 @@ struct scratch {
 	__u32 nfree_q;
 	__u64 rel_old_key_q;
 	__u32 uncarried;    /* a late contribution answered without being added (rule 4) */
+	__u32 passed_full;  /* rule 4 passed over a later round full of carries (Bank.carried) */
+	__u64 hold_newest;  /* the largest key of the chunk's holding banks (0: none; never round 0) */
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };

@@ -177,6 +177,13 @@ static __always_inline int admits(struct strategy_entry *e, __u32 round, int nop
 	return nopen == 0;
 }
 
+/* A quorum round that holds the world's carries takes no more: with its members' own it then
+ * holds the 2 * world terms they quantise for (Bank.carried, docs/protocol.md rule 4). */
+static __always_inline int target_full(struct bank *t, struct job_cfg *cfg)
+{
+	return t->kind == AGGD_STRATEGY_KIND_QUORUM && t->carried >= cfg->world;
+}
+
 static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy_entry *e, __u64 now,
 				      __u8 holding, __u16 skip, __u16 count)
 {
@@ -189,6 +196,7 @@ static __always_inline void open_bank(struct bank *b, __u64 key, struct strategy
 	b->late = 0;
 	b->held = 0;
 	b->n_contrib = 0;
+	b->carried = 0;
 	b->flags = 0;
 	b->unannounced = 0;
 	b->t_first = now;
@@ -696,7 +704,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	sc->ik = sc->ifree = sc->irel_old = sc->itarget = sc->irel_chunk = sc->irel_chunk2 = sc->ihold = -1;
 	sc->used = sc->nopen = sc->nhold = sc->nfree = sc->nempty = sc->have_chunk = sc->timeouts = sc->settled = 0;
 	sc->old_kept = sc->old_kept_q = 0;
-	sc->uncarried = 0;
+	sc->uncarried = sc->passed_full = 0;
+	sc->hold_newest = 0;
 	sc->min_open_round = 0xffffffff;
 	sc->irel_old_q = -1;
 	sc->nfree_q = 0;
@@ -759,10 +768,14 @@ int aggd_xdp(struct xdp_md *ctx)
 			/* a carry's holding bank: a target for later carries of its chunk, and the bank
 			 * the chunk's next round adopts; nothing else */
 			sc->nhold++;
-			if ((__u32)k == chunk && k > key && k < sc->target_key) {
+			if ((__u32)k == chunk && k > key && target_full(b, cfg)) {
+				sc->passed_full = 1;
+			} else if ((__u32)k == chunk && k > key && k < sc->target_key) {
 				sc->target_key = k;
 				sc->itarget = i;
 			}
+			if ((__u32)k == chunk && k > sc->hold_newest)
+				sc->hold_newest = k;
 			if ((__u32)k == chunk && k < sc->hold_key) {
 				sc->hold_key = k;
 				sc->ihold = i;
@@ -780,7 +793,9 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->nopen++;
 			if ((__u32)(k >> 32) < sc->min_open_round)
 				sc->min_open_round = k >> 32;
-			if (b->state == BANK_OPEN && (__u32)k == chunk && k > key && k < sc->target_key) {
+			if (b->state == BANK_OPEN && (__u32)k == chunk && k > key && target_full(b, cfg)) {
+				sc->passed_full = 1;
+			} else if (b->state == BANK_OPEN && (__u32)k == chunk && k > key && k < sc->target_key) {
 				sc->target_key = k;
 				sc->itarget = i;
 			}
@@ -922,8 +937,11 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->add = sc->itarget;
 		} else {
 			/* the next round of the chunk, after the slot's newest key too (its members
-			 * will still come to it), as a holding bank that leaves a bank free */
+			 * will still come to it), as a holding bank that leaves a bank free; after the
+			 * chunk's holding banks too (full ones: Bank.carried) */
 			__u64 r2 = (__u64)(sc->have_chunk ? (__u32)(sc->chunk_newest >> 32) : round) + 1;
+			if (sc->hold_newest && (sc->hold_newest >> 32) + 1 > r2)
+				r2 = (sc->hold_newest >> 32) + 1;
 			if (r2 <= 0xffffffffULL && sc->used && ((r2 << 32) | chunk) <= sc->newest)
 				r2 = (sc->newest >> 32) + (chunk > (__u32)sc->newest ? 0 : 1);
 			__u64 k2 = (r2 << 32) | chunk;
@@ -937,12 +955,15 @@ int aggd_xdp(struct xdp_md *ctx)
 				open_bank(&s->bank[pick2 & (NBANKS - 1)], k2, e2, now, 1, 0, n);
 				sc->add = pick2;
 				sc->add_fresh = 1;
-			} else if (s->shared && (ik >= 0 ? ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM
+			} else if ((s->shared || sc->passed_full) &&
+				   (ik >= 0 ? ob->state == BANK_RELEASED && ob->kind == AGGD_STRATEGY_KIND_QUORUM
 						  : sc->irel_chunk >= 0 &&
 						    s->bank[sc->irel_chunk & (NBANKS - 1)].kind == AGGD_STRATEGY_KIND_QUORUM)) {
 				/* a quorum round of a slot serving several chunk indices, kept for this
 				 * straggler (or, its round gone, the chunk's newest quorum result) answers it
-				 * though no bank is free to carry its values into (dropped, as a quorum may) */
+				 * though no bank is free to carry its values into (dropped, as a quorum may);
+				 * so too past a round full of carries (refused, its call could wait on a
+				 * round that waits on it) */
 				sc->out = ik >= 0 ? ik : sc->irel_chunk;
 				sc->uncarried = 1;
 				if (ik >= 0)
@@ -1017,6 +1038,7 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 		} else {
 			b->flags |= AGGD_FLAG_CARRIED;
+			b->carried += 1;
 		}
 		__u64 *v = b->values;
 		__u32 *p = (__u32 *)payload;

@@ -101,11 +101,13 @@ Slot rules (numbers as in docs/protocol.md)
   result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
   contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
   an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
-  K.round; else a holding bank ``(R + 1, chunk)`` is opened (its round a placeholder until the
-  chunk's next round adopts it), R the largest round of that chunk among the slot's non-empty,
-  non-holding banks (K.round if none), moved past the slot's newest key when it is not above it,
+  K.round that is not *full* (quorum governs it and it holds ``world`` carries: ``Bank.carried``);
+  else a holding bank ``(R + 1, chunk)`` is opened (its round a placeholder until the
+  chunk's next round adopts it; a chunk may have several, adopted smallest first), R the largest round of that chunk among the slot's non-empty
+  banks, holding ones included (K.round if none), moved past the slot's newest key when it is not above it,
   if that round fits 32 bits and another bank stays free for the rounds in progress; else the
-  packet is dropped ``busy``.
+  packet is dropped ``busy`` (answered uncarried, as in a shared slot, when a full bank was
+  passed over: refused, a straggler's call could wait on a round that waits on it).
   A carry adds the values into the target (n_contrib + 1, flag CARRIED; bitmap and steps of the
   target unchanged; no release test: the bitmap did not change), then, if the origin bank B still
   holds K -- the new round may have taken it -- sets X in B.late and bit ``s`` in B.steps[X]. The answer is chosen *after* the
@@ -399,6 +401,9 @@ class Bank:
     n_contrib: int = 0                 #: everything added (carried and wbsp steps included), u16
     exponent: int = ZERO_EXPONENT
     flags: int = 0                     #: Flag bits every result of the bank carries (CARRIED)
+    #: Late contributions carried into it (rule 4): a quorum round takes at most ``world``, so that
+    #: it holds at most the ``2 * world`` terms its members quantise for
+    carried: int = 0
     version: int = 0                   #: the governing table row, recorded when the bank opened
     kind: StrategyKind = StrategyKind.SYNC
     param: int = 0
@@ -433,7 +438,7 @@ class Bank:
         self.skip, self.count = skip, count
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
-        self.bitmap = self.late = self.n_contrib = self.flags = self.held = 0
+        self.bitmap = self.late = self.n_contrib = self.flags = self.held = self.carried = 0
         self.unannounced = False
         self.exponent = ZERO_EXPONENT
         self.steps = [0] * MAX_MEMBERS
@@ -445,6 +450,10 @@ class Bank:
         self.key, self.skip, self.held = key, skip, 0
         self.version, self.kind = entry.version, StrategyKind(entry.kind)
         self.param, self.timeout_us = entry.param, entry.timeout_us
+
+    def full(self, world: int) -> bool:
+        """Rule 4: a quorum round that holds ``world`` carried contributions takes no more."""
+        return self.kind == StrategyKind.QUORUM and self.carried >= world
 
     def counted(self, rank: int, step: int) -> bool:
         """Has this contribution, (member, step), already been added to this round? Every
@@ -1012,7 +1021,7 @@ class AggregatorModel:
         """Rule 4's new round for a carry: a holding bank for the next round of ``chunk`` (after its
         newest bank, and after the slot's newest key, so its members will still come to it),
         if another bank stays free for the rounds in progress; None means busy."""
-        r2 = max((b.key[0] for b in slot.of_chunk(chunk) if not b.holding), default=round_) + 1
+        r2 = max((b.key[0] for b in slot.of_chunk(chunk)), default=round_) + 1   # full holding ones too
         newest = slot.newest()
         if newest is not None and (r2, chunk) <= newest:
             r2 = newest[0] + (chunk <= newest[1])   # (newest round, chunk) is later iff chunk is
@@ -1109,7 +1118,13 @@ class AggregatorModel:
                 return self._resend(job, answer, hdr, src)
             return self._drop(job.cfg.job, DropReason.STALE)   # cannot be told from a duplicate
         later = [b for b in slot.of_chunk(hdr.chunk, BankState.OPEN) if b.key[0] > hdr.round]
-        target = min(later, key=lambda b: b.key, default=None)
+        # a quorum round full of carries (stragglers rounds behind carry each late round into the
+        # same next one) takes no more: its terms would pass what its members quantise for. The
+        # carry goes on to a later round; with no bank for one it is answered uncarried, as below
+        # (refused, the straggler's call could wait on a round that waits on it)
+        roomy = [b for b in later if not b.full(job.cfg.world)]
+        full = len(roomy) < len(later)
+        target = min(roomy, key=lambda b: b.key, default=None)
         fresh = target is None
         if fresh:
             target = self._hold(job, slot, hdr.round, hdr.chunk, hdr.count, now)
@@ -1117,7 +1132,7 @@ class AggregatorModel:
             # than the slot has banks, say once the slot came to serve several chunk indices) the
             # chunk's newest quorum result
             answer = origin if origin is not None else slot.newest_released(hdr.chunk)
-            if (target is None and slot.shared and answer is not None and answer.state == BankState.RELEASED
+            if (target is None and (slot.shared or full) and answer is not None and answer.state == BankState.RELEASED
                     and answer.kind == StrategyKind.QUORUM):
                 # answers it even with no bank to carry its values into (they are dropped, as a
                 # quorum may): refused, it would come back to a slot whose banks are kept for it,
@@ -1137,6 +1152,7 @@ class AggregatorModel:
         self._add(job, target, hdr, values, fresh)
         job.count_member(hdr.rank, hdr.round, now, 0, late=True)
         target.flags |= Flag.CARRIED
+        target.carried += 1
         job.count("carried")
         if origin is not None and origin.state != BankState.EMPTY and origin.key == key:
             origin.late |= 1 << hdr.rank

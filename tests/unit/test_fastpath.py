@@ -114,7 +114,7 @@ def bank_state(m: AggregatorModel):
     made when first used: each is looked at, so a slot one model made and the other did not
     compares too)."""
     slots = m.jobs[JOB].slots
-    return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.exponent, b.flags, b.version, b.kind, b.param,
+    return [[(b.state, b.key, b.bitmap, b.late, b.n_contrib, b.carried, b.exponent, b.flags, b.version, b.kind, b.param,
               b.timeout_us, b.t_first, b.unannounced, b.holding, [x & 0xFF for x in b.steps], b.values.tolist(),
               None if b.rows is None else [(b.rows[r].tolist(), int(b.row_exp[r]))
                                            for r in range(len(b.rows)) if b.bitmap >> r & 1])
@@ -211,6 +211,27 @@ def test_the_kernel_decided_most_packets():
     for what in (fastpath.ABSORBED, fastpath.TO_GROUP, fastpath.TO_SENDER, DropReason.BUSY, DropReason.DUPLICATE,
                  "reread", "carried"):
         assert decided[what] > 0, (what, decided)
+
+
+def test_rounds_full_of_carries_as_the_model():
+    """The fixture scenario of a quorum round full of carries (tests/fixtures/scenarios.py): the
+    kernel's carries count as the model's, and what it leaves to the model (a carry past a full
+    round) is decided there, in batches of every size."""
+    from tests.fixtures.scenarios import SCENARIOS, T0_NS
+    sc = SCENARIOS["a quorum round full of carries takes no more: the straggler's later ones go on to later rounds"]
+    Sent = collections.namedtuple("Sent", "data src now_ns")
+    ref = new_model(sc.world, sc.slots, list(sc.table))
+    steps = []
+    for t_us, pkt, _ in sc.steps:
+        sent = Sent(pkt.build(E), addr(pkt.rank), T0_NS + t_us * 1000)
+        steps.append((sent, ref.process(sent.data, sent.src, sent.now_ns)))
+    for cut in (0, 1, 2, 5, 63):
+        got, m, fp = replay((sc.world, sc.slots, list(sc.table), 0, SUM), steps, [cut])
+        kinds = collections.Counter(kind for _, kind in same_verdicts(got, steps))
+        assert kinds[fastpath.SLOW] < len(steps)
+        fp.sync()
+        assert m.counters(JOB).tolist() == ref.counters(JOB).tolist()
+        assert bank_state(m) == bank_state(ref)
 
 
 def test_a_release_observer_sees_every_release():

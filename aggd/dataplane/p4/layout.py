@@ -101,7 +101,7 @@ BANK_REGISTERS: dict[str, int] = {
     "bank_state": 8, "bank_round": 32, "bank_chunk": 32, "bank_bitmap": 64, "bank_late": 64,
     "bank_n": 16, "bank_exp": 16, "bank_flags": 8, "bank_version": 16, "bank_kind": 8, "bank_param": 8,
     "bank_timeout": 32, "bank_t_first": 48, "bank_unannounced": 8, "bank_holding": 8, "bank_held": 64,
-    "bank_count": 16,
+    "bank_count": 16, "bank_carried": 16,
 }
 #: Per member of a slot (index slot * 64 + rank), its late memory (docs/protocol.md, rule 4): the round
 #: + 1 (0: none) and, by the chunk's index in the slot, its step-0 contributions to that round refused

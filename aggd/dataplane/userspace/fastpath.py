@@ -73,8 +73,8 @@ SUM, TRIMMED, ZENO = int(CombineKind.SUM), int(CombineKind.TRIMMED), int(Combine
 
 # A bank's fields in the kernel's arrays: small ones in int64 ``bi``, 64-bit ones in uint64 ``bu``.
 (F_STATE, F_ROUND, F_CHUNK, F_HOLDING, F_NCONTRIB, F_EXPONENT, F_FLAGS, F_VERSION, F_KIND, F_PARAM,
- F_TIMEOUT_US, F_UNANNOUNCED, F_COUNT) = range(13)
-NF = 13
+ F_TIMEOUT_US, F_UNANNOUNCED, F_COUNT, F_CARRIED) = range(14)
+NF = 14
 U_BITMAP, U_LATE, U_TFIRST, U_HELD = range(4)
 NU = 4
 #: Strategy table rows for the kernel: from_round, version, kind, param, timeout_us.
@@ -385,15 +385,19 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 else:
                     if combine_kind != SUM or late_ranks[s] >> np.uint64(rank) & np.uint64(1):
                         break
+                    passed_full = False
                     for b2 in range(BANKS):           # the chunk's earliest later round still open
-                        if bi[s, b2, F_STATE] == OPEN and bi[s, b2, F_CHUNK] == chunk and \
-                                bi[s, b2, F_ROUND] > round_ and (carry < 0 or bi[s, b2, F_ROUND] < bi[s, carry, F_ROUND]):
-                            carry = b2
+                        if bi[s, b2, F_STATE] == OPEN and bi[s, b2, F_CHUNK] == chunk and bi[s, b2, F_ROUND] > round_:
+                            if bi[s, b2, F_KIND] == QUORUM and bi[s, b2, F_CARRIED] >= world:
+                                passed_full = True   # full of carries (Bank.full)
+                            elif carry < 0 or bi[s, b2, F_ROUND] < bi[s, carry, F_ROUND]:
+                                carry = b2
+                    if passed_full and carry < 0:    # (its answer when no bank is left: the model's)
+                        break
                     if carry < 0:                    # else a holding bank for the chunk's next round
                         r2 = round_
-                        for b2 in range(BANKS):
-                            if bi[s, b2, F_STATE] != EMPTY and bi[s, b2, F_CHUNK] == chunk and \
-                                    bi[s, b2, F_HOLDING] == 0 and bi[s, b2, F_ROUND] > r2:
+                        for b2 in range(BANKS):      # (after the chunk's holding banks too)
+                            if bi[s, b2, F_STATE] != EMPTY and bi[s, b2, F_CHUNK] == chunk and bi[s, b2, F_ROUND] > r2:
                                 r2 = bi[s, b2, F_ROUND]
                         r2 += 1
                         if newest and not _key_less(nr, nc, r2, chunk):
@@ -480,7 +484,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 bi[s, b, F_HOLDING], bi[s, b, F_NCONTRIB], bi[s, b, F_FLAGS] = 0, 0, 0
                 bi[s, b, F_VERSION], bi[s, b, F_KIND] = table[e, T_VERSION], kind
                 bi[s, b, F_PARAM], bi[s, b, F_TIMEOUT_US] = table[e, T_PARAM], table[e, T_TIMEOUT]
-                bi[s, b, F_UNANNOUNCED], bi[s, b, F_COUNT] = 0, count
+                bi[s, b, F_UNANNOUNCED], bi[s, b, F_COUNT], bi[s, b, F_CARRIED] = 0, count, 0
                 bu[s, b, U_BITMAP], bu[s, b, U_LATE], bu[s, b, U_TFIRST], bu[s, b, U_HELD] = 0, 0, now, 0
                 bi[s, b, F_EXPONENT] = ZERO_EXPONENT     # (Bank.open; a sum's first load sets it)
                 steps[s, b, :] = 0
@@ -506,7 +510,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 bi[s, t, F_HOLDING], bi[s, t, F_NCONTRIB], bi[s, t, F_FLAGS] = 1, 0, 0
                 bi[s, t, F_VERSION], bi[s, t, F_KIND] = table[e2, T_VERSION], table[e2, T_KIND]
                 bi[s, t, F_PARAM], bi[s, t, F_TIMEOUT_US] = table[e2, T_PARAM], table[e2, T_TIMEOUT]
-                bi[s, t, F_UNANNOUNCED], bi[s, t, F_COUNT] = 0, count
+                bi[s, t, F_UNANNOUNCED], bi[s, t, F_COUNT], bi[s, t, F_CARRIED] = 0, count, 0
                 bu[s, t, U_BITMAP], bu[s, t, U_LATE], bu[s, t, U_TFIRST], bu[s, t, U_HELD] = 0, 0, now, 0
                 bi[s, t, F_EXPONENT] = ZERO_EXPONENT
                 steps[s, t, :] = 0
@@ -521,6 +525,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                 members[rank, M_LAST_ROUND] = np.uint64(round_ + 1)
             members[rank, M_LAST_NS] = now
             bi[s, t, F_FLAGS] |= CARRIED
+            bi[s, t, F_CARRIED] += 1
             counters[C_CARRIED] += np.uint64(1)
             if t != b:                                             # K's own bank: answered from now on
                 bu[s, b, U_LATE] |= np.uint64(1) << np.uint64(rank)
@@ -743,7 +748,7 @@ class FastJob:
         for b, bank in enumerate(self.state.slots[s].banks):
             self.bi[s, b] = (bank.state, bank.key[0], bank.key[1], bank.holding, bank.n_contrib, bank.exponent,
                              bank.flags, bank.version, bank.kind, bank.param, bank.timeout_us, bank.unannounced,
-                             bank.count)
+                             bank.count, bank.carried)
             self.bu[s, b] = (bank.bitmap, bank.late, bank.t_first % (1 << 64), bank.held)
             self.steps[s, b] = [x & 0xFF for x in bank.steps]  # bits >= STEPS mean nothing (counted anyway)
         p = self.state.slots[s].pending
@@ -772,7 +777,7 @@ class FastJob:
             if self.bi[s, b, F_STATE] == EMPTY:      # never used (a bank is never emptied again)
                 continue
             (state, round_, chunk, holding, bank.n_contrib, bank.exponent, bank.flags, bank.version, kind,
-             bank.param, bank.timeout_us, unannounced, bank.count) = self.bi[s, b].tolist()
+             bank.param, bank.timeout_us, unannounced, bank.count, bank.carried) = self.bi[s, b].tolist()
             bank.state, bank.key, bank.holding = BankState(state), (round_, chunk), bool(holding)
             bank.kind, bank.unannounced = StrategyKind(kind), bool(unannounced)
             bank.bitmap, bank.late, bank.t_first, bank.held = self.bu[s, b].tolist()

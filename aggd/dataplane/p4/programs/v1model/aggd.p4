@@ -18,7 +18,7 @@
 
 #define BANK_FIELDS(i) \
     bit<8> st##i; bit<32> rd##i; bit<32> ch##i; bit<8> kd##i; bit<32> to##i; bit<48> tf##i; bit<8> hd##i; \
-    bit<64> bm##i; bit<64> hl##i;
+    bit<64> bm##i; bit<64> hl##i; bit<16> cr##i;
 
 /* Metadata. Fields marked @field_list(1) survive recirculation (the later passes of one packet). */
 struct aggd_meta_t {
@@ -124,6 +124,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
     register<bit<64>>(AGGD_BANK_CELLS) bank_held;
     /* the round's count, which its results carry (Bank.count) */
     register<bit<16>>(AGGD_BANK_CELLS) bank_count;
+    /* late contributions carried into the bank: a quorum round takes at most the world's, so it
+     * holds at most the 2 * world terms its members quantise for (Bank.carried) */
+    register<bit<16>>(AGGD_BANK_CELLS) bank_carried;
     /* Per member, the steps (0..7) of its contributions this round took: a bitmask, index
      * bank * 64 + rank. Every strategy deduplicates by (member, step); step >= 8 counts as taken. */
     register<bit<8>>(AGGD_BANK_CELLS * AGGD_MAX_MEMBERS) bank_steps;
@@ -333,6 +336,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
         bit<1> carried = 0;
         bit<1> want_open = 0;
         bit<1> hold = 0;           /* the bank to open is a carry's holding bank */
+        bit<1> passed_full = 0;    /* rule 4 passed over a later round full of carries (Bank.full) */
+        bit<64> hold_newest = 0;   /* the largest key of the chunk's holding banks (0: none) */
+        bit<16> t_carried;
         bit<1> refuse_late = 0;    /* a carry refused busy: remembered in the late memory */
         bit<33> r2;
         bit<1> fresh = 0;
@@ -523,6 +529,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             bank_holding.read(hd##i, base + i); \
             bank_bitmap.read(bm##i, base + i); \
             bank_held.read(hl##i, base + i); \
+            bank_carried.read(cr##i, base + i); \
             if (st##i != BANK_EMPTY) { \
                 /* the sender holds this round's result (Slot.note_sender) */ \
                 if ((bit<33>)hdr.aggd.round >= (bit<33>)rd##i + (bit<33>)AGGD_RESULT_WINDOW || \
@@ -565,9 +572,15 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             } \
             if (st##i != BANK_EMPTY && hd##i != 0) { \
                 nhold = nhold + 1; \
-                if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
+                if (ch##i == hdr.aggd.chunk && k > key && kd##i == AGGD_STRATEGY_KIND_QUORUM && \
+                    cr##i >= (bit<16>)meta.world) { \
+                    passed_full = 1;   /* full of carries (Bank.full) */ \
+                } else if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
                     target_key = k; \
                     itarget = i; \
+                } \
+                if (ch##i == hdr.aggd.chunk && k > hold_newest) { \
+                    hold_newest = k; \
                 } \
                 if (st##i == BANK_OPEN && ch##i == hdr.aggd.chunk && (iheld == NO_BANK || k < held_key)) { \
                     held_key = k; \
@@ -579,7 +592,10 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 if (st##i == BANK_OPEN) { \
                     nopen = nopen + 1; \
                     if (rd##i < min_open) { min_open = rd##i; } \
-                    if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
+                    if (ch##i == hdr.aggd.chunk && k > key && kd##i == AGGD_STRATEGY_KIND_QUORUM && \
+                        cr##i >= (bit<16>)meta.world) { \
+                        passed_full = 1; \
+                    } else if (ch##i == hdr.aggd.chunk && k > key && k < target_key) { \
                         target_key = k; \
                         itarget = i; \
                     } \
@@ -736,6 +752,9 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                         } else {
                             r2 = (bit<33>)hdr.aggd.round + 1;
                         }
+                        if (hold_newest != 0 && (bit<33>)hold_newest[63:32] + 1 > r2) {
+                            r2 = (bit<33>)hold_newest[63:32] + 1;   /* after full holding banks too */
+                        }
                         if (r2 <= 0xFFFFFFFF && used != 0 && (r2[31:0] ++ hdr.aggd.chunk) <= newest) {
                             if (hdr.aggd.chunk > newest[31:0]) {
                                 r2 = (bit<33>)newest[63:32];
@@ -818,7 +837,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_timeout.write(base + (bit<32>)iheld, meta.s_timeout);
                     bank_held.write(base + (bit<32>)iheld, 0);
                     add = iheld;
-                } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && shared == 1 &&
+                } else if ((admitted == 0 || pick == NO_BANK) && hold == 1 && (shared == 1 || passed_full == 1) &&
                            ((ik != NO_BANK && b_state == BANK_RELEASED && b_kind == AGGD_STRATEGY_KIND_QUORUM) ||
                             (ik == NO_BANK && irel_chunk != NO_BANK && rel_kind == AGGD_STRATEGY_KIND_QUORUM))) {
                     /* a quorum round of a slot serving several chunk indices, kept for this
@@ -862,6 +881,7 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                     bank_holding.write(base + (bit<32>)pick, (bit<8>)hold);
                     bank_held.write(base + (bit<32>)pick, 0);
                     bank_count.write(base + (bit<32>)pick, hdr.aggd.count);
+                    bank_carried.write(base + (bit<32>)pick, 0);
                     /* the step masks of the new round start empty (64 cells) */
 #define CLEAR_STEP(r) bank_steps.write((base + (bit<32>)pick) * AGGD_MAX_MEMBERS + r, 0);
                     AGGD_LANES_64(CLEAR_STEP)
@@ -964,6 +984,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
                 } else {
                     b_flags = b_flags | AGGD_FLAG_CARRIED;
                     bank_flags.write(base + (bit<32>)add, b_flags);
+                    bank_carried.read(t_carried, base + (bit<32>)add);
+                    bank_carried.write(base + (bit<32>)add, t_carried + 1);
                 }
                 /* Exponents: the first contribution sets it; later ones align to the smaller. */
                 meta.sa = 0;
