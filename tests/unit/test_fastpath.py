@@ -23,7 +23,7 @@ from aggd_client.protocol import HEADER_SIZE, DropReason, Flag, Header
 
 from tests.fixtures.scenarios import E, JOB, addr, entry, job_config
 
-from tests.fixtures.traffic import STRATEGY_TEXTS, Traffic, layout_of, swap_table
+from tests.fixtures.traffic import STRATEGY_TEXTS, Sent, Traffic, layout_of, swap_table
 
 REC = (HEADER_SIZE + 4 * (E + 1) + 7) // 8 * 8   # the largest noise packet carries E + 1 values
 
@@ -219,7 +219,6 @@ def test_rounds_full_of_carries_as_the_model():
     round) is decided there, in batches of every size."""
     from tests.fixtures.scenarios import SCENARIOS, T0_NS
     sc = SCENARIOS["a quorum round full of carries takes no more: the straggler's later ones go on to later rounds"]
-    Sent = collections.namedtuple("Sent", "data src now_ns")
     ref = new_model(sc.world, sc.slots, list(sc.table))
     steps = []
     for t_us, pkt, _ in sc.steps:

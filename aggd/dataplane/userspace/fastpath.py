@@ -392,7 +392,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
                                 passed_full = True   # full of carries (Bank.full)
                             elif carry < 0 or bi[s, b2, F_ROUND] < bi[s, carry, F_ROUND]:
                                 carry = b2
-                    if passed_full and carry < 0:    # (its answer when no bank is left: the model's)
+                    if passed_full and carry < 0:    # past a full round, none with room: the model's
                         break
                     if carry < 0:                    # else a holding bank for the chunk's next round
                         r2 = round_
