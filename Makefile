@@ -11,9 +11,13 @@ setup:
 demo: setup
 	@$(VENV)/bin/aggctl demo
 
+# The suite in TEST_JOBS pytest processes (pytest-xdist; `TEST_JOBS=0` for one): most tests are real labs,
+# daemons and training runs, and every test names its namespaces, links, pin dirs and sockets uniquely.
+TEST_JOBS ?= 2
+
 test: setup
 	@start=$$(date +%s); \
-	$(PY) -m pytest tests --durations=60; rc=$$?; \
+	$(PY) -m pytest tests -n $(TEST_JOBS) --dist worksteal --durations=60; rc=$$?; \
 	echo "make test: $$(( $$(date +%s) - start ))s"; exit $$rc
 
 test-unit: setup

@@ -84,7 +84,8 @@ def strategy_run(make_lab, text: str, slots: int, **run) -> Outcome:
 @pytest.mark.parametrize("text", ["sync", "ssp:2", "async", "wbsp", "quorum:3:200ms"])
 def test_every_strategy_with_unequal_buckets(make_lab, text):
     """Training-loop-shaped workers cycle through four tensor sizes; one is slower for a while. Every
-    gradient sent is released exactly once (or is still held by a round nobody had to finish)."""
+    gradient sent is released exactly once (or is still held by a round nobody had to finish, or,
+    under quorum, is counted as dropped: ``uncarried``)."""
     # slow in a middle phase: afterwards the members are even, so every round is released
     out = strategy_run(make_lab, text, 16, steps=20, delay=0.01, slow={WORLD - 1: 3.0}, slow_steps="2:10",
                        sizes=SIZES)
@@ -97,7 +98,16 @@ def test_every_strategy_with_unequal_buckets(make_lab, text):
         assert any(rel["flags"] & Flag.CARRIED for rel in out.releases)
     else:
         released = sum(rel["sum"] for rel in out.releases)
-    assert abs(released + out.pending - out.sent) < 1e-6, (released, out.pending, out.sent, out.stats)
+    counters = {k: out.stats.counters.get(k) for k in ("released", "carried", "uncarried", "retransmits")}
+    lost = out.sent - released - out.pending
+    if counters["uncarried"]:
+        # A quorum round full of carries takes no more (rule 4's cap), and with no bank free for a
+        # later one the straggler's gradient is answered but dropped, as a quorum may, and counted.
+        # Seen on a loaded host, the straggler five rounds behind. Each one is a chunk of at most
+        # 256 values of |x| <= 1000.
+        assert -1e-6 < lost <= counters["uncarried"] * 256 * 1000, (lost, counters, out.stats)
+    else:
+        assert abs(lost) < 1e-6, (released, out.pending, out.sent, counters, out.stats)
 
 
 @pytest.mark.parametrize("text", ["ssp:2", "async"])
@@ -127,3 +137,4 @@ def test_a_quorum_straggler_with_small_and_large_tensors_in_shared_slots(make_la
     # is released never exceeds what was sent
     assert sum(rel["sum_all"] for rel in out.releases) + out.pending <= out.sent + 1e-6
     assert out.stats.counters["released"] >= 2 * (1 + 1 + 2 + 79 + 1 + 274), out.stats
+
