@@ -70,7 +70,8 @@ COUNTERS: dict[str, Family] = {
                                                "members", JP),
     "uncarried": counter("aggd_uncarried_contributions", "Late quorum contributions answered but not added: "
                                                          "no bank was free to carry them (slots serving "
-                                                         "several chunk indices)", JP),
+                                                         "several chunk indices, or past rounds full of "
+                                                         "carries)", JP),
 }
 #: Counters exported for the kernel path only (no ``path`` label).
 KERNEL_ONLY = {"to_userspace"}
