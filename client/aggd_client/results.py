@@ -196,10 +196,16 @@ class ResultHandler:
         if self._chunks_sent > self._slots:
             # A later round's result sent to us is the chunk's newest, answering a late packet of
             # ours. Where slots serve several chunk indices the aggregator keeps our own round's
-            # result until we hold it (rule 3's held): a later round's whose count (its round's)
-            # is not ours there is another tensor's and answers nothing; our round waits for its
-            # own (docs/protocol.md, "Tensors of different sizes").
-            keep = own | (h["count"].astype(np.int64) == self._counts(rnd, chunks))
+            # result until we hold it (rule 3's held), so our round waits for its own
+            # (docs/protocol.md, "Tensors of different sizes"). A later round's whose count (its
+            # round's) is not ours there is another tensor's and answers nothing. With tensors of
+            # several sizes one with our count may be another tensor's too, answering a late copy
+            # of an older round's packet (that round held its result, and we had moved on): it
+            # only stops the retransmission of a chunk whose result we hold.
+            if self._uniform:
+                keep = own | (h["count"].astype(np.int64) == self._counts(rnd, chunks))
+            else:
+                keep = own | (rnd.have[chunks] != 0)
             if not keep.all():
                 idx, h, rounds, chunks, own = idx[keep], h[keep], rounds[keep], chunks[keep], own[keep]
                 if idx.size == 0:
