@@ -165,8 +165,8 @@ struct slot {
 	/* The smallest key rule 3 refused under ssp/async, plus one (0: none): no later key
 	 * opens before it (the model's Slot.pending) */
 	__u64 pending;
-	/* 1 once a key of chunk n_slots or beyond came: the slot serves several chunk indices a
-	 * round (the model's Slot.shared) */
+	/* 1 once a key of chunk n_slots or beyond came (the slot serves several chunk indices a
+	 * round) or an ORDERED one (a quorum member whose tensors differ): the model's Slot.shared */
 	__u64 shared;
 	struct bank bank[NBANKS];
 };

@@ -721,7 +721,7 @@ int aggd_xdp(struct xdp_md *ctx)
 	 * loop of its own, without branches, before the scan's branches multiply the paths the
 	 * verifier walks (the jumbo build is near its limit). */
 	__u64 wide_sent = ((__u64)cfg->n_slots - 1 - chunk) >> 63;
-	s->shared |= wide_sent; /* a round with more chunks than slots (Slot.shared) */
+	s->shared |= wide_sent | ordered; /* a round with more chunks than slots, or ORDERED (Slot.shared) */
 #pragma unroll
 	for (int i = 0; i < NBANKS; i++) {
 		struct bank *b = &s->bank[i];

@@ -156,8 +156,8 @@ STEPS = 8
 #: until every awaited member is known to hold its result (``Slot.reusable``), or a result lost on
 #: its way would be gone for good while the others run ahead.
 KEPT_KINDS = (StrategyKind.SSP, StrategyKind.ASYNC)
-#: ... and in a slot that has served several chunk indices, quorum's too, from every new round
-#: (``Slot.shared``).
+#: ... and in a slot that has served several chunk indices, or been sent Flag.ORDERED, quorum's
+#: too, from every new round (``Slot.shared``).
 SHARED_KEPT_KINDS = KEPT_KINDS + (StrategyKind.QUORUM,)
 
 #: The strategies the model (and so the user-space path) runs, with what sets each apart.
@@ -550,6 +550,9 @@ class Slot:
     #: straggler's answer, was gone before it asked (and at a job's end for good). For good once
     #: set: with tensors of several sizes a small tensor's round is followed by a large one's,
     #: whose first keys take the slot's banks before its key of chunk ``slots`` or beyond comes.
+    #: A packet with Flag.ORDERED sets it too: a member whose calls have had more than one size
+    #: says so under ``quorum``, since there the chunk's newest result may be another tensor's and
+    #: only its own round's answers it.
     shared: bool = False
 
     def bank_of(self, key: Key) -> Bank | None:
@@ -579,8 +582,9 @@ class Slot:
         ``async`` only once every awaited member is known to hold its result (``Bank.held``),
         unless ``kind`` is quorum: a quorum goes on without its stragglers, whose late
         contributions are answered with the chunk's newest result. In a slot that has served
-        several chunk indices (``shared``) that newest result may be gone as well: there an
-        ``ssp``, ``async`` or ``quorum`` bank is kept from every new round until it is held."""
+        several chunk indices that newest result may be gone as well, and where a member's
+        tensors differ it may be another tensor's (both: ``shared``): there an ``ssp``, ``async``
+        or ``quorum`` bank is kept from every new round until it is held."""
         if bank.state != BankState.RELEASED:
             return False
         if self.shared and bank.kind in SHARED_KEPT_KINDS:
@@ -589,12 +593,13 @@ class Slot:
 
     def note_sender(self, rank: int, key: Key, step: int, slots: int, ordered: bool = False) -> None:
         """A member sent ``key``: mark it in ``held`` of every bank whose result it must hold by
-        then (``Bank.held``), and note a key of a round with more chunks than slots (``shared``).
+        then (``Bank.held``), and note a key of a round with more chunks than slots, or an
+        ``ordered`` one (``shared``).
         ``ordered``: the packet's Flag.ORDERED, the sender's word that it sends a slot's keys in
         order of answers, so any later round of it proves it holds the earlier ones."""
-        if key[1] >= slots:
-            self.shared = True
         wide = ordered or key[1] >= slots
+        if wide:
+            self.shared = True
         for b in self.banks:
             if b.state != BankState.EMPTY and (key[0] >= b.key[0] + RESULT_WINDOW
                                                or (step == 0 and key[0] == b.key[0] and key[1] > b.key[1])

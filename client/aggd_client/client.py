@@ -243,6 +243,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         # skip to a later round, which (as far as it can tell) holds the same tensor.
         self._first_size: int | None = None
         self._uniform = bool(catch_up)
+        # Whether our calls have had more than one size: under quorum we then say Flag.ORDERED,
+        # and the aggregator keeps each round's result for us (the chunk's newest may be another
+        # tensor's; docs/protocol.md, "Tensors of different sizes").
+        self._sizes_differ = False
         self._own_next = int(first_round)   # the round after our newest own one (no quorum catch-up)
         # The most chunks a round of ours had (beyond `slots`, slots serve several chunk indices:
         # RoundScheduler._limit), and the newest round that sent a chunk index for the first time
@@ -420,7 +424,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._round_chunks = -(-x.size // self._elements) or 1
             if self._first_size is None:
                 self._first_size = x.size
-            self._uniform = self._uniform and x.size == self._first_size
+            self._sizes_differ = self._sizes_differ or x.size != self._first_size
+            self._uniform = self._uniform and not self._sizes_differ
             if not self._uniform:
                 # a round we moved to on seeing a quorum's results may hold another tensor
                 # than this one: keep our own order (docs/protocol.md, "Tensors of different sizes")

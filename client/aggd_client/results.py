@@ -193,10 +193,11 @@ class ResultHandler:
         """Results (staging positions ``idx``, headers ``h``) for chunks of ``rnd``: its own round's
         or a later round's. Returns (new results, sends' chunks answered)."""
         own = rounds == rnd.r32
-        if self._chunks_sent > self._slots:
+        if self._chunks_sent > self._slots or rnd.ordered:
             # A later round's result sent to us is the chunk's newest, answering a late packet of
-            # ours. Where slots serve several chunk indices the aggregator keeps our own round's
-            # result until we hold it (rule 3's held), so our round waits for its own
+            # ours. Where slots serve several chunk indices, or our calls have had several sizes and
+            # we said ORDERED (under quorum), the aggregator keeps our own round's result until we
+            # hold it (rule 3's held), so our round waits for its own
             # (docs/protocol.md, "Tensors of different sizes"). A later round's whose count (its
             # round's) is not ours there is another tensor's and answers nothing. With tensors of
             # several sizes one with our count may be another tensor's too, answering a late copy

@@ -82,6 +82,8 @@ class _Round:
         self.unresolved = 0
         self.error: BaseException | None = None
         self.fast = self.dtype != np.float16  # numba has no float16
+        # sent with Flag.ORDERED: the aggregator keeps this round's results until we hold them
+        self.ordered = False
 
     @property
     def complete(self) -> bool:
@@ -155,9 +157,14 @@ class _Send:
         h["code"] = int(self.precision)  # the payload's Precision
         # once a round of ours had more chunks than slots, every key is admitted only after our
         # earlier rounds' keys of its slot are answered (``_limit``): the aggregator may count
-        # our later rounds as proof that we hold those results (Flag.ORDERED, rule 3's ``held``)
-        self.flags = _ORDERED if c._chunks_sent > self.S else 0
+        # our later rounds as proof that we hold those results (Flag.ORDERED, rule 3's ``held``).
+        # Under quorum a round starts only once the one before has every result, so that holds
+        # too; there a member whose calls have had more than one size says ORDERED as well, and
+        # the aggregator then keeps its round's result for it: the chunk's newest may be another
+        # tensor's (docs/protocol.md, "Tensors of different sizes").
+        self.flags = _ORDERED if c._chunks_sent > self.S or (kind == StrategyKind.QUORUM and c._sizes_differ) else 0
         h["flags"] = self.flags
+        rnd.ordered = rnd.ordered or self.flags != 0
         h["count"] = self.E  # the last chunk's entry is corrected when it is admitted
         self.state = np.zeros(self.n, np.uint8)
         self.sent_at = np.zeros(self.n, np.float64)

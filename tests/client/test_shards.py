@@ -140,8 +140,12 @@ def test_every_strategy_over_three_aggregators_loses_and_doubles_nothing(strateg
     each strategy. Small integer values, so quantisation is exact: every aggregator's released sums
     plus what it still holds (a quorum's carried contributions, async's rounds in progress) equal,
     exactly, the sum of every member's part of every tensor the map gave it, as one aggregator's
-    would; and where every result holds every member (sync, ssp, wbsp) each is the exact sum."""
+    would; and where every result holds every member (sync, ssp, wbsp) each is the exact sum. A
+    quorum's late chunk that no bank can take is answered and dropped, counted ``uncarried``: with
+    tensors of several sizes the slots keep each round for its stragglers (docs/protocol.md,
+    "Tensors of different sizes"), so a straggler a slot's banks behind may find none free."""
     from aggd.core.model import BankState, JobConfig
+    from aggd_client.protocol import Counter
     from aggd.core.strategy import parse, to_entry
 
     # 64 slots: more than any part has chunks (a quorum over more chunks than slots is docs/protocol.md's
@@ -180,7 +184,11 @@ def test_every_strategy_over_three_aggregators_loses_and_doubles_nothing(strateg
                 if total == want or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-            assert total == want, (strategy, i, released[i], held, want)
+            uncarried = int(a.model.jobs[JOB].counters[Counter.UNCARRIED])
+            if uncarried:   # each a chunk of at most E values of |x| <= 8
+                assert abs(want - total) <= uncarried * E * 8, (strategy, i, released[i], held, want, uncarried)
+            else:
+                assert total == want, (strategy, i, released[i], held, want)
     if strategy in ("sync", "ssp:2", "wbsp"):
         for k, n in enumerate(calls):
             exact = np.sum([tensors[r][k].astype(np.float64) for r in range(world)], axis=0)

@@ -72,7 +72,7 @@ class SimSend:
     sent_at: list[int]
     retries: list[int]
     last_ack: int = 0
-    ordered: bool = False    #: sent once a round of the member had more chunks than slots (Flag.ORDERED)
+    ordered: bool = False    #: Flag.ORDERED: a round of the member had more chunks than slots, or quorum with several sizes
 
     @property
     def finished(self) -> bool:
@@ -95,6 +95,8 @@ class Member:
         self.chunk_last = [-1] * sim.chunks
         self._new_chunks_round = -1     # the client's: every chunk index is new in its first round
         self.chunks_sent = 0            # the client's ``_chunks_sent``: the most chunks a round of ours had
+        self.first_k: int | None = None     # chunks of our first round
+        self.sizes_differ = False       # the client's ``_sizes_differ``: a round of ours had another size
         self.seen_quorum: dict[int, set] = {}
         self.blocked = False
         self.done = False
@@ -133,6 +135,8 @@ class Member:
             self.catch_up()
             n = self._next_round
             k = self.sim.chunks_of(n)
+            self.first_k = k if self.first_k is None else self.first_k
+            self.sizes_differ = self.sizes_differ or k != self.first_k
             skips = [max(0, n - self.chunk_last[c] - 1) for c in range(k)]
             for c in range(k):
                 self.chunk_last[c] = n
@@ -148,7 +152,9 @@ class Member:
             rnd = into
         k = rnd.n_chunks
         send = SimSend(rnd, rnd.steps, [PENDING] * k, [now] * k, [0] * k, now,
-                       ordered=self.chunks_sent > self.sim.slots)
+                       ordered=self.chunks_sent > self.sim.slots
+                       or (self._strategy.kind == StrategyKind.QUORUM and self.sizes_differ))
+        rnd.ordered = rnd.ordered or send.ordered
         rnd.steps += 1
         rnd.sends.append(send)
         self.sends.append(send)
@@ -192,6 +198,8 @@ class Member:
             later = kind == StrategyKind.QUORUM and reread and hdr.round > rnd.number
             if not (own or later) or hdr.chunk >= rnd.n_chunks:
                 continue
+            if later and rnd.ordered and not self.sim.uniform and not rnd.have[hdr.chunk]:
+                continue    # the aggregator keeps our round's own result: a later one may be another tensor's
             partial = kind in (StrategyKind.QUORUM, StrategyKind.WBSP, StrategyKind.ASYNC)
             lists_us = own and (not partial or hdr.contributors >> self.rank & 1)
             for s in rnd.sends:

@@ -56,8 +56,10 @@ TOTAL = sum(int(s) for s in SIZES.split(","))
 
 @dataclass
 class Outcome:
-    """A strategy run's: the workers' finals, what the aggregator released and still holds."""
+    """A strategy run's: the workers' finals and handles, what the aggregator released and still
+    holds."""
     finals: dict
+    handles: dict
     releases: list
     pending: float
     stats: object
@@ -78,7 +80,8 @@ def strategy_run(make_lab, text: str, slots: int, **run) -> Outcome:
         records, releases, errors = StrategyRun(lab, job, WORLD, **run).start().finish(timeout=300)
         pending, stats = dp.pending_sum(1), dp.job_stats(1)
     assert not errors, errors
-    return Outcome({rank: recs[-1] for rank, recs in records.items()}, releases, pending, stats)
+    return Outcome({rank: recs[-1] for rank, recs in records.items()},
+                   {rank: recs[:-1] for rank, recs in records.items()}, releases, pending, stats)
 
 
 @pytest.mark.parametrize("text", ["sync", "ssp:2", "async", "wbsp", "quorum:3:200ms"])
@@ -137,3 +140,26 @@ def test_a_quorum_straggler_with_small_and_large_tensors_in_shared_slots(make_la
     # is released never exceeds what was sent
     assert sum(rel["sum_all"] for rel in out.releases) + out.pending <= out.sent + 1e-6
     assert out.stats.counters["released"] >= 2 * (1 + 1 + 2 + 79 + 1 + 274), out.stats
+
+
+def test_a_quorum_straggler_far_behind_is_answered_with_its_own_tensor(make_lab):
+    """quorum:3 of 4 on 16 slots, tensors of 300 and 3000 values in turn (2 and 12 chunks, each
+    slot serving one chunk index), the last worker 4x slower throughout: it falls more rounds
+    behind than a slot has banks. Each of its calls gets its own round's sum. Before, its late
+    chunks were answered with the chunk's newest result: chunk 0 is full in both tensors, so the
+    other tensor's values passed as its own, and chunk 1's count failed the call. Now a member
+    whose calls have had more than one size says ORDERED under quorum, and the aggregator keeps
+    its round's result until it holds it (docs/protocol.md, "Tensors of different sizes")."""
+    out = strategy_run(make_lab, "quorum:3:300ms", 16, steps=16, delay=0.02, slow={WORLD - 1: 4.0},
+                       sizes="300,3000")
+    assert all(f.get("final") for f in out.finals.values()), out.finals
+    released: dict[int, dict[int, float]] = {}
+    for rel in out.releases:      # the group sees each chunk's release once
+        released.setdefault(rel["round"], {}).setdefault(rel["chunk"], rel["sum"])
+    straggler = out.handles[WORLD - 1]
+    assert [h["round"] for h in straggler] == list(range(16)), straggler   # its own calls, in order
+    # it fell behind: some round was released without it
+    assert any(rel["contributors"] >> (WORLD - 1) & 1 == 0 for rel in out.releases)
+    for rank, handles in out.handles.items():
+        for h in handles:
+            assert h["sum"] == sum(released[h["round"]].values()), (rank, h, released[h["round"]])

@@ -329,7 +329,7 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
             exponent -= 0x10000
         s = chunk % nslots
         now = nows[i]
-        if chunk >= nslots and shared[s] == 0:
+        if (chunk >= nslots or ordered) and shared[s] == 0:
             shared[s] = 1                                    # Slot.shared (note_sender)
             dirty[s] = 1
         # Rule 0 would release a bank: the model's.  Meanwhile find K's bank and the newest key.

@@ -509,8 +509,8 @@ control AggdPipeline(inout headers_t hdr, inout aggd_meta_t meta, inout standard
             base = meta.slot * AGGD_BANKS;
             slot_pending.read(pending, meta.slot);
             slot_shared.read(shared, meta.slot);
-            if (hdr.aggd.chunk >= meta.n_slots && shared == 0) {
-                shared = 1;                /* a round with more chunks than slots */
+            if ((hdr.aggd.chunk >= meta.n_slots || (hdr.aggd.flags & AGGD_FLAG_ORDERED) != 0) && shared == 0) {
+                shared = 1;                /* a round with more chunks than slots, or ORDERED */
                 slot_shared.write(meta.slot, shared);
             }
 
