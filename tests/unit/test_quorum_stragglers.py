@@ -18,7 +18,7 @@ import pytest
 from aggd.core.model import AggregatorModel, JobConfig, check_table, follows
 from aggd.core.strategy import StrategyTable, parse
 from aggd.testing.frames import worker_addr
-from aggd_client.protocol import Flag, Header, MsgType
+from aggd_client.protocol import Counter, Flag, Header, MsgType
 
 from tests.fixtures.scenarios import GROUP, JOB, tag
 from tests.harness.member_sim import Sim
@@ -77,10 +77,44 @@ def _model(text: str) -> AggregatorModel:
     return model
 
 
-def _send(model, rank: int, round_: int, retransmit: bool = False, now: int = 10**9):
+def _send(model, rank: int, round_: int, retransmit: bool = False, now: int = 10**9, ordered: bool = False,
+          value: int = 1):
     hdr = Header(type=MsgType.CONTRIB, job=JOB, rank=rank, round=round_, chunk=0, contributors=tag(rank),
-                 count=8, exponent=0, flags=Flag.RETRANSMIT if retransmit else 0)
-    return model.process(hdr.pack() + np.ones(8, "<i4").tobytes(), worker_addr(rank)[1:], now)
+                 count=8, exponent=0, flags=(Flag.RETRANSMIT if retransmit else 0) | (Flag.ORDERED if ordered else 0))
+    return model.process(hdr.pack() + np.full(8, value, "<i4").tobytes(), worker_addr(rank)[1:], now)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_an_ordered_quorum_keeps_the_stragglers_round(ordered):
+    """One slot a chunk index, quorum:3, rank 3 silent. Without Flag.ORDERED the quorum's later
+    rounds take round 0's bank and rank 3's late round 0 is answered with the chunk's newest result
+    (a later round's, which may hold another tensor). With it (members whose calls have had more
+    than one size say it under quorum) the slot is shared: round 0 is kept until rank 3 holds it,
+    the quorum runs three rounds ahead and is then refused ``busy``, and rank 3 gets round 0's own
+    sum. Every bank is then taken, so its values are dropped, counted ``uncarried`` (rule 4)."""
+    model = _model("quorum:3:20ms")
+    refused = []
+    for r in range(5):                      # round r's values are r + 1: the results tell rounds apart
+        for rank in range(3):
+            v = _send(model, rank, r, ordered=ordered, value=r + 1)
+            refused += [r] if v.reason is not None and v.reason.name == "BUSY" else []
+    slot = model.jobs[JOB].slots[0]
+    assert slot.shared == ordered
+    v = _send(model, 3, 0, ordered=ordered, value=1)
+    out = Header.unpack(v.out)
+    assert v.action == "tx" and out.flags & Flag.REREAD
+    sums = np.frombuffer(v.out[len(out.pack()):], "<i4")[:8]
+    if ordered:
+        assert refused == [4, 4, 4]          # round 4 waits for round 0's bank
+        assert out.round == 0 and (sums == 3).all()         # its own round: 3 members' ones
+        assert model.jobs[JOB].counters[Counter.UNCARRIED] == 1
+        assert _send(model, 0, 4, ordered=True, value=5).reason.name == "BUSY"
+        v = _send(model, 3, 1, ordered=True, value=2)      # its next round: it holds round 0
+        assert Header.unpack(v.out).round == 1
+        assert _send(model, 0, 4, ordered=True, value=5).reason is None     # round 4 takes round 0's bank
+    else:
+        assert not refused
+        assert out.round == 4 and (sums == 15).all()        # the newest: 3 members' fives
 
 
 @pytest.mark.parametrize("text,answered", [("quorum:3:20ms", True), ("ssp:2", False)])
