@@ -341,6 +341,11 @@ _warm = threading.Lock()
 _warmed: bool | None = None
 
 
+def warmed() -> bool:
+    """Whether ``warm_up`` has already loaded the kernels in this process (another client did)."""
+    return AVAILABLE and _warmed is True
+
+
 def warm_up() -> bool:
     """Compile (or load from numba's cache) every specialisation the client uses; whether the
     kernels are usable. Any failure (numba missing or broken) means the numpy path."""

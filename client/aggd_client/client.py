@@ -99,6 +99,9 @@ __all__ = ["AggClient", "AllreduceHandle", "StrategyInfo", "WouldBlock", "ASYNC_
 
 # close(): how long late contributions to rounds already answered are retransmitted (seconds)
 LATE_LINGER = 1.0
+#: Values reduced through numpy before the numba kernels are loaded (``AggClient(fast=None)``):
+#: what numpy's path costs more than theirs over these is about what loading them costs.
+FAST_AFTER_VALUES = 1 << 20
 
 
 class WouldBlock(AggdError):
@@ -150,6 +153,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     seed of the generator that rounds narrow precisions stochastically (None: fresh entropy).
     ``room``: a narrow job's contributions carry room for their wider result, so an aggregator whose
     frames cannot grow answers in the kernel (the JOIN_ACK's ``room``, which ``join`` passes).
+    ``fast``: when to load the numba kernels (``_fast``), which cost a process 0.5-0.7 s of CPU
+    (numba's import and its cached code) and then quantise and read results several times faster
+    than numpy: None (the default) at the first call once ``FAST_AFTER_VALUES`` values have been
+    reduced (a worker of small tensors never pays it), True now, False never.
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -160,7 +167,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
                  gro: bool = True, catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
                  span: int | None = None, precision: "Precision | int | str" = 32, seed=None,
-                 room: bool = False):
+                 room: bool = False, fast: bool | None = None):
         if not 0 <= int(job) < MAX_JOBS:
             raise ValueError(f"job must be in 0..{MAX_JOBS - 1}, got {job}")
         if not 1 <= int(world) <= MAX_MEMBERS:
@@ -260,9 +267,19 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._init_progress()
         # after the state above: a bind or join that fails closes the client, which runs the loop
         self._open_sockets(bind, group)
-        self._fast = _fast.warm_up()  # numba kernels, compiled before anything is sent
+        # numba kernels: loaded now, never, or at a call once enough values were reduced, before
+        # that call sends anything (``_load_fast``)
+        self._fast = _fast.warm_up() if fast else (fast is None and _fast.warmed())
+        self._fast_after = FAST_AFTER_VALUES if fast is None and not self._fast else None
         self._init_staging()
         self._init_results()
+
+    def _load_fast(self, values: int) -> None:
+        """Count a call's values towards ``FAST_AFTER_VALUES``; load the kernels once reached."""
+        self._fast_after -= values
+        if self._fast_after <= 0:
+            self._fast_after = None
+            self._fast = _fast.warm_up()
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -403,6 +420,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             self._own_next = self._next_round
             return AllreduceHandle(self, rnd, None)
         x = np.ascontiguousarray(a).reshape(-1)
+        if self._fast_after is not None:
+            self._load_fast(x.size)
         if not _all_finite(x, self._fast):
             raise ValueError("cannot allreduce an array holding NaN or infinity")
         if -(-x.size // self._elements) > 0xFFFFFFFF:

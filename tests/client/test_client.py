@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -213,12 +215,15 @@ ELEMENTS = 256
 
 @pytest.fixture(params=["numba", "numpy"])
 def path(request, monkeypatch):
-    """Run a test with the numba kernels (when installed) and with the numpy reference path."""
-    from aggd_client import _fast
+    """Run a test with the numba kernels (when installed), loaded at a client's first call however
+    small, and with the numpy reference path."""
+    from aggd_client import _fast, client
     if request.param == "numpy":
         monkeypatch.setattr(_fast, "AVAILABLE", False)
     elif not _fast.AVAILABLE:
         pytest.skip("numba not installed")
+    else:
+        monkeypatch.setattr(client, "FAST_AFTER_VALUES", 0)
     return request.param
 
 
@@ -562,3 +567,41 @@ def test_out_receives_the_result_and_bad_out_is_refused(path):
         for res in results[r]:
             assert res is bufs[r]  # the caller's buffer, filled in place
         check_close(bufs[r], exact, bound)
+
+
+def _load_kernels_lazily() -> None:
+    """Run in a fresh process (the kernels load once a process): see the test below."""
+    from aggd_client import _fast, client as client_mod
+    client_mod.FAST_AFTER_VALUES = 3 * ELEMENTS
+    x = np.arange(2 * ELEMENTS, dtype=np.float32)
+    with FakeAggregator(1) as fake:
+        with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64, fast=False) as never:
+            for _ in range(4):
+                np.testing.assert_array_equal(never.allreduce(x), x)
+            assert not never._fast and not _fast.warmed()
+        with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64, first_round=4) as c:
+            np.testing.assert_array_equal(c.allreduce(x), x)
+            assert not c._fast and not _fast.warmed()          # 2 E values of 3 E
+            np.testing.assert_array_equal(c.allreduce(x), x)
+            assert c._fast and _fast.warmed()                  # 4 E: loaded before this call sent
+            np.testing.assert_array_equal(c.allreduce(x), x)
+        with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64, first_round=7) as later:
+            assert later._fast                                 # already loaded in this process
+    print("ok")
+
+
+def test_numba_kernels_load_once_a_client_has_reduced_enough_values():
+    """Loading the kernels costs a process 0.5-0.7 s of CPU: a client loads them at the call that
+    takes it to ``FAST_AFTER_VALUES`` values reduced (before it sends anything), so a worker of
+    small tensors never pays it; ``fast=True`` loads them at once, ``fast=False`` never. The
+    results are the same either way. Each case in a fresh process."""
+    from aggd_client import _fast
+    if not _fast.AVAILABLE:
+        pytest.skip("numba not installed")
+    scripts = ["from tests.client.test_client import _load_kernels_lazily; _load_kernels_lazily()"]
+    for fast in ("True", "None"):
+        scripts.append("from aggd_client import AggClient, _fast; "
+                       f"c = AggClient(('127.0.0.1', 9), 1, 0, 1, fast={fast}); print(_fast.warmed())")
+    outs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+            for script in scripts]
+    assert [o.stdout.split() for o in outs] == [["ok"], ["True"], ["False"]], outs

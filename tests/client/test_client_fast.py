@@ -36,7 +36,7 @@ def silent():
 def silent_client(server, *args, **kw) -> AggClient:
     """A client of the silent server: nothing ever answers its rounds, so close() gives up at once
     (instead of retransmitting them for the default give_up_after, 5 s)."""
-    return AggClient(server, *args, **{"give_up_after": 0.2, **kw})
+    return AggClient(server, *args, **{"give_up_after": 0.2, "fast": True, **kw})
 
 
 def transfer(client, x, fast, mean=False, out_dtype=None, kind=StrategyKind.SYNC, number=0):
@@ -299,7 +299,7 @@ def test_narrow_fill_is_unbiased():
     x[0] = 1.0                                   # the chunk's scale: 2**6 steps of 1 (Q = 127)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.bind(("127.0.0.1", 0))
-    with AggClient(s.getsockname(), JOB, 0, 1, elements=4096, slots=4, precision=8, headroom=1) as c:
+    with AggClient(s.getsockname(), JOB, 0, 1, elements=4096, slots=4, precision=8, headroom=1, fast=True) as c:
         ring = rings_after_fill(c, x, fast=True)[-1]
     s.close()
     q, e = ring["payload"][0].astype(np.float64), int(ring["hdr"]["exponent"][0])
