@@ -86,7 +86,8 @@ def init_comm(comm: str, timeout_s: float):
 
     server, job, token, bind = aggd_env()
     client = join(server, int(job) if job.isdigit() else job, dist.get_rank(), token, bind=bind,
-                  timeout=float(os.environ.get("AGGD_JOIN_TIMEOUT", "20")), give_up_after=60.0)
+                  timeout=float(os.environ.get("AGGD_JOIN_TIMEOUT", "20")), give_up_after=60.0,
+                  fast=True)  # training: the kernels' load at start, not in a timed step
     dist.barrier()  # every member has joined before anybody sends a round
     return client
 

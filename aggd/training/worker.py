@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             ap.error("aggd needs --server, --job and --token")
         job = int(args.job) if args.job.isdigit() else args.job
         ex = join(args.server, job, args.rank, args.token, bind=args.bind, timeout=args.give_up_after,
-                  give_up_after=args.give_up_after)
+                  give_up_after=args.give_up_after, fast=True)  # the kernels' load at start, not mid-training
         world = ex.job_info.world
         if ex.job_info.precision != 32:
             from aggd.training.loop import FeedbackExchange

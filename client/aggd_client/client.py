@@ -75,6 +75,7 @@ receives), ``rounds`` (rounds, sends, the window and order rules, retransmission
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import numpy as np
@@ -155,8 +156,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     frames cannot grow answers in the kernel (the JOIN_ACK's ``room``, which ``join`` passes).
     ``fast``: when to load the numba kernels (``_fast``), which cost a process 0.5-0.7 s of CPU
     (numba's import and its cached code) and then quantise and read results several times faster
-    than numpy: None (the default) at the first call once ``FAST_AFTER_VALUES`` values have been
-    reduced (a worker of small tensors never pays it), True now, False never.
+    than numpy: None (the default) in a thread of their own once ``FAST_AFTER_VALUES`` values have
+    been reduced, used from the first call after it finished (a worker of small tensors never pays
+    it, and no call waits for it), True now, False never.
     """
 
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
@@ -267,19 +269,27 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._init_progress()
         # after the state above: a bind or join that fails closes the client, which runs the loop
         self._open_sockets(bind, group)
-        # numba kernels: loaded now, never, or at a call once enough values were reduced, before
-        # that call sends anything (``_load_fast``)
+        # numba kernels: loaded now, never, or by a thread of their own once enough values were
+        # reduced, and used from the first call after it finished (``_load_fast``)
+        if fast is None and FAST_AFTER_VALUES <= 0:
+            fast = True
         self._fast = _fast.warm_up() if fast else (fast is None and _fast.warmed())
         self._fast_after = FAST_AFTER_VALUES if fast is None and not self._fast else None
+        self._fast_loader: threading.Thread | None = None
         self._init_staging()
         self._init_results()
 
     def _load_fast(self, values: int) -> None:
-        """Count a call's values towards ``FAST_AFTER_VALUES``; load the kernels once reached."""
-        self._fast_after -= values
-        if self._fast_after <= 0:
-            self._fast_after = None
-            self._fast = _fast.warm_up()
+        """Count a call's values towards ``FAST_AFTER_VALUES``; once reached, load the kernels in a
+        thread (the calls go on through numpy meanwhile: no call waits for the load) and use them
+        from the first call after it finished."""
+        if self._fast_loader is None:
+            self._fast_after -= values
+            if self._fast_after <= 0:
+                self._fast_loader = threading.Thread(target=_fast.warm_up, name="aggd-numba-load", daemon=True)
+                self._fast_loader.start()
+        elif not self._fast_loader.is_alive():
+            self._fast, self._fast_after = _fast.warmed(), None
 
     # -- public -------------------------------------------------------------------------------
     @property

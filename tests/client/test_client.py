@@ -215,8 +215,8 @@ ELEMENTS = 256
 
 @pytest.fixture(params=["numba", "numpy"])
 def path(request, monkeypatch):
-    """Run a test with the numba kernels (when installed), loaded at a client's first call however
-    small, and with the numpy reference path."""
+    """Run a test with the numba kernels (when installed), loaded by every client at once, and
+    with the numpy reference path."""
     from aggd_client import _fast, client
     if request.param == "numpy":
         monkeypatch.setattr(_fast, "AVAILABLE", False)
@@ -581,20 +581,24 @@ def _load_kernels_lazily() -> None:
             assert not never._fast and not _fast.warmed()
         with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64, first_round=4) as c:
             np.testing.assert_array_equal(c.allreduce(x), x)
-            assert not c._fast and not _fast.warmed()          # 2 E values of 3 E
-            np.testing.assert_array_equal(c.allreduce(x), x)
-            assert c._fast and _fast.warmed()                  # 4 E: loaded before this call sent
-            np.testing.assert_array_equal(c.allreduce(x), x)
+            assert c._fast_loader is None and not _fast.warmed()   # 2 E values of 3 E
+            np.testing.assert_array_equal(c.allreduce(x), x)       # 4 E: the load starts, numpy meanwhile
+            assert not c._fast and c._fast_loader is not None
+            c._fast_loader.join(60)
+            assert _fast.warmed() and not c._fast
+            np.testing.assert_array_equal(c.allreduce(x), x)       # the first call after it: numba
+            assert c._fast
         with AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), slots=64, first_round=7) as later:
             assert later._fast                                 # already loaded in this process
     print("ok")
 
 
 def test_numba_kernels_load_once_a_client_has_reduced_enough_values():
-    """Loading the kernels costs a process 0.5-0.7 s of CPU: a client loads them at the call that
-    takes it to ``FAST_AFTER_VALUES`` values reduced (before it sends anything), so a worker of
-    small tensors never pays it; ``fast=True`` loads them at once, ``fast=False`` never. The
-    results are the same either way. Each case in a fresh process."""
+    """Loading the kernels costs a process 0.5-0.7 s of CPU: a client loads them in a thread once
+    it has reduced ``FAST_AFTER_VALUES`` values and uses them from the first call after that, so a
+    worker of small tensors never pays it and no call waits for it; ``fast=True`` loads them at
+    once, ``fast=False`` never. The results are the same either way. Each case in a fresh
+    process."""
     from aggd_client import _fast
     if not _fast.AVAILABLE:
         pytest.skip("numba not installed")

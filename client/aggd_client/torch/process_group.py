@@ -107,7 +107,7 @@ class AggdProcessGroup(dist.ProcessGroup):
                 for server, (info, address), start in zip(settings.servers, joined, first.tolist()):
                     clients.append(client_for(server, info, address, member, first_round=int(start),
                                               give_up_after=settings.give_up_after, catch_up=False,
-                                              strategy=info.strategy))
+                                              strategy=info.strategy, fast=True))
                 if len(clients) == 1:
                     client = clients[0]
                 else:
@@ -117,7 +117,7 @@ class AggdProcessGroup(dist.ProcessGroup):
                     # a failed-over server joined again (rank 0's probe found it back): from a new port
                     rejoin = rejoiner(settings.servers, settings.job, member, settings.token, host,
                                       settings.join_timeout, {"give_up_after": settings.give_up_after,
-                                                              "catch_up": False})
+                                                              "catch_up": False, "fast": True})
                     client = ShardedClient(clients, None if settings.weights is None else ShardMap(settings.weights),
                                            store=shard_store, rebalance_every=settings.rebalance_every, prefix="",
                                            failover_after=settings.failover_after, rejoin=rejoin,
