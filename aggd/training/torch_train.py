@@ -27,6 +27,7 @@ from it (every worker restarted by torchrun: the failed node's, whose ``TORCHELA
 went up, and the others', restarted for the membership change with theirs unchanged).
 ``--die-at-step S --die-rank R``: rank R SIGKILLs itself before step S, once per run (a marker file
 in the checkpoint folder remembers it): a worker killed mid-training, for the fault tests.
+``--slow-rank R --slow-seconds T``: rank R sleeps T seconds before every step (a straggler).
 
 Output: one JSON record per rank written to ``--out`` (``{rank}`` in it is replaced, else
 ``.rankN.json`` is appended), with the final parameters in a ``.npy`` beside it; progress lines
@@ -109,6 +110,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--die-at-step", type=int, default=None)
     ap.add_argument("--die-rank", type=int, default=1)
+    ap.add_argument("--slow-rank", type=int, default=None)
+    ap.add_argument("--slow-seconds", type=float, default=0.0)
     ap.add_argument("--timeout", type=float, default=120.0, help="process group timeout (s)")
     args = ap.parse_args(argv)
 
@@ -185,6 +188,8 @@ def main(argv=None) -> int:
             if not marker.exists():          # once per run (the marker outlives the process)
                 marker.touch()
                 os.kill(os.getpid(), signal.SIGKILL)
+        if rank == args.slow_rank:
+            time.sleep(args.slow_seconds)
         x, y = batches.next()
         ts = time.monotonic()
         grad_max.append(0.0)

@@ -57,6 +57,8 @@ class TorchRun:
     ckpt_every: int = 10
     die_at_step: int | None = None          #: that rank SIGKILLs itself there, first attempt only
     die_rank: int = 1
+    slow_rank: int | None = None            #: that rank sleeps ``slow_s`` before every step
+    slow_s: float = 0.0
     timeout_s: float = 240.0
 
 
@@ -89,6 +91,8 @@ def torchrun_argv(lab: Lab, node: int, run: TorchRun, rdzv: tuple[str, int], rdz
         argv += ["--lr", str(run.lr)]
     if run.die_at_step is not None:
         argv += ["--die-at-step", str(run.die_at_step), "--die-rank", str(run.die_rank)]
+    if run.slow_rank is not None:
+        argv += ["--slow-rank", str(run.slow_rank), "--slow-seconds", str(run.slow_s)]
     return argv
 
 

@@ -106,6 +106,24 @@ def test_every_strategy_trains_to_completion(lab_daemon, tmp_path, strategy, mod
     assert res.records[0]["final_accuracy"] > 0.2, res.records[0]["accuracy"]
 
 
+def test_quorum_with_ddps_two_buckets_a_step_and_a_straggler(lab_daemon, tmp_path):
+    """quorum:3 through the backend with DDP's two buckets a step (296,554 and 55,808 values: each
+    bucket its own size) on a slot for every chunk, rank 3 sleeping 0.3 s before every step: it
+    falls more rounds behind than a slot has banks. Its calls are answered with its own buckets'
+    rounds, which the members' ORDERED flag makes the aggregator keep for it (docs/protocol.md,
+    "Tensors of different sizes"). Before, it was answered with the chunks' newest results, other
+    buckets' rounds, and the backend failed the call ("answered by a newer round")."""
+    lab, d = lab_daemon(4)
+    run = TorchRun(model="cnn", steps=16, comm="aggd", strategy="quorum:3", eval_every=8, momentum=0.9,
+                   lr=0.02, slots=2048, slow_rank=3, slow_s=0.3)
+    res = torchlab.run(lab, d, run, outdir=tmp_path)
+    assert [r["rank"] for r in res.records] == [0, 1, 2, 3]
+    assert all(r["steps_run"] == 16 for r in res.records)
+    assert res.job_after["policy"]["in_force"].startswith("quorum:3"), res.job_after
+    assert all(np.isfinite(np.load(r["params_path"])).all() for r in res.records)
+    assert res.records[0]["final_accuracy"] > 0.2, res.records[0]["accuracy"]
+
+
 def test_hot_swaps_mid_training_run_to_completion(lab_daemon, tmp_path):
     lab, d = lab_daemon(4)
     # (quorum is left out: with 64 slots a quorum straggler got no answer at all in one run here,
