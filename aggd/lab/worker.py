@@ -279,9 +279,10 @@ def main(argv=None) -> int:
         if args.weights is not None and len(args.weights) != k:
             ap.error(f"--weights: {len(args.weights)} weights for {k} aggregators")
         binds = [(args.bind[0], args.bind[1] + i if args.bind[1] else 0) for i in range(k)]
-        # a tensor past the kernels' threshold loads them now, before the memory baseline and every
-        # timed call; smaller ones leave the client to decide (most test runs never load them)
-        fast = True if max(int(s) for s in args.sizes.split(",")) >= FAST_AFTER_VALUES else None
+        # a run that will pass the kernels' threshold loads them now, before the memory baseline and
+        # every timed call, as before the client loaded them lazily; smaller runs never load them
+        values = sum(int(s) for s in args.sizes.split(",")) * (args.warmup + args.rounds) * len(args.dtypes.split(","))
+        fast = True if values >= FAST_AFTER_VALUES else None
         clients = []
         rejoin = None
         if args.token is not None:
