@@ -35,10 +35,11 @@ it off, ``True`` forces it on (int32).
 
 Strategies: every member must reduce the same sequence of buckets. Under ``quorum`` and ``async`` a
 straggler's round may be answered by a newer round; with one bucket per step (a large
-``bucket_cap_mb``) that is simply a newer mean gradient and is used, with several buckets it is
-another bucket, and the hook raises instead of returning it (under ``quorum`` the members of
-several buckets say so and the aggregator keeps each round for its stragglers, so it does not
-happen there: docs/pytorch.md).
+``bucket_cap_mb``) that is simply a newer mean gradient and is used, with several buckets it would
+be another bucket, and the hook raises instead of returning it. With several buckets it does not
+happen: under ``quorum`` the members say their sizes differ and the aggregator keeps each round for
+its stragglers, under ``async`` a released round is kept until every member holds it (both tested
+with DDP's two buckets a step and a straggler: docs/pytorch.md).
 """
 from __future__ import annotations
 

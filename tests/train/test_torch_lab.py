@@ -9,8 +9,9 @@ aggd DDP hook (``--comm aggd-hook``).
   what was measured); the test also requires training to have moved the model at least 20 times
   the bound, and every replica to be bit-identical. Through native XDP, generic XDP and the user-space path (a job
   with 0 kernel slots), with DDP's default buckets (two of unequal sizes) and with many small ones.
-* Every strategy runs to completion (quorum and async with one bucket a step, as the hook needs,
-  and a slot for every chunk of the round).
+* Every strategy runs to completion (quorum and async with one bucket a step and a slot for every
+  chunk of the round); quorum and async also with DDP's two buckets a step and a straggler, each
+  call answered by its own round.
 * Hot swaps through four strategies mid-training run to completion.
 * A worker SIGKILLed mid-training under ``torchrun --max-restarts 1``: every agent restarts its
   worker, they resume from rank 0's checkpoint, rejoin the job at the round the daemon gives and
@@ -106,20 +107,28 @@ def test_every_strategy_trains_to_completion(lab_daemon, tmp_path, strategy, mod
     assert res.records[0]["final_accuracy"] > 0.2, res.records[0]["accuracy"]
 
 
-def test_quorum_with_ddps_two_buckets_a_step_and_a_straggler(lab_daemon, tmp_path):
-    """quorum:3 through the backend with DDP's two buckets a step (296,554 and 55,808 values: each
-    bucket its own size) on a slot for every chunk, rank 3 sleeping 0.3 s before every step: it
-    falls more rounds behind than a slot has banks. Its calls are answered with its own buckets'
-    rounds, which the members' ORDERED flag makes the aggregator keep for it (docs/protocol.md,
-    "Tensors of different sizes"). Before, it was answered with the chunks' newest results, other
-    buckets' rounds, and the backend failed the call ("answered by a newer round")."""
+#: (strategy, how DDP reaches aggd): the two strategies whose members need not all be in a round
+@pytest.mark.parametrize("strategy,comm", [("quorum:3", "aggd"), ("async", "aggd-hook")])
+def test_ddps_two_buckets_a_step_and_a_straggler(lab_daemon, tmp_path, strategy, comm):
+    """``strategy`` with DDP's two buckets a step (296,554 and 55,808 values: each bucket its own
+    size) on a slot for every chunk, rank 3 sleeping 0.3 s before every step, so it falls behind.
+    The backend and the hook fail a step answered by another round (another bucket), so every rank
+    running its 16 steps shows each call got its own round.
+
+    quorum:3, through the backend: the straggler falls more rounds behind than a slot has banks. The
+    members' ORDERED flag makes the aggregator keep each round for it (docs/protocol.md, "Tensors of
+    different sizes"); before, it was answered with the chunks' newest results, other buckets' rounds
+    ("round 1 was answered by round 4"). async, through the hook: a released round is kept until
+    every awaited member holds it (rule 3), and the others run at most a few rounds ahead of it."""
     lab, d = lab_daemon(4)
-    run = TorchRun(model="cnn", steps=16, comm="aggd", strategy="quorum:3", eval_every=8, momentum=0.9,
+    run = TorchRun(model="cnn", steps=16, comm=comm, strategy=strategy, eval_every=8, momentum=0.9,
                    lr=0.02, slots=2048, slow_rank=3, slow_s=0.3)
     res = torchlab.run(lab, d, run, outdir=tmp_path)
     assert [r["rank"] for r in res.records] == [0, 1, 2, 3]
     assert all(r["steps_run"] == 16 for r in res.records)
-    assert res.job_after["policy"]["in_force"].startswith("quorum:3"), res.job_after
+    if comm == "aggd-hook":
+        assert all(len(b) == 2 for b in res.records[0]["hook_buckets"][1:])
+    assert res.job_after["policy"]["in_force"].startswith(strategy), res.job_after
     assert all(np.isfinite(np.load(r["params_path"])).all() for r in res.records)
     assert res.records[0]["final_accuracy"] > 0.2, res.records[0]["accuracy"]
 
