@@ -24,7 +24,7 @@ from collections import deque
 import numpy as np
 
 from aggd_client import AggClient
-from aggd_client.client import FAST_AFTER_VALUES
+from aggd_client.client import fast_for_run
 from aggd_client.protocol import HEADER_SIZE, Flag, Header, MsgType
 
 from aggd.core.addresses import host_port
@@ -72,8 +72,7 @@ def worker(argv=None) -> int:
                           "sum": float(np.asarray(out, np.float64).sum()),
                           "seconds": time.monotonic() - t_start}), flush=True)
 
-    # a run that will pass the numba kernels' threshold loads them at once (none mid-run)
-    fast = True if sum(sizes[i % len(sizes)] for i in range(args.steps)) >= FAST_AFTER_VALUES else None
+    fast = fast_for_run(sum(sizes[i % len(sizes)] for i in range(args.steps)))
     with AggClient(args.server, args.job, args.rank, args.world, group=args.group, bind=args.bind,
                    give_up_after=args.give_up_after, catch_up=len(sizes) == 1, slots=args.slots,
                    fast=fast) as client:

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from aggd_client import AggClient, ShardedClient, ShardMap, join
-from aggd_client.client import FAST_AFTER_VALUES
+from aggd_client.client import fast_for_run
 from aggd_client.shards import rejoiner
 from aggd_client.protocol import values_per_packet
 from aggd_client.quant import chunk_exponents, error_bound, output_rounding, precision_of
@@ -279,10 +279,9 @@ def main(argv=None) -> int:
         if args.weights is not None and len(args.weights) != k:
             ap.error(f"--weights: {len(args.weights)} weights for {k} aggregators")
         binds = [(args.bind[0], args.bind[1] + i if args.bind[1] else 0) for i in range(k)]
-        # a run that will pass the kernels' threshold loads them now, before the memory baseline and
-        # every timed call, as before the client loaded them lazily; smaller runs never load them
-        values = sum(int(s) for s in args.sizes.split(",")) * (args.warmup + args.rounds) * len(args.dtypes.split(","))
-        fast = True if values >= FAST_AFTER_VALUES else None
+        # a run that will pass the kernels' threshold loads them before the memory baseline
+        fast = fast_for_run(sum(int(s) for s in args.sizes.split(",")) * (args.warmup + args.rounds)
+                            * len(args.dtypes.split(",")))
         clients = []
         rejoin = None
         if args.token is not None:

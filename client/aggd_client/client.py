@@ -105,6 +105,13 @@ LATE_LINGER = 1.0
 FAST_AFTER_VALUES = 1 << 20
 
 
+def fast_for_run(values: int) -> bool | None:
+    """``AggClient``'s ``fast`` for a client that will reduce ``values`` values in all: True (load the
+    kernels at creation, so no timed call and no memory baseline pays for the load mid-run) when that
+    passes ``FAST_AFTER_VALUES``, else None (a short run never loads them)."""
+    return True if values >= FAST_AFTER_VALUES else None
+
+
 class WouldBlock(AggdError):
     """``allreduce_async(..., block=False)`` was called while the strategy in force admits no
     further round (``AggClient.must_wait()`` is true): wait on an earlier handle, or call again."""
