@@ -69,6 +69,11 @@ struct payload_copy {
 };
 BPF_PERCPU_ARRAY(payload_copy, struct payload_copy, 1);
 #endif
+
+/* -DAGGD_MAPS_ONLY builds the maps above and nothing below: a load that finds the program's
+ * instructions compiled before (aggd/dataplane/xdp/program_cache.py) needs only its maps, and
+ * clang's work is in the program. */
+#ifndef AGGD_MAPS_ONLY
 #ifdef AGGD_FRAGS
 #define FRAME_LEN(ctx, data, data_end) ((__u32)bpf_xdp_get_buff_len(ctx))
 #else
@@ -1256,3 +1261,11 @@ int aggd_xdp(struct xdp_md *ctx)
 	result_udp_csum(ip, udp, (__u32 *)payload);
 	return XDP_TX;
 }
+
+#else
+/* bcc gives the maps BTF (which bpf_spin_lock needs) only from a build with a function */
+int aggd_maps_only(struct xdp_md *ctx)
+{
+	return XDP_PASS;
+}
+#endif /* AGGD_MAPS_ONLY */

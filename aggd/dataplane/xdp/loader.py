@@ -24,7 +24,8 @@ from aggd_client import protocol as proto
 from aggd.core.model import check_awaited, check_tag
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
-from aggd.dataplane.xdp import bpf_syscall
+from aggd.dataplane.xdp import bpf_syscall, program_cache
+from aggd.dataplane.xdp.program_cache import ProgramCache
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,6 @@ class XdpDataPlane(DataPlane):
                            f"(MTU {proto.NATIVE_MAX_MTU}), not {elements}: use mode generic for larger packets")
         if total_slots < 1:
             raise XdpError("total_slots must be at least 1")
-        from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
 
         self.ifname, self.mode, self.port, self.elements = ifname, mode, port, elements
         # A native frame larger than a page arrives in several buffers (XDP multi-buffer).
@@ -196,11 +196,8 @@ class XdpDataPlane(DataPlane):
         if self.pin_dir is not None:
             self._check_pinned_layout()
             cflags.append(f'-DAGGD_PIN_DIR="{self.pin_dir}"')
-        log.info("compiling %s (elements=%d, slots=%d, port=%d%s)", PROGRAM.name, elements, total_slots, port,
-                 ", multi-buffer" if self.frags else "")
         try:
-            self.bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
-            self.fn = load_xdp_function(self.bpf, FUNCTION, frags=self.frags)
+            self.bpf, self.fn = self._load(cflags)
         except Exception as exc:
             raise XdpError(f"cannot load {PROGRAM}: {exc}") from exc
         self._check_maps()
@@ -209,6 +206,46 @@ class XdpDataPlane(DataPlane):
             self._layout_file.write_text(json.dumps(self._layout()))
         if ifname is not None:
             self.attach()
+
+    # -- the program: compiled, or its instructions from the cache ----------------------------
+    def _load(self, cflags: list[str]):
+        """bcc's module (the maps) and the loaded function. ``self.compiled`` says whether the
+        program was compiled (False: its instructions came from ``program_cache``)."""
+        from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
+        build = "elements=%d, slots=%d, port=%d%s" % (self.elements, self.total_slots, self.port,
+                                                      ", multi-buffer" if self.frags else "")
+        cache = ProgramCache(program_cache.cache_dir())
+        key = program_cache.program_key(sorted(XDP_DIR.glob("*.[ch]")), cflags)
+        entry = cache.get(key)
+        if entry is not None:
+            bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags + [program_cache.MAPS_ONLY])
+            try:
+                fds = program_cache.table_fds(bpf)
+                missing = sorted(set(entry["maps"]) - set(fds))
+                if missing:
+                    raise XdpError(f"the maps build lacks {missing}")
+                insns = program_cache.with_map_fds(entry["insns"], entry["loads"], fds)
+                fd = bpf_syscall.prog_load(insns, flags=bpf_syscall.BPF_F_XDP_HAS_FRAGS if self.frags else 0,
+                                           name=FUNCTION, license=entry["license"])
+            except (OSError, XdpError) as exc:
+                log.warning("the cached %s (%s) does not load, compiling it: %s", PROGRAM.name, build, exc)
+                bpf.cleanup()
+                cache.drop(key)
+            else:
+                log.info("loaded %s (%s) compiled before", PROGRAM.name, build)
+                self.compiled = False
+                fn = BPF.Function(bpf, FUNCTION.encode(), fd)
+                bpf.funcs[FUNCTION.encode()] = fn
+                return bpf, fn
+        log.info("compiling %s (%s)", PROGRAM.name, build)
+        bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
+        fn = load_xdp_function(bpf, FUNCTION, frags=self.frags)
+        self.compiled = True
+        insns = program_cache.function_insns(bpf, FUNCTION)
+        loads = program_cache.map_loads(insns, {fd: name for name, fd in program_cache.table_fds(bpf).items()})
+        if loads is not None:
+            cache.put(key, insns, loads, program_cache.license_of(bpf))
+        return bpf, fn
 
     # -- pinned maps (state that survives a restart) ------------------------------------------
     @property
