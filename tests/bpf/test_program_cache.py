@@ -1,7 +1,8 @@
 """The XDP program's instructions kept between loads (aggd/dataplane/xdp/program_cache.py): a second
 load of the same build takes them instead of compiling, and the program it loads answers every
 packet as the compiled one does; pinned maps are kept; an entry that is damaged or does not load is
-compiled again; an empty ``AGGD_XDP_CACHE`` keeps nothing."""
+compiled again; an empty ``AGGD_XDP_CACHE`` keeps nothing. The map value sizes the daemon probes
+before loading are kept the same way."""
 from __future__ import annotations
 
 import base64
@@ -161,3 +162,19 @@ def test_the_cache_is_where_systemd_says(monkeypatch):
     assert str(program_cache.cache_dir()) == "/var/cache/aggd/xdp"
     monkeypatch.delenv("CACHE_DIRECTORY")
     assert str(program_cache.cache_dir()) == "/var/cache/aggd/xdp"
+
+
+def test_the_map_value_sizes_the_daemon_probes_are_kept_and_a_damaged_entry_probed_again(cache):
+    from aggd.dataplane.xdp import ops
+    probed = ops.probe_value_sizes(ELEMENTS)
+    (path,) = cache.glob("*.json")
+    assert ops.probe_value_sizes(ELEMENTS) == probed
+    entry = json.loads(path.read_text())
+    entry["value"]["slots"] += 8
+    path.write_text(json.dumps(entry))
+    assert ops.probe_value_sizes(ELEMENTS) == probed      # the digest caught it: probed again
+    dp = load()
+    try:
+        assert ops.slot_size(dp) == probed["slots"]
+    finally:
+        dp.close()

@@ -14,23 +14,31 @@ def slot_size(dp) -> int:
 
 def probe_value_sizes(elements: int) -> dict[str, int]:
     """Value size of each map (per CPU for per-CPU maps) with ``elements`` values a packet, from the
-    maps header compiled alone (~0.5 s, no program loaded). The daemon sizes the kernel's slot array
+    maps header compiled alone (~0.5 s, no program loaded), or as kept in the program cache from
+    the last time for the same sources, bcc and kernel. The daemon sizes the kernel's slot array
     from it and checks maps pinned by an earlier daemon against it before reusing them."""
     from bcc import BPF
 
     from aggd.dataplane.xdp import loader as xdp
+    from aggd.dataplane.xdp import program_cache
 
-    b = BPF(text=b'#include "aggd_maps.h"\n',
-            cflags=[f"-I{xdp.XDP_DIR}", f"-DELEMS={elements}", "-DTOTAL_SLOTS=1", "-Wno-unused-function"])
+    cflags = [f"-I{xdp.XDP_DIR}", f"-DELEMS={elements}", "-DTOTAL_SLOTS=1", "-Wno-unused-function"]
+    cache = program_cache.ProgramCache(program_cache.cache_dir())
+    key = program_cache.program_key(sorted(xdp.XDP_DIR.glob("*.[ch]")), ["--value-sizes", *cflags])
+    sizes = cache.get_value(key)
+    if isinstance(sizes, dict) and set(sizes) == set(xdp.MAP_NAMES):
+        return {name: int(size) for name, size in sizes.items()}
+    b = BPF(text=b'#include "aggd_maps.h"\n', cflags=cflags)
     try:
         sizes = {}
         for name in xdp.MAP_NAMES:
             table = b[name.encode()]
             leaf = getattr(table, "sLeaf", None) or table.Leaf  # per-CPU maps: one CPU's value
             sizes[name] = ctypes.sizeof(leaf)
-        return sizes
     finally:
         b.cleanup()
+    cache.put_value(key, sizes)
+    return sizes
 
 
 def pinned_value_sizes(pin_dir: str) -> dict[str, int]:

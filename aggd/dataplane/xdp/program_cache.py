@@ -1,4 +1,5 @@
-"""The XDP program's instructions kept on disk between loads.
+"""The XDP program's instructions kept on disk between loads (and the map value sizes the daemon
+probes before it loads the program).
 
 bcc compiles ``aggd_xdp.c`` at every load, and clang's optimiser on the program's 6,500 instructions
 costs 1.5-2.5 s of CPU: most of a daemon's start, and of its downtime at a restart. A load with an
@@ -135,6 +136,10 @@ def _digest(insns: bytes, loads: list[tuple[int, str]], license: bytes) -> str:
     return hashlib.sha256(insns + json.dumps(loads).encode() + license).hexdigest()
 
 
+def _value_digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
 class ProgramCache:
     """Entries in ``directory`` (None: nothing is kept, every load compiles)."""
 
@@ -165,18 +170,43 @@ class ProgramCache:
             return None
 
     def put(self, key: str, insns: bytes, loads: list[tuple[int, str]], license: bytes) -> None:
+        self._write(key, {"format": FORMAT, "insns": base64.b64encode(insns).decode(), "license": license.decode(),
+                          "loads": [[i, name] for i, name in loads], "digest": _digest(insns, loads, license)})
+
+    def _write(self, key: str, entry: dict) -> None:
         if self.directory is None:
             return
-        entry = {"format": FORMAT, "insns": base64.b64encode(insns).decode(), "license": license.decode(),
-                 "loads": [[i, name] for i, name in loads], "digest": _digest(insns, loads, license)}
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             # another process may be writing the same entry: each writes its own file, then renames
             with tempfile.NamedTemporaryFile("w", dir=self.directory, suffix=".tmp", delete=False) as f:
-                json.dump(entry, f)
+                try:
+                    json.dump(entry, f)
+                except BaseException:
+                    os.unlink(f.name)
+                    raise
             os.replace(f.name, self._path(key))
         except OSError as exc:
             log.warning("cannot keep the compiled XDP program in %s: %s", self.directory, exc)
+
+    def get_value(self, key: str):
+        """A small JSON value kept by ``put_value`` (None: none, or damaged, then removed)."""
+        if self.directory is None:
+            return None
+        try:
+            entry = json.loads(self._path(key).read_text())
+            if entry.get("format") != FORMAT or entry["digest"] != _value_digest(entry["value"]):
+                raise ValueError("its digest does not match its content")
+            return entry["value"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("XDP program cache entry %s is unreadable (%s): building it again", self._path(key), exc)
+            self.drop(key)
+            return None
+
+    def put_value(self, key: str, value) -> None:
+        self._write(key, {"format": FORMAT, "value": value, "digest": _value_digest(value)})
 
     def drop(self, key: str) -> None:
         if self.directory is not None:
