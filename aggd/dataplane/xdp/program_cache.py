@@ -150,24 +150,16 @@ class ProgramCache:
         return self.directory / f"{key}.json"
 
     def get(self, key: str) -> dict | None:
-        if self.directory is None:
-            return None
-        try:
-            entry = json.loads(self._path(key).read_text())
-            if entry.get("format") != FORMAT:
-                raise ValueError(f"format {entry.get('format')}")
+        """A program kept by ``put``: its instructions, license, map loads and the maps they name
+        (None: none, or damaged, then removed)."""
+        def program(entry: dict) -> dict:
             got = {"insns": base64.b64decode(entry["insns"], validate=True), "license": entry["license"].encode(),
                    "loads": [(int(i), str(name)) for i, name in entry["loads"]]}
             if entry["digest"] != _digest(got["insns"], got["loads"], got["license"]):
                 raise ValueError("its digest does not match its content")
             got["maps"] = sorted({name for _, name in got["loads"]})
             return got
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("XDP program cache entry %s is unreadable (%s): compiling", self._path(key), exc)
-            self.drop(key)
-            return None
+        return self._read(key, program)
 
     def put(self, key: str, insns: bytes, loads: list[tuple[int, str]], license: bytes) -> None:
         self._write(key, {"format": FORMAT, "insns": base64.b64encode(insns).decode(), "license": license.decode(),
@@ -191,16 +183,23 @@ class ProgramCache:
 
     def get_value(self, key: str):
         """A small JSON value kept by ``put_value`` (None: none, or damaged, then removed)."""
+        def value(entry: dict):
+            if entry["digest"] != _value_digest(entry["value"]):
+                raise ValueError("its digest does not match its content")
+            return entry["value"]
+        return self._read(key, value)
+
+    def _read(self, key: str, decode):
         if self.directory is None:
             return None
         try:
             entry = json.loads(self._path(key).read_text())
-            if entry.get("format") != FORMAT or entry["digest"] != _value_digest(entry["value"]):
-                raise ValueError("its digest does not match its content")
-            return entry["value"]
+            if entry.get("format") != FORMAT:
+                raise ValueError(f"format {entry.get('format')}")
+            return decode(entry)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("XDP program cache entry %s is unreadable (%s): building it again", self._path(key), exc)
             self.drop(key)
             return None
