@@ -15,10 +15,11 @@ import pytest
 from aggd.dataplane.xdp import program_cache
 from aggd.dataplane.xdp.bpf_syscall import prog_test_run
 from aggd.dataplane.xdp.loader import XdpDataPlane, remove_pinned
-from aggd.testing.frames import frame, parse
-from aggd_client.protocol import Flag, Header, MsgType
+from aggd.testing.frames import parse
+from aggd_client.protocol import Flag
 
 from .conftest import ELEMENTS, job_config
+from .test_xdp_fixtures import contrib
 
 pytestmark = pytest.mark.root
 SLOTS = 16
@@ -46,12 +47,9 @@ def packets(seed: int = 3) -> list[bytes]:
         for chunk in range(4):
             for rank in rng.permutation(3):
                 values = rng.integers(-2**20, 2**20, ELEMENTS, dtype=np.int32)
-                hdr = Header(type=MsgType.CONTRIB, job=1, rank=int(rank), round=round_, chunk=chunk, count=ELEMENTS)
-                out.append(frame(hdr, values, elements=ELEMENTS))
+                out.append(contrib(int(rank), round_, chunk, values=values))
                 if rng.random() < 0.2:
-                    hdr = Header(type=MsgType.CONTRIB, job=1, rank=int(rank), round=round_, chunk=chunk,
-                                 count=ELEMENTS, flags=Flag.RETRANSMIT)
-                    out.append(frame(hdr, values, elements=ELEMENTS))
+                    out.append(contrib(int(rank), round_, chunk, values=values, flags=Flag.RETRANSMIT))
     return out
 
 
@@ -94,8 +92,7 @@ def test_pinned_maps_are_kept_by_a_load_from_the_cache(cache):
     try:
         dp = load(pin_dir=pin_dir)
         assert dp.compiled
-        first = [frame(Header(type=MsgType.CONTRIB, job=1, rank=r, round=0, count=ELEMENTS),
-                       np.full(ELEMENTS, r + 1, np.int32), elements=ELEMENTS) for r in range(3)]
+        first = [contrib(r) for r in range(3)]
         assert [prog_test_run(dp.prog_fd, p).verdict_name for p in first[:2]] == ["drop", "drop"]
         dp.close()   # the daemon goes away; the maps stay pinned
         dp = XdpDataPlane(None, elements=ELEMENTS, total_slots=SLOTS, pin_dir=pin_dir)

@@ -25,7 +25,6 @@ from aggd.core.model import check_awaited, check_tag
 from aggd.core.strategy import SYNC, TableEntry, to_entry
 from aggd.dataplane import DataPlane, DataPlaneError, JobStats, checked_job, rounds_by_member
 from aggd.dataplane.xdp import bpf_syscall, program_cache
-from aggd.dataplane.xdp.program_cache import ProgramCache
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +115,21 @@ def load_xdp_function(bpf, name: str, *, frags: bool = False):
     """bcc's ``load_func(name, BPF.XDP)``, or with ``frags`` the same instructions loaded with
     BPF_F_XDP_HAS_FRAGS (bcc 0.26 passes no program flags), wrapped as bcc's function object so
     ``BPF.attach_xdp`` and ``bpf.cleanup`` treat it as their own."""
-    from bcc import BPF, lib
+    from bcc import BPF
     if not frags:
         return bpf.load_func(name.encode(), BPF.XDP)
-    start = lib.bpf_function_start(bpf.module, name.encode())
-    if not start:
+    insns = program_cache.function_insns(bpf, name)
+    if insns is None:
         raise XdpError(f"no function {name} in the program")
-    insns = ctypes.string_at(start, lib.bpf_function_size(bpf.module, name.encode()))
-    fd = bpf_syscall.prog_load(insns, flags=bpf_syscall.BPF_F_XDP_HAS_FRAGS, name=name,
-                               license=lib.bpf_module_license(bpf.module))
+    return load_xdp_insns(bpf, name, insns, program_cache.license_of(bpf), frags=True)
+
+
+def load_xdp_insns(bpf, name: str, insns: bytes, license: bytes, *, frags: bool):
+    """Instructions with their map fds in place loaded as XDP program ``name`` (with
+    BPF_F_XDP_HAS_FRAGS for ``frags``), wrapped as a function object of bcc's ``bpf``."""
+    from bcc import BPF
+    fd = bpf_syscall.prog_load(insns, flags=bpf_syscall.BPF_F_XDP_HAS_FRAGS if frags else 0, name=name,
+                               license=license)
     fn = BPF.Function(bpf, name.encode(), fd)
     bpf.funcs[name.encode()] = fn
     return fn
@@ -214,8 +219,8 @@ class XdpDataPlane(DataPlane):
         from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
         build = "elements=%d, slots=%d, port=%d%s" % (self.elements, self.total_slots, self.port,
                                                       ", multi-buffer" if self.frags else "")
-        cache = ProgramCache(program_cache.cache_dir())
-        key = program_cache.program_key(sorted(XDP_DIR.glob("*.[ch]")), cflags)
+        cache = program_cache.ProgramCache.configured()
+        key = program_cache.program_key(XDP_DIR, cflags)
         entry = cache.get(key)
         if entry is not None:
             bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags + [program_cache.MAPS_ONLY])
@@ -225,8 +230,7 @@ class XdpDataPlane(DataPlane):
                 if missing:
                     raise XdpError(f"the maps build lacks {missing}")
                 insns = program_cache.with_map_fds(entry["insns"], entry["loads"], fds)
-                fd = bpf_syscall.prog_load(insns, flags=bpf_syscall.BPF_F_XDP_HAS_FRAGS if self.frags else 0,
-                                           name=FUNCTION, license=entry["license"])
+                fn = load_xdp_insns(bpf, FUNCTION, insns, entry["license"], frags=self.frags)
             except (OSError, XdpError) as exc:
                 log.warning("the cached %s (%s) does not load, compiling it: %s", PROGRAM.name, build, exc)
                 bpf.cleanup()
@@ -234,8 +238,6 @@ class XdpDataPlane(DataPlane):
             else:
                 log.info("loaded %s (%s) compiled before", PROGRAM.name, build)
                 self.compiled = False
-                fn = BPF.Function(bpf, FUNCTION.encode(), fd)
-                bpf.funcs[FUNCTION.encode()] = fn
                 return bpf, fn
         log.info("compiling %s (%s)", PROGRAM.name, build)
         bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)

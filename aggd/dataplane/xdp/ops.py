@@ -23,8 +23,8 @@ def probe_value_sizes(elements: int) -> dict[str, int]:
     from aggd.dataplane.xdp import program_cache
 
     cflags = [f"-I{xdp.XDP_DIR}", f"-DELEMS={elements}", "-DTOTAL_SLOTS=1", "-Wno-unused-function"]
-    cache = program_cache.ProgramCache(program_cache.cache_dir())
-    key = program_cache.program_key(sorted(xdp.XDP_DIR.glob("*.[ch]")), ["--value-sizes", *cflags])
+    cache = program_cache.ProgramCache.configured()
+    key = program_cache.program_key(xdp.XDP_DIR, ["--value-sizes", *cflags])
     sizes = cache.get_value(key)
     if isinstance(sizes, dict) and set(sizes) == set(xdp.MAP_NAMES):
         return {name: int(size) for name, size in sizes.items()}

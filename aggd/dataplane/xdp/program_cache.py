@@ -62,12 +62,12 @@ def _libbcc_identity() -> str:
         return __version__
 
 
-def program_key(sources: list[Path], cflags: list[str]) -> str:
-    """The digest naming a build: the sources' contents, the flags that reach the compiler (the
-    include directory and the pin directory aside: neither changes an instruction), bcc's identity
-    and the kernel's release."""
+def program_key(source_dir: Path, cflags: list[str]) -> str:
+    """The digest naming a build: the contents of the sources in ``source_dir`` (every .c and .h),
+    the flags that reach the compiler (the include directory and the pin directory aside: neither
+    changes an instruction), bcc's identity and the kernel's release."""
     h = hashlib.sha256(f"aggd-xdp-program {FORMAT}\0".encode())
-    for path in sorted(sources):
+    for path in sorted(source_dir.glob("*.[ch]")):
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     for flag in cflags:
         if flag.startswith("-I"):
@@ -145,6 +145,11 @@ class ProgramCache:
 
     def __init__(self, directory: Path | None):
         self.directory = directory
+
+    @classmethod
+    def configured(cls) -> "ProgramCache":
+        """The cache where ``cache_dir`` says."""
+        return cls(cache_dir())
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.json"
