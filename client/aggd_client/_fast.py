@@ -145,14 +145,15 @@ def _mix(z):  # pragma: no cover - jitted
 
 
 def _hash32(z):  # pragma: no cover - jitted
-    """A 32-bit counter-based generator (Wellons' lowbias32) of the low half of ``z``: 32-bit
-    multiplies, which AVX2 vectorises (splitmix64's 64-bit ones it does not)."""
-    z = z & _M32
-    z ^= z >> np.uint64(16)
-    z = (z * np.uint64(0x7FEB352D)) & _M32
-    z ^= z >> np.uint64(15)
-    z = (z * np.uint64(0x846CA68B)) & _M32
-    return z ^ (z >> np.uint64(16))
+    """A 32-bit counter-based generator (Wellons' lowbias32) of the low half of ``z`` (an int64):
+    the int8 loop's, where with int64 arithmetic and masks (no unsigned conversions) numba
+    vectorises the whole loop, generator and rounding together."""
+    z = z & 0xFFFFFFFF
+    z ^= z >> 16
+    z = (z * 0x7FEB352D) & 0xFFFFFFFF
+    z ^= z >> 15
+    z = (z * 0x846CA68B) & 0xFFFFFFFF
+    return z ^ (z >> 16)
 
 
 def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_n, r0, flags, qmax,
@@ -164,9 +165,10 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
     value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another generator. Loops
     run over slices of C-contiguous rows, without a branch inside: numba then vectorises them.
 
-    int8 values (|x * 2**e| below 128) take a faster way, 3x on AVX2: a 32-bit generator
-    (``_hash32``) and float32 arithmetic, where ``x * 2**e`` is exact and ``x * 2**e + U`` rounds to
-    2**-17 at most, a bias below 2**-18 of a step (error feedback carries what the rounding lost)."""
+    int8 values (|x * 2**e| below 128) take a faster way, 5x: float32 arithmetic, where ``x * 2**e``
+    is exact and ``x * 2**e + U`` rounds to 2**-17 at most, and a 32-bit generator (``_hash32``)
+    whose draw serves two values, 16 bits each (``U = (k + 1/2) / 2**16``): about float32's own
+    resolution there, a bias below 2**-16 of a step (error feedback carries what the rounding lost)."""
     n = x.size
     q = np.float64(qmax)
     q32 = np.float32(qmax)
@@ -181,10 +183,17 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
         key = _next_random(state)
         if p == _P8 and -126 <= e <= 126:  # 2**e is a normal float32
             scale32 = np.float32(math.ldexp(1.0, e))
-            for j in range(cnt):
-                k24 = np.int32(_hash32(key + np.uint64(j) * np.uint64(0x9E3779B9)) >> np.uint64(8))
-                u32 = (np.float32(k24) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
-                dst[j] = np.int32(max(-q32, min(q32, np.floor(xs[j] * scale32 + u32))))
+            key32 = np.int64(key & _M32)
+            for j in range(cnt // 2):  # one draw, two values: 16 bits each
+                z = _hash32(key32 + j * 0x9E3779B9)
+                u0 = (np.float32(z & 0xFFFF) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
+                u1 = (np.float32(z >> 16) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
+                dst[2 * j] = np.int32(max(-q32, min(q32, np.floor(xs[2 * j] * scale32 + u0))))
+                dst[2 * j + 1] = np.int32(max(-q32, min(q32, np.floor(xs[2 * j + 1] * scale32 + u1))))
+            if cnt & 1:
+                u0 = (np.float32(_hash32(key32 + (cnt // 2) * 0x9E3779B9) & 0xFFFF) + np.float32(0.5)) \
+                    * np.float32(1.0 / 65536.0)
+                dst[cnt - 1] = np.int32(max(-q32, min(q32, np.floor(xs[cnt - 1] * scale32 + u0))))
         elif -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
             scale = math.ldexp(1.0, e)
             for j in range(cnt):
