@@ -1,31 +1,16 @@
-"""AggClient.allreduce_async and the strategies, against a fake aggregator on 127.0.0.1.
-
-``StrategyFake`` implements the observable behaviour of docs/protocol.md, "Strategies": slots of up
-to 4 banks, admission (``busy``), the quorum deadline checked on every packet to a slot, late
-contributions carried into the next round and answered with the newest released result, async
-running sums answered at once, wbsp steps. Results fan out by unicast to the members it has heard
-from (so a straggler that has not sent yet hears nothing). It logs every contribution it receives and
-can be paused (packets wait in its socket buffer). ``Scripted`` is a bare socket a test answers by
-hand, for what the fake cannot be made to do on purpose (two answers to one chunk, junk).
-No privileges needed.
-
-One gap in the documented rules shows here: under ``async`` a member more than 3 rounds behind the
-others sends contributions that are carried (rule 4) but never answered -- every bank of the slot
-is open, a force-released bank is reused at once, so no released result of the chunk exists -- and
-its retransmissions are dropped ``stale``: it waits until ``NoAnswerError``. With
-``late_async_answer=True`` the fake answers such a contribution with the running sum of the bank it
-was carried into (unicast, flag REREAD), the change proposed to the data planes; the client needs
-nothing else (the answer is a later async round's result: it completes the chunk, the laggard
-catches up).
+"""AggClient.allreduce_async and the strategies, against the reference model served on 127.0.0.1
+(tests/harness/model_aggregator.py: every slot and strategy rule is ``aggd.core.model``'s, with a
+log of every contribution and a pause). ``Scripted`` is a bare socket a test answers by hand, for
+what an aggregator cannot be made to do on purpose (two answers to one chunk, junk, a later round's
+result of another tensor). The same loops against the user-space aggregator (its fast path and
+sockets): test_client_async_userspace.py. No privileges needed.
 """
 from __future__ import annotations
 
-import collections
 import select
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -35,243 +20,19 @@ from aggd_client import (AggClient, AggdError, AllreduceHandle, NoAnswerError, P
                          WouldBlock, quant)
 from aggd_client.client import ASYNC_OUTSTANDING, WBSP_MAX_STEPS
 from aggd_client.protocol import HEADER_SIZE, Header
-from aggd_client.protocol.definition import (ZERO_EXPONENT, Flag, MsgType, StrategyKind)
+from aggd_client.protocol.definition import Flag, MsgType, StrategyKind
+
+from ..harness.model_aggregator import ModelAggregator
 
 JOB = 5
 E = 32
 SYNC, QUORUM, SSP, ASYNC, WBSP = (StrategyKind.SYNC, StrategyKind.QUORUM, StrategyKind.SSP,
                                   StrategyKind.ASYNC, StrategyKind.WBSP)
-FULL_SHIFT = 40  # shifting an int32 this far gives its floor (0 or -1), as the data planes' 31+
 
 
-@dataclass
-class Bank:
-    key: tuple[int, int]
-    kind: StrategyKind
-    param: int
-    version: int
-    timeout: float
-    t_first: float
-    open: bool = True
-    bitmap: int = 0
-    late: int = 0
-    n: int = 0
-    exp: int = ZERO_EXPONENT
-    flags: int = 0
-    acc: np.ndarray | None = None
-    steps: dict = field(default_factory=dict)
-
-    def add(self, q: np.ndarray, e: int) -> None:
-        if self.n == 0:
-            self.acc, self.exp = q.copy(), e
-        else:
-            m = min(self.exp, e)
-            self.acc = (self.acc >> min(self.exp - m, FULL_SHIFT)) + (q >> min(e - m, FULL_SHIFT))
-            self.exp = m
-        self.n += 1
-
-
-class StrategyFake:
-    """One job under a strategy table ``[(from_round, "strategy text"), ...]`` (or one strategy)."""
-
-    def __init__(self, world: int, strategy, *, job: int = JOB, slots: int = 64,
-                 timeout: float = 10.0, late_async_answer: bool = False):
-        self.late_async_answer = late_async_answer
-        table = [(0, strategy)] if isinstance(strategy, str) else list(strategy)
-        self.table = [(r, v + 1, StrategyInfo.parse(s)) for v, (r, s) in enumerate(table)]
-        self.world, self.job, self.slots, self.timeout = world, job, slots, timeout
-        self.banks: dict[int, list[Bank]] = {}
-        self.addr: dict[int, tuple[str, int]] = {}
-        self.log: list[tuple] = []       # (time, rank, round, chunk, step, flags, exponent)
-        self.released: list[tuple] = []  # (key, n_contrib, bitmap, cause)
-        self.drops = collections.Counter()
-        self.carried = self.rereads = self.partials = 0
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        self.sock.bind(("127.0.0.1", 0))
-        self.address = self.sock.getsockname()
-        self._run_ok = threading.Event()
-        self._run_ok.set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.error: BaseException | None = None
-
-    @property
-    def version(self) -> int:
-        return self.table[-1][1]
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._run_ok.set()
-        self._thread.join(5)
-        self.sock.close()
-        if self.error is not None and exc[0] is None:
-            raise self.error
-
-    def pause(self) -> None:
-        self._run_ok.clear()
-
-    def resume(self) -> None:
-        self._run_ok.set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._run_ok.wait()
-            r, _, _ = select.select([self.sock], [], [], 0.01)
-            while r and self._run_ok.is_set():
-                try:
-                    data, src = self.sock.recvfrom(65536, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    break
-                try:
-                    self.handle(data, src)
-                except BaseException as e:  # noqa: BLE001 - reported by __exit__
-                    self.error = e
-
-    # -- the slot rules --------------------------------------------------------------------------
-    def governing(self, round_: int) -> tuple[int, StrategyInfo]:
-        r, v, info = max((t for t in self.table if t[0] <= round_), key=lambda t: t[0])
-        return v, info
-
-    def handle(self, data: bytes, src) -> None:
-        h = Header.unpack(data)
-        assert h.type == MsgType.CONTRIB and h.job == self.job and h.rank < self.world
-        q = np.frombuffer(data, "<i4", offset=HEADER_SIZE).astype(np.int64)
-        self.addr.setdefault(h.rank, src)
-        now = time.monotonic()
-        self.log.append((now, h.rank, h.round, h.chunk, h.step, h.flags, h.exponent))
-        banks = self.banks.setdefault(h.chunk % self.slots, [])
-        for b in banks:                                                     # rule 0
-            if b.open and b.kind == QUORUM and now - b.t_first >= b.timeout:
-                self.release(b, "timeout")
-        key = (h.round, h.chunk)
-        b = next((b for b in banks if b.key == key), None)
-        newest = max((b.key for b in banks), default=None)
-        if b is not None and b.open:                                        # rule 1
-            if self.counted(b, h):
-                self.drops["duplicate"] += 1
-                return
-            return self.contribute(b, h, q, src)
-        if b is not None:                                                   # rule 2
-            if self.counted(b, h):
-                return self.resend(b, h, src)
-            return self.late(banks, b, h, q, src, now)
-        if newest is None or key > newest:                                  # rule 3
-            b = self.open(banks, key, now)
-            if b is None:
-                self.drops["busy"] += 1
-                return
-            return self.contribute(b, h, q, src)
-        return self.late(banks, None, h, q, src, now)                       # rule 4
-
-    def counted(self, b: Bank, h) -> bool:
-        if b.kind == WBSP:
-            return h.step < b.steps.get(h.rank, 0)
-        return bool((b.bitmap | b.late) >> h.rank & 1)
-
-    def contribute(self, b: Bank, h, q, src) -> None:
-        b.add(q, h.exponent)
-        b.bitmap |= 1 << h.rank
-        if b.kind == WBSP:
-            b.steps[h.rank] = h.step + 1
-        full = (1 << self.world) - 1
-        if (bin(b.bitmap).count("1") >= b.param) if b.kind == QUORUM else b.bitmap == full:
-            self.release(b, "complete")
-            out = self.result(b, h)
-            for addr in self.addr.values():
-                self.sock.sendto(out, addr)
-        elif b.kind == ASYNC:
-            self.partials += 1
-            self.sock.sendto(self.result(b, h), src)
-
-    def open(self, banks: list[Bank], key, now) -> Bank | None:
-        version, info = self.governing(key[0])
-        opened = [b for b in banks if b.open]
-        if info.kind == SSP:
-            ok = all(b.key[0] + info.param >= key[0] for b in opened)
-        else:
-            ok = info.kind == ASYNC or not opened
-        if not ok:
-            return None
-        if len(banks) >= 4:
-            released = [b for b in banks if not b.open]
-            if released:
-                old = min(released, key=lambda b: b.key)
-            elif info.kind == ASYNC:
-                old = min(opened, key=lambda b: b.key)
-                self.release(old, "force")
-            else:
-                return None
-            banks.remove(old)
-        b = Bank(key, info.kind, info.param, version, self.timeout, now)
-        banks.append(b)
-        return b
-
-    def late(self, banks, origin: Bank | None, h, q, src, now) -> None:
-        if origin is None and h.flags & Flag.RETRANSMIT:
-            self.drops["stale"] += 1
-            return
-        later = [b for b in banks if b.open and b.key[1] == h.chunk and b.key[0] > h.round]
-        target = min(later, key=lambda b: b.key, default=None)
-        if target is None:
-            top = max((b.key[0] for b in banks if b.key[1] == h.chunk), default=h.round)
-            new_key = (top + 1, h.chunk)
-            if new_key <= max(b.key for b in banks):
-                self.drops["busy"] += 1
-                return
-            target = self.open(banks, new_key, now)
-            if target is None:
-                self.drops["busy"] += 1
-                return
-        target.add(q, h.exponent)
-        target.flags |= Flag.CARRIED
-        self.carried += 1
-        if origin is not None and origin in banks:
-            origin.late |= 1 << h.rank
-            if origin.kind == WBSP:
-                origin.steps[h.rank] = h.step + 1
-        answer = max((b for b in banks if not b.open and b.key[1] == h.chunk),
-                     key=lambda b: b.key, default=None)
-        if answer is None and self.late_async_answer and target.kind == ASYNC:
-            answer = target  # the proposed rule: the running sum it was carried into
-        if answer is not None:
-            self.resend(answer, h, src)
-
-    def release(self, b: Bank, cause: str) -> None:
-        b.open = False
-        self.released.append((b.key, b.n, b.bitmap, cause))
-
-    def resend(self, b: Bank, h, src) -> None:
-        self.rereads += 1
-        self.sock.sendto(self.result(b, h, Flag.REREAD), src)
-
-    def result(self, b: Bank, h, flags: int = 0) -> bytes:
-        acc = b.acc
-        if np.abs(acc).max() > 2**31 - 1:
-            flags |= Flag.OVERFLOW
-        res = Header(type=MsgType.RESULT, job=self.job, rank=0xFFFF, round=b.key[0],
-                     chunk=b.key[1], count=h.count, strategy_version=b.version, exponent=b.exp,
-                     flags=b.flags | flags, contributors=b.bitmap, n_contrib=b.n,
-                     strategy=b.kind, param=b.param)
-        return res.pack() + acc.astype("<i4").tobytes()
-
-    # -- for assertions ----------------------------------------------------------------------------
-    def sent_by(self, rank: int) -> set[tuple[int, int, int]]:
-        """(round, chunk, step) of every contribution ``rank`` sent so far."""
-        return {(r, c, s) for _, k, r, c, s, *_ in list(self.log) if k == rank}
-
-    def received(self, rank: int, expected: set, timeout: float = 2.0) -> bool:
-        """Whether ``rank``'s contributions ``expected`` (round, chunk, step) all arrive in time."""
-        deadline = time.monotonic() + timeout
-        while not expected <= self.sent_by(rank):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+def model_aggregator(world: int, strategy, **kw) -> ModelAggregator:
+    """The reference model serving job JOB (packets of E values) on 127.0.0.1."""
+    return ModelAggregator(world, strategy, job=JOB, elements=E, **kw)
 
 
 class Scripted:
@@ -316,10 +77,10 @@ def grad(rank: int, rnd: int, size: int = 4 * E - 5, step: int = 0) -> np.ndarra
     return rng.standard_normal(size).astype(np.float32)
 
 
-def make_clients(fake, world: int, **kw) -> list[AggClient]:
+def make_clients(agg, world: int, **kw) -> list[AggClient]:
     kw.setdefault("give_up_after", 10.0)
     kw.setdefault("elements", E)
-    return [AggClient(fake.address, JOB, r, world, bind=("127.0.0.1", 0), **kw)
+    return [AggClient(agg.address, JOB, r, world, bind=("127.0.0.1", 0), **kw)
             for r in range(world)]
 
 
@@ -390,8 +151,8 @@ def test_exports():
 
 def test_sync_allreduce_is_allreduce_async_wait():
     world = 2
-    with StrategyFake(world, "sync") as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, "sync") as agg:
+        cs = make_clients(agg, world)
         try:
             out = Workers(lambda r: [cs[r].allreduce_async(grad(r, n), op="mean").wait()
                                      for n in range(3)] + [cs[r].allreduce(grad(r, 3))],
@@ -403,15 +164,15 @@ def test_sync_allreduce_is_allreduce_async_wait():
             c = cs[0]
             assert c.round == 4 and c.outstanding == 0
             assert c.strategy == StrategyInfo(SYNC, 0, 1)
-            assert fake.drops == {}  # one round at a time: nothing refused
+            assert agg.drops == {}  # one round at a time: nothing refused
         finally:
             close_all(cs)
 
 
 def test_handles_carry_round_counts_and_strategy():
     world = 2
-    with StrategyFake(world, "ssp:1") as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, "ssp:1") as agg:
+        cs = make_clients(agg, world)
         try:
             hs = Workers(lambda r: [cs[r].allreduce_async(grad(r, 0))], range(world)).join()
             h = hs[0][0]
@@ -425,15 +186,15 @@ def test_handles_carry_round_counts_and_strategy():
 
 
 def test_wait_timeout_then_completes():
-    with StrategyFake(1, "sync") as fake:
-        (c,) = make_clients(fake, 1)
+    with model_aggregator(1, "sync") as agg:
+        (c,) = make_clients(agg, 1)
         with c:
-            fake.pause()
+            agg.pause()
             h = c.allreduce_async(grad(0, 0))
             with pytest.raises(TimeoutError):
                 h.wait(timeout=0.1)
             assert not h.done()
-            fake.resume()
+            agg.resume()
             assert_close(h.wait(timeout=5), [grad(0, 0)], 1, 1)
 
 
@@ -443,8 +204,8 @@ def test_wait_timeout_then_completes():
 def test_ssp_three_rounds_outstanding_then_waits(slots):
     world = 2
     size = 4 * E - 5 if slots == 16 else 10 * E - 3
-    with StrategyFake(world, "ssp:2", slots=slots) as fake:
-        cs = make_clients(fake, world, slots=slots)
+    with model_aggregator(world, "ssp:2", slots=slots) as agg:
+        cs = make_clients(agg, world, slots=slots)
         fast, slow = cs
         try:
             # round 0 together: the clients learn the strategy from its result
@@ -459,9 +220,9 @@ def test_ssp_three_rounds_outstanding_then_waits(slots):
                 fast.allreduce_async(grad(0, 4, size), block=False)
             assert fast.round == 4  # the refused call started nothing
             if slots == 16:  # every chunk of rounds 1..3 left before the slow worker's round 1
-                assert fake.received(0, {(n, c, 0) for n in (1, 2, 3) for c in range(4)})
+                assert agg.received(0, {(n, c, 0) for n in (1, 2, 3) for c in range(4)})
             else:  # keys grow per slot: round 2 waits until round 1 sent its chunks of a slot
-                assert not any(r > 1 for r, _, _ in fake.sent_by(0))
+                assert not any(r > 1 for r, _, _ in agg.sent_by(0))
 
             slow_rounds = Workers(lambda r: [slow.allreduce(grad(1, n, size)) for n in (1, 2, 3, 4)],
                                   [1])
@@ -473,9 +234,11 @@ def test_ssp_three_rounds_outstanding_then_waits(slots):
                 contribs = [grad(0, n, size), grad(1, n, size)]
                 assert_close(a, contribs, world, world)
                 assert np.array_equal(a, b)
-            # admitted every time, keys in order: nothing refused busy or stale, nothing carried (the
-            # fast member's tail loss probes while its rounds wait for the slow one are duplicates)
-            assert set(fake.drops) <= {"duplicate"} and fake.carried == 0, fake.drops
+            # keys in order: nothing stale, nothing carried. The fast member's round 4 may be
+            # refused busy at first: the slot keeps round 0's bank until the slow member sends a
+            # round RESULT_WINDOW past it (rule 3), and the retransmission is admitted. Its tail
+            # loss probes while its rounds wait for the slow one are duplicates.
+            assert set(agg.drops) <= {"duplicate", "busy"} and agg.carried == 0, agg.drops
         finally:
             close_all(cs)
 
@@ -485,8 +248,8 @@ def test_pushing_too_early_only_wastes_packets():
     ahead (busy), it retransmits them until admitted and learns the strategy from the results. (It
     believes so from round 0's result: a client's first round is answered before its next starts.)"""
     world = 2
-    with StrategyFake(world, [(0, "ssp:2"), (1, "sync")]) as fake:
-        cs = make_clients(fake, world, retransmit_timeout=0.02)
+    with model_aggregator(world, [(0, "ssp:2"), (1, "sync")]) as agg:
+        cs = make_clients(agg, world, retransmit_timeout=0.02)
         try:
             Workers(lambda r: cs[r].allreduce(grad(r, 0)), range(world)).join()
             assert cs[0].strategy == StrategyInfo(SSP, 2, 1)
@@ -496,7 +259,7 @@ def test_pushing_too_early_only_wastes_packets():
             for n, h in enumerate(hs, 1):
                 assert_close(h.wait(), [grad(0, n), grad(1, n)], world, world)
             slow.join()
-            assert fake.drops["busy"] > 0
+            assert agg.drops["busy"] > 0
             assert cs[0].strategy == StrategyInfo(SYNC, 0, 2) and cs[0].must_wait() is False
         finally:
             close_all(cs)
@@ -504,8 +267,8 @@ def test_pushing_too_early_only_wastes_packets():
 
 def test_hot_swap_is_learnt_from_results():
     world = 2
-    with StrategyFake(world, [(0, "sync"), (2, "ssp:2")]) as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, [(0, "sync"), (2, "ssp:2")]) as agg:
+        cs = make_clients(agg, world)
         try:
             out = Workers(lambda r: [cs[r].allreduce_async(grad(r, n)) for n in range(3)],
                           range(world)).join()
@@ -527,33 +290,40 @@ def test_hot_swap_is_learnt_from_results():
 
 def test_async_answers_at_once_with_the_running_sum():
     world = 3
-    with StrategyFake(world, "async") as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, "async") as agg:
+        cs = make_clients(agg, world)
         try:
             # only rank 0 works: every contribution is answered at once with the running sum
             h = cs[0].allreduce_async(grad(0, 0))
             assert_close(h.wait(timeout=2), [grad(0, 0)], world, world)
             assert h.n_contrib.tolist() == [1] * 4 and h.strategy.kind == ASYNC
             # up to three rounds outstanding: hold the aggregator so none is answered yet
-            fake.pause()
+            agg.pause()
             hs = [cs[0].allreduce_async(grad(0, n)) for n in (1, 2, 3)]
             assert cs[0].outstanding == 3 and cs[0].must_wait()
             with pytest.raises(WouldBlock):
                 cs[0].allreduce_async(grad(0, 4), block=False)
-            fake.resume()
-            for n, h in zip((1, 2, 3), hs):
+            agg.resume()
+            for n, h in zip((1, 2), hs):
                 assert_close(h.wait(timeout=2), [grad(0, n)], world, world)
+            # a slot holds at most three open async rounds (rule 3): round 3 waits, refused busy,
+            # until round 0 is released
+            with pytest.raises(TimeoutError):
+                hs[2].wait(timeout=0.3)
+            assert agg.drops["busy"] > 0
             # rank 1's round 0 joins the open bank: the running sum holds both
             h1 = cs[1].allreduce_async(grad(1, 0))
             assert_close(h1.wait(timeout=2), [grad(0, 0), grad(1, 0)], world, world)
             assert h1.n_contrib.tolist() == [2] * 4
-            # rank 2 completes round 0: released to everybody, rank 0's finished round ignores it
+            # rank 2 completes round 0: released to everybody, rank 0's finished round ignores it;
+            # round 3 is admitted and answered with its running sum
             before = cs[0].stats["results"]
             h2 = cs[2].allreduce_async(grad(2, 0))
             assert_close(h2.wait(timeout=2), [grad(r, 0) for r in range(3)], world, world)
             assert h2.n_contrib.tolist() == [3] * 4
-            assert not cs[0].must_wait() and cs[0].stats["results"] == before
-            assert fake.partials > 0 and fake.drops == {}
+            assert_close(hs[2].wait(timeout=2), [grad(0, 3)], world, world)
+            assert cs[0].stats["results"] == before + 4 and not cs[0].must_wait()
+            assert agg.partials > 0 and set(agg.drops) <= {"busy", "duplicate"}, agg.drops
         finally:
             close_all(cs)
 
@@ -596,8 +366,8 @@ def test_first_result_of_a_chunk_wins_and_later_rounds_answer_stragglers():
 
 def test_wbsp_steps_share_the_round_result():
     world = 2
-    with StrategyFake(world, "wbsp") as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, "wbsp") as agg:
+        cs = make_clients(agg, world)
         fast, slow = cs
         try:
             Workers(lambda r: cs[r].allreduce(grad(r, 0)), range(world)).join()
@@ -614,9 +384,9 @@ def test_wbsp_steps_share_the_round_result():
             assert hs[-1].step == 3 and fast.must_wait()
             with pytest.raises(WouldBlock):
                 fast.allreduce_async(steps[0], op="mean", block=False)
-            assert fake.received(0, {(1, c, s) for c in range(4) for s in range(WBSP_MAX_STEPS)})
+            assert agg.received(0, {(1, c, s) for c in range(4) for s in range(WBSP_MAX_STEPS)})
             # quantised with wbsp's headroom: terms = 4 * world
-            logged = {(c, s): e for _, k, r, c, s, _, e in fake.log if k == 0 and r == 1}
+            logged = {(c, s): e for _, k, r, c, s, _, e in agg.log if k == 0 and r == 1}
             for s, g in enumerate(steps):
                 e = quant.quantise_flat(g, world, E, terms=4 * world)[1]
                 assert [logged[c, s] for c in range(4)] == e.tolist()
@@ -627,7 +397,7 @@ def test_wbsp_steps_share_the_round_result():
             assert all(h.round == 1 and h.n_contrib.tolist() == [5] * 4 for h in hs)
             assert_close(results[0], steps + [y], world, 4 * world, mean=True)
             assert np.array_equal(res, results[0])
-            assert fast.stats["steps"] == 3 and fake.drops == {}
+            assert fast.stats["steps"] == 3 and agg.drops == {}
         finally:
             close_all(cs)
 
@@ -636,8 +406,8 @@ def test_wbsp_steps_share_the_round_result():
 
 def test_quorum_straggler_gets_newest_result_and_catches_up():
     world = 3
-    with StrategyFake(world, "quorum:2", slots=16) as fake:
-        cs = make_clients(fake, world)
+    with model_aggregator(world, "quorum:2", slots=16) as agg:
+        cs = make_clients(agg, world)
         try:
             # ranks 0 and 1 run rounds 0..4 without rank 2 (the quorum of 2 releases each)
             out = Workers(lambda r: [cs[r].allreduce(grad(r, n)) for n in range(5)], (0, 1)).join()
@@ -650,7 +420,7 @@ def test_quorum_straggler_gets_newest_result_and_catches_up():
             res = h.wait(timeout=5)
             assert h.round == 4 and h.strategy == StrategyInfo(QUORUM, 2, 1)
             assert np.array_equal(res, out[0][4])
-            assert straggler.round == 5 and fake.carried == 4
+            assert straggler.round == 5 and agg.carried == 4
             # round 5: the quorum of ranks 0 and 1 releases it with the carried contribution
             five = Workers(lambda r: cs[r].allreduce_async(grad(r, 5)), (0, 1)).join()
             for h5 in five.values():
@@ -661,7 +431,7 @@ def test_quorum_straggler_gets_newest_result_and_catches_up():
             # round 5's release reached the straggler too (the aggregator knows it now): it is
             # caught up before it sends again (its next call joins round 6 with its own gradient)
             assert not straggler.must_wait() and straggler.round == 6
-            assert {k for k, n, _, cause in fake.released if cause == "complete"} >= \
+            assert {k for k, n, _, cause in agg.released if cause == "complete"} >= \
                 {(n, c) for n in range(6) for c in range(4)}
         finally:
             close_all(cs)
@@ -673,9 +443,9 @@ def test_quorum_deadline_is_driven_by_retransmissions():
     max_retransmit_interval under quorum, are what releases it."""
     world = 2
     cap = 0.04
-    with StrategyFake(world, "quorum:2", timeout=0.3) as fake:
-        (c,) = make_clients(fake, 1)[:0] or [AggClient(
-            fake.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, give_up_after=10,
+    with model_aggregator(world, "quorum:2", timeout=0.3) as agg:
+        (c,) = make_clients(agg, 1)[:0] or [AggClient(
+            agg.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, give_up_after=10,
             retransmit_timeout=0.02, max_retransmit_interval=cap)]
         with c:
             h = c.allreduce_async(grad(0, 0))  # sync assumed: backoff up to 1 s
@@ -687,10 +457,10 @@ def test_quorum_deadline_is_driven_by_retransmissions():
             took = time.monotonic() - t0
             assert h.n_contrib.tolist() == [1] * 4
             assert took < 0.3 + cap + 0.25, took
-            arrivals = sorted(t for t, k, r, ch, *_ in fake.log if r == 1 and ch == 0)
+            arrivals = sorted(t for t, k, r, ch, *_ in agg.log if r == 1 and ch == 0)
             gaps = np.diff(arrivals)
             assert len(arrivals) >= 5 and gaps.max() < cap + 0.05, gaps
-            assert {cause for key, *_, cause in fake.released if key[0] == 1} == {"timeout"}
+            assert {cause for key, *_, cause in agg.released if key[0] == 1} == {"timeout"}
 
 
 @pytest.mark.parametrize("chunks", [3, 100])
@@ -702,15 +472,15 @@ def test_under_quorum_few_chunks_in_flight_are_resent_every_timeout(chunks):
     world = 2
     # rounds 0-2 under quorum:1 (answered at once: the window grows past 64), round 3 under
     # quorum:2 with rank 0 alone, released by its deadline
-    with StrategyFake(world, [(0, "quorum:1"), (3, "quorum:2")], timeout=1.2, slots=128) as fake:
-        c = AggClient(fake.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, slots=128,
+    with model_aggregator(world, [(0, "quorum:1"), (3, "quorum:2")], timeout=1.2, slots=128) as agg:
+        c = AggClient(agg.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, slots=128,
                       give_up_after=10, retransmit_timeout=0.03, max_retransmit_interval=0.5,
                       strategy="quorum:1")
         with c:
             for _ in range(4):
                 c.allreduce(np.ones(chunks * E, np.float32))
             assert c.round == 4
-            arrivals = sorted(t for t, k, r, ch, *_ in fake.log if k == 0 and r == 3 and ch == 0)
+            arrivals = sorted(t for t, k, r, ch, *_ in agg.log if k == 0 and r == 3 and ch == 0)
             gaps = np.diff(arrivals)
             if chunks <= QUORUM_STEADY_MAX:
                 assert len(gaps) >= 15 and gaps.max() < 0.15, gaps       # every 30 ms or so
@@ -727,8 +497,8 @@ def test_tail_loss_probes_do_not_back_the_timer_off():
     holds the three probes and three timeouts, where timers doubled by the probes give one."""
     from aggd_client.flow import TAIL_PROBES
     world = 2
-    with StrategyFake(world, "sync") as fake:
-        cs = make_clients(fake, world, retransmit_timeout=0.05, give_up_after=30)
+    with model_aggregator(world, "sync") as agg:
+        cs = make_clients(agg, world, retransmit_timeout=0.05, give_up_after=30)
         try:
             for k in range(3):          # answer times learnt (srtt)
                 hs = [c.allreduce_async(grad(r, k, E)) for r, c in enumerate(cs)]
@@ -741,7 +511,7 @@ def test_tail_loss_probes_do_not_back_the_timer_off():
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 h.done()
-                sends = sorted(t for t, k, r, *_ in list(fake.log) if k == 0 and r == 3)
+                sends = sorted(t for t, k, r, *_ in list(agg.log) if k == 0 and r == 3)
                 if len(sends) >= expected:
                     break
                 time.sleep(0.002)
@@ -754,25 +524,25 @@ def test_tail_loss_probes_do_not_back_the_timer_off():
 
 def test_quorum_quantises_with_headroom_for_carried_contributions():
     world = 2
-    with StrategyFake(world, "quorum:1") as fake:
-        (c,) = make_clients(fake, 1)[:0] or [AggClient(
-            fake.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, strategy="quorum:1")]
+    with model_aggregator(world, "quorum:1") as agg:
+        (c,) = make_clients(agg, 1)[:0] or [AggClient(
+            agg.address, JOB, 0, world, bind=("127.0.0.1", 0), elements=E, strategy="quorum:1")]
         with c:
             x = grad(0, 0)
             c.allreduce(x)
             e = quant.quantise_flat(x, world, E, terms=2 * world)[1]
-            assert [ex for *_, ex in sorted(fake.log, key=lambda t: t[3])] == e.tolist()
+            assert [ex for *_, ex in sorted(agg.log, key=lambda t: t[3])] == e.tolist()
 
 
 # -- errors ----------------------------------------------------------------------------------------------
 
 def test_no_answer_fails_every_outstanding_round():
-    with StrategyFake(2, "async") as fake:
-        c = AggClient(fake.address, JOB, 0, 2, bind=("127.0.0.1", 0), elements=E,
+    with model_aggregator(1, "async") as agg:
+        c = AggClient(agg.address, JOB, 0, 1, bind=("127.0.0.1", 0), elements=E,
                       give_up_after=0.5, strategy="async")
         with c:
             c.allreduce(grad(0, 0))   # (a round that sends new chunk indices is answered before the next)
-            fake.pause()
+            agg.pause()
             hs = [c.allreduce_async(grad(0, n)) for n in range(1, 4)]
             with pytest.raises(NoAnswerError) as ei:
                 hs[1].wait()
@@ -782,14 +552,14 @@ def test_no_answer_fails_every_outstanding_round():
                 with pytest.raises(NoAnswerError):
                     h.wait()
             assert c.outstanding == 0 and not c.must_wait()
-            fake.resume()
-            assert_close(c.allreduce(grad(0, 4)), [grad(0, 4)], 2, 2)  # usable again
+            agg.resume()
+            assert_close(c.allreduce(grad(0, 4)), [grad(0, 4)], 1, 1)  # usable again
 
 
 def test_closed_client_refuses():
-    with StrategyFake(1, "sync") as fake:
-        (c,) = make_clients(fake, 1, give_up_after=0.5)   # close() delivers for this long
-        fake.pause()
+    with model_aggregator(1, "sync") as agg:
+        (c,) = make_clients(agg, 1, give_up_after=0.5)   # close() delivers for this long
+        agg.pause()
         h = c.allreduce_async(grad(0, 0))
         c.close()
         with pytest.raises(AggdError):
@@ -836,22 +606,12 @@ def check_training(out: dict, clients, strategy: str, rounds: int, world: int) -
                 assert (h.n_contrib == world).all()
 
 
-#: StrategyFake still force-releases the oldest async round when every bank is open (the data
-#: planes no longer do: they admit async rounds only while fewer than 3 are open), which leaves a
-#: laggard unanswered. The userspace variant of this test runs the real rules and passes.
-ASYNC_LAGGARD = pytest.mark.xfail(
-    strict=True, raises=NoAnswerError,
-    reason="docs/protocol.md rule 4 answers a late async contribution only with a released result "
-           "of its chunk; with every bank open (a laggard > 3 rounds behind) there is none")
 STRATEGIES = ["sync", "quorum:2", "ssp:1", "ssp:2", "async", "wbsp"]
-TRAINING = [pytest.param(s, marks=ASYNC_LAGGARD) if s == "async" else s for s in STRATEGIES]
 DELAYS = {0: 0.0, 1: 0.002, 2: 0.02}  # rank 2 lags; rank 0 runs ahead
 
 
-def run_training(fake, strategy: str, world: int = 3, rounds: int = 8):
-    # a short give-up: the async laggard case fails in 2 s rather than 10
-    cs = make_clients(fake, world, slots=8, retransmit_timeout=0.02, max_retransmit_interval=0.02,
-                      give_up_after=2.0 if strategy == "async" else 10.0)
+def run_training(agg, strategy: str, world: int = 3, rounds: int = 8):
+    cs = make_clients(agg, world, slots=8, retransmit_timeout=0.02, max_retransmit_interval=0.02)
     try:
         out = Workers(lambda r: train(cs[r], r, rounds, DELAYS[r]), range(world)).join()
         check_training(out, cs, strategy, rounds, world)
@@ -860,14 +620,12 @@ def run_training(fake, strategy: str, world: int = 3, rounds: int = 8):
         close_all(cs)
 
 
-@pytest.mark.parametrize("strategy", TRAINING)
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_one_training_loop_runs_under_every_strategy(strategy):
-    with StrategyFake(3, strategy, slots=8, timeout=0.05) as fake:
-        cs = run_training(fake, strategy)
+    with model_aggregator(3, strategy, slots=8, timeout=0.05) as agg:
+        cs = run_training(agg, strategy)
     if strategy == "wbsp":
         assert sum(c.stats["steps"] for c in cs) > 0  # the fast ones pushed steps
-
-
 
 
 def test_keys_are_flagged_ordered_once_a_round_had_more_chunks_than_slots():
