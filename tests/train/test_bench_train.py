@@ -1,4 +1,4 @@
-"""``aggctl bench train`` run tiny: one model, 4 workers, a few steps, all three systems, JSON and PNG."""
+"""``aggctl bench train`` run tiny: one model, 2 workers, a few steps, all three systems, JSON and PNG."""
 from __future__ import annotations
 
 import json
@@ -13,13 +13,13 @@ pytestmark = pytest.mark.root
 
 def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
-    res = CliRunner().invoke(aggctl, ["bench", "train", "--model", "cnn", "--workers", "4", "--steps", "6",
+    res = CliRunner().invoke(aggctl, ["bench", "train", "--model", "cnn", "--workers", "2", "--steps", "6",
                                       "--target", "0.3", "--eval-every", "2", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     rows = [x for x in lines if x["bench"] == "train"]
     assert [r["system"] for r in rows] == ["aggd-xdp", "aggd-user", "gloo"]
-    assert all(r["model"] == "cnn" and r["workers"] == 4 and r["steps"] == 6 and r["step_time_s"] > 0
+    assert all(r["model"] == "cnn" and r["workers"] == 2 and r["steps"] == 6 and r["step_time_s"] > 0
                and r["samples_per_s"] > 0 and r["curve"] for r in rows), rows
     ratios = [x for x in lines if x["bench"] == "train-ratio"]
     assert {r["system"] for r in ratios} == {"aggd-xdp", "aggd-user"} and all(r["speed_vs_gloo"] > 0 for r in ratios)
