@@ -165,7 +165,8 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
     value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another generator. Loops
     run over slices of C-contiguous rows, without a branch inside: numba then vectorises them.
 
-    int8 values (|x * 2**e| below 128) take a faster way, 5x: float32 arithmetic, where ``x * 2**e``
+    int8 values (|x * 2**e| below 128) take a faster way (1.1 ns a value where the float64 way takes
+    1.7, 16M float32 values on this project's lab host): float32 arithmetic, where ``x * 2**e``
     is exact and ``x * 2**e + U`` rounds to 2**-17 at most, and a 32-bit generator (``_hash32``)
     whose draw serves two values, 16 bits each (``U = (k + 1/2) / 2**16``): about float32's own
     resolution there, a bias below 2**-16 of a step (error feedback carries what the rounding lost)."""
