@@ -96,6 +96,17 @@ def ensure_bpffs(pin_dir: str) -> None:
     log.info("mounted bpffs on /sys/fs/bpf")
 
 
+def _warm_userspace_kernels() -> None:
+    """Load the user-space path's numba kernels (a start's thread; a failure is left to the
+    server's own warm-up, which raises it)."""
+    try:
+        from aggd.dataplane.userspace import fastpath, kernels
+        kernels.warm_up()
+        fastpath.warm_up()
+    except Exception as exc:  # noqa: BLE001 - reported by the server's warm-up
+        log.debug("early warm-up of the user-space kernels failed: %s", exc)
+
+
 def interface_address(ifname: str, netns: str | None) -> str:
     """The first IPv4 address of ``ifname`` (in ``netns``)."""
     from pyroute2 import IPRoute
@@ -195,6 +206,11 @@ class Service:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
+        # The user-space path's numba kernels load (about 0.9 s of CPU) while the XDP program's
+        # maps are built: bcc's compile runs in C without the GIL, so on two cores a start takes
+        # the longer of the two, not their sum. The server's own warm-up below then finds them.
+        warming = threading.Thread(target=_warm_userspace_kernels, name="aggd-warm-up", daemon=True)
+        warming.start()
         from aggd.dataplane.userspace.server import UserspaceAggregator
 
         cfg, dpc = self.config, self.config.dataplane
@@ -211,6 +227,7 @@ class Service:
             self._start_p4()
         else:
             self._start_xdp()
+        warming.join()
         with _netns(netns):  # sockets stay in the namespace they were made in
             self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
                                           extra_binds=((self.address, dpc.userspace_port),),
