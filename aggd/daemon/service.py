@@ -206,7 +206,7 @@ class Service:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> None:
-        # The user-space path's numba kernels load (about 0.9 s of CPU) while the XDP program's
+        # The user-space path's numba kernels load (about 0.5 s) while the XDP program's
         # maps are built: bcc's compile runs in C without the GIL, so on two cores a start takes
         # the longer of the two, not their sum. The server's own warm-up below then finds them.
         warming = threading.Thread(target=_warm_userspace_kernels, name="aggd-warm-up", daemon=True)
