@@ -164,7 +164,9 @@ def test_sync_allreduce_is_allreduce_async_wait():
             c = cs[0]
             assert c.round == 4 and c.outstanding == 0
             assert c.strategy == StrategyInfo(SYNC, 0, 1)
-            assert agg.drops == {}  # one round at a time: nothing refused
+            # one round at a time: nothing refused (on a loaded host a retransmission may cross
+            # its answer and be dropped as a duplicate)
+            assert set(agg.drops) <= {"duplicate"}, agg.drops
         finally:
             close_all(cs)
 
@@ -397,7 +399,7 @@ def test_wbsp_steps_share_the_round_result():
             assert all(h.round == 1 and h.n_contrib.tolist() == [5] * 4 for h in hs)
             assert_close(results[0], steps + [y], world, 4 * world, mean=True)
             assert np.array_equal(res, results[0])
-            assert fast.stats["steps"] == 3 and agg.drops == {}
+            assert fast.stats["steps"] == 3 and set(agg.drops) <= {"duplicate"}, agg.drops
         finally:
             close_all(cs)
 
@@ -428,8 +430,13 @@ def test_quorum_straggler_gets_newest_result_and_catches_up():
                 assert h5.n_contrib.tolist() == [3] * 4 and h5.round == 5
                 # ranks 0/1 quantised for quorum (2 * world), the straggler for sync (world)
                 assert_close(r5, [grad(0, 5), grad(1, 5), x], world, world)
-            # round 5's release reached the straggler too (the aggregator knows it now): it is
-            # caught up before it sends again (its next call joins round 6 with its own gradient)
+            # round 5's release reaches the straggler too (the aggregator knows it now): it is
+            # caught up before it sends again (its next call joins round 6 with its own gradient).
+            # Its copies leave the aggregator after the others' (fan-out in rank order): poll.
+            deadline = time.monotonic() + 5
+            while straggler.round != 6 and time.monotonic() < deadline:
+                straggler.must_wait()
+                time.sleep(0.005)
             assert not straggler.must_wait() and straggler.round == 6
             assert {k for k, n, _, cause in agg.released if cause == "complete"} >= \
                 {(n, c) for n in range(6) for c in range(4)}
