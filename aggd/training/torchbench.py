@@ -55,8 +55,9 @@ def run(models: list[str], workers: int, steps: int, *, systems=SYSTEMS, lab_nam
     (``torch_train``), so rows of one seed differ only in how their gradients were summed. The aggd
     jobs run ``strategy`` (``quorum`` and ``async`` need one DDP bucket a step: ``bucket_cap_mb``)."""
     rows = []
-    outdir = Path(tempfile.mkdtemp(prefix="aggd-bench-train-"))
-    with Lab(lab_name, workers) as lab:
+    # the runs' records and checkpoints (17 MB a run of the cnn): the rows keep what is reported
+    with tempfile.TemporaryDirectory(prefix="aggd-bench-train-") as tmp, Lab(lab_name, workers) as lab:
+        outdir = Path(tmp)
         for model, seed in [(m, sd) for m in models for sd in seeds]:
             for system, bits in [(s, b) for s in systems for b in (precisions if s != "gloo" else (32,))]:
                 # a daemon of its own for every aggd run (once, a second job created in the same

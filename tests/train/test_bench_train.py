@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -11,8 +14,13 @@ from aggd.cli.main import main as aggctl
 pytestmark = pytest.mark.root
 
 
-def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
+def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path, monkeypatch, request):
     out, png = tmp_path / "rows.json", tmp_path / "plot.png"
+    # the bench's temporary folders go here, and are gone after it (a short path: the lab daemon's
+    # control socket is in one of them, and a Unix socket's path has at most 107 bytes)
+    scratch = Path(tempfile.mkdtemp(prefix="aggd-bt-"))
+    request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     res = CliRunner().invoke(aggctl, ["bench", "train", "--model", "cnn", "--workers", "2", "--steps", "6",
                                       "--target", "0.3", "--eval-every", "2", "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output + repr(res.exception)
@@ -31,3 +39,4 @@ def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path):
         [("aggd-xdp", 32, [0]), ("aggd-user", 32, [0]), ("gloo", 32, [0])]
     assert "steps to 30%: median" in res.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(scratch.iterdir()) == []
