@@ -127,6 +127,10 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
         if on_record:
             on_record(rec)
 
+    # the agents' temporary folders (torchrun makes a torchelastic_* one in TMPDIR and leaves it),
+    # removed after the run; short, as a Unix socket's path in it must be
+    scratch = tempfile.mkdtemp(prefix="aggd-torchrun-")
+    env["TMPDIR"] = scratch
     procs = LabProcesses(lab, f"torchrun agents ({run.comm} {run.model})", on_record=on_line, env=env,
                          stderr_lines=None)
     try:
@@ -177,6 +181,7 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
             job_after = daemon.call("workers", job=job["name"])
     finally:
         procs.kill()
+        shutil.rmtree(scratch, ignore_errors=True)
         if job is not None:
             try:
                 daemon.call("jobs.delete", job=job["name"])
