@@ -1,5 +1,6 @@
-/* The payload loops: a bank's u64 lanes against the packet's int32 values. Each runs over all ELEMS
- * lanes (a constant trip count after the one bounds check up front, as the verifier wants).
+/* The payload loops: a bank's u64 lanes against the packet's int32 values (an int8 job's: "Quad
+ * lanes" below). Each runs over all its lanes (a constant trip count after the one bounds check up
+ * front, as the verifier wants).
  *
  * A lane holds an exact sum kept biased: the true sum is (__s64)(lane + bias), bias being the
  * bank's. Adding a contribution x adds x ^ LANE_FLIP (x - 2**31) and 2**31 to the bias, so the
@@ -24,26 +25,6 @@
 
 #define LANE_PAIRS (ELEMS / 2)
 
-/* Packed lanes: an int8 job's lane i holds its values 2i and 2i+1, a and b (sign-extended), as the
- * int32 a + 65536 * b (|65536 * b| <= 2**23), so a lane's sum is the a's sum plus 65536 times the
- * b's, added by the loops below as any int32. The a's sum is the sum's low 16 bits, sign-extended,
- * and the b's is (sum - that) >> 16: exact while the a's sum fits int16, i.e. up to
- * AGGD_INT8_MAX_CONTRIBUTIONS contributions (aggd_xdp.c). */
-
-/* The lane of an int8 pair read as one little-endian int16 (a its low byte, b its high). */
-static __always_inline __u32 lane_pack(__s16 w)
-{
-	return (__u32)((__s32)(__s8)w + (__s32)(w >> 8) * 65536);
-}
-
-/* With `pack` all ones (an int8 job), x's low value (x's low 16 bits, sign-extended; its high one is
- * then (x - that) >> 16); with `pack` 0 x itself (and that high one 0). Without a branch, so that the
- * loops using it serve both kinds of lane in one walk of the verifier. */
-static __always_inline __s64 lane_lo(__s64 x, __s64 pack)
-{
-	return x ^ ((x ^ (__s16)x) & pack);
-}
-
 /* |x| without a branch */
 static __always_inline __u64 abs64(__s64 x)
 {
@@ -51,22 +32,128 @@ static __always_inline __u64 abs64(__s64 x)
 	return (__u64)((x ^ sign) - sign);
 }
 
-/* 1 if x is beyond the symmetric int16 range [-32767, 32767], else 0, without a branch. */
-static __always_inline __u64 beyond_int16(__s64 x)
+/* Quad lanes: an int8 job's bank lane j holds the sums of its values 4j .. 4j+3 in four 16-bit
+ * fields, each kept biased by 128 a contribution: a value v is added as v + 128 (its byte with the
+ * top bit flipped, 0..255), so a field's sum is never negative and, up to 257 contributions, below
+ * 2**16: the four never carry into each other and one u64 add a lane adds four values. The bank's
+ * `bias` holds 128 times the contributions added in each field (Q8_BIAS each), and a field's true
+ * sum is (field - its bias) modulo 2**16, as int16: exact while it fits int16, which up to
+ * AGGD_INT8_MAX_CONTRIBUTIONS contributions of -128..127 it does. The result's int16 values are
+ * those fields as they lie, so sending a lane is one per-field subtraction, with no split. Half the
+ * lanes of a 32-bit bank (Q8_LANES) serve a packet's 2 * ELEMS values. */
+#define Q8_LANES ((ELEMS + 1) / 2)
+#define Q8_BIAS 0x0080008000800080ULL  /* 128 in every field: one contribution's bias */
+#define Q8_TOP 0x8000800080008000ULL   /* every field's top bit */
+#define Q8_ONES 0x0001000100010001ULL
+
+/* Four int8 values (w's bytes, the first lowest) as a contribution to a quad lane: each byte with
+ * its top bit flipped (v + 128) into a field of its own. */
+static __always_inline __u64 q8_spread(__u32 w)
 {
-	return (__u64)((x + 32767) | (32767 - x)) >> 63;
+	__u64 t = w ^ 0x80808080U;
+	t = (t | (t << 16)) & 0x0000FFFF0000FFFFULL;
+	return (t | (t << 8)) & 0x00FF00FF00FF00FFULL;
 }
 
-/* An int8 job's lane as sent (the low 32 bits v of its sum) into its int16 pair in place (the pair
- * takes the lane's four bytes): lo = v's low 16 bits, hi = (v - lo) >> 16 (in 64 bits: v - lo may be
- * 2**31), each sent as its low 16 bits. Returns 1 if either is beyond [-32767, 32767] (a sum outside
- * it, or a's -32768), else 0. */
-static __always_inline __u64 lane_split(__u32 *lane)
+/* x - c field by field, modulo 2**16 each (no borrow crosses a field). */
+static __always_inline __u64 q8_sub(__u64 x, __u64 c)
 {
-	__s32 v = (__s32)*lane;
-	__s64 lo = (__s16)v, hi = ((__s64)v - lo) >> 16;
-	*lane = (__u32)(__u16)lo | (__u32)(__u16)hi << 16;
-	return beyond_int16(lo) | beyond_int16(hi);
+	return ((x | Q8_TOP) - (c & ~Q8_TOP)) ^ ((x ^ ~c) & Q8_TOP);
+}
+
+/* Q8_TOP's bit of each field of x that is -32768 (0x8000), else 0: the one int16 an int8 sum
+ * (-128 * 256) reaches outside the symmetric range results keep (docs/protocol.md, "Precision"). */
+static __always_inline __u64 q8_min16(__u64 x)
+{
+	__u64 t = x ^ Q8_TOP;
+	return (t - Q8_ONES) & ~t & Q8_TOP;
+}
+
+/* What the quad loops below return for a result: bit 32 (the int32 lanes' overflow bit, as their
+ * `high`) if a value is -32768, else 0. */
+static __always_inline __u64 q8_high(__u64 min16)
+{
+	return ((min16 | -min16) >> 63) << 32; /* without a branch */
+}
+
+/* A fresh bank takes the contribution (bias Q8_BIAS). */
+static __always_inline void q8_set(__u64 *v, __u64 *p)
+{
+	_Pragma("clang loop unroll_count(8)")
+	for (int j = 0; j < Q8_LANES; j++)
+		v[j] = p[j];
+}
+
+/* ... and also sends it: the packet's lanes become their values. */
+static __always_inline __u64 q8_set_send(__u64 *v, __u64 *p)
+{
+	__u64 min16 = 0;
+	_Pragma("clang loop unroll_count(4)")
+	for (int j = 0; j < Q8_LANES; j++) {
+		__u64 x = p[j], o = q8_sub(x, Q8_BIAS);
+		v[j] = x;
+		p[j] = o;
+		min16 |= q8_min16(o);
+		LANE_DONE();
+	}
+	return q8_high(min16);
+}
+
+/* The common case: one load, one add, one store for four values (the bias grows by Q8_BIAS). */
+static __always_inline void q8_add(__u64 *v, __u64 *p)
+{
+	_Pragma("clang loop unroll_count(8)")
+	for (int j = 0; j < Q8_LANES; j++)
+		v[j] += p[j];
+}
+
+/* Add the contribution and send the sum (the bank's bias `bias`, this contribution's included). */
+static __always_inline __u64 q8_add_send(__u64 *v, __u64 *p, __u64 bias)
+{
+	__u64 min16 = 0;
+	_Pragma("clang loop unroll_count(4)")
+	for (int j = 0; j < Q8_LANES; j++) {
+		__u64 s = v[j] + p[j], o = q8_sub(s, bias);
+		v[j] = s;
+		p[j] = o;
+		min16 |= q8_min16(o);
+		LANE_DONE();
+	}
+	return q8_high(min16);
+}
+
+/* Send a bank's sum (bias `bias`) without adding to it. */
+static __always_inline __u64 q8_send(__u64 *v, __u64 *p, __u64 bias)
+{
+	__u64 min16 = 0;
+	_Pragma("clang loop unroll_count(4)")
+	for (int j = 0; j < Q8_LANES; j++) {
+		__u64 o = q8_sub(v[j], bias);
+		p[j] = o;
+		min16 |= q8_min16(o);
+		LANE_DONE();
+	}
+	return q8_high(min16);
+}
+
+/* Add a contribution at another exponent: each field's true sum shifted right by sa, each value by
+ * sb (aligned to the coarser scale, as the int32 lanes are), added, and kept under the new bias. */
+static __always_inline void q8_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, int sb)
+{
+	__s64 c = (__s64)(bias & 0xFFFF), c_new = c + 128;
+	/* not vectorised either: clang would add a second copy of the loop, two lanes an iteration
+	 * behind a test that v and p do not overlap, and the verifier would walk both */
+	_Pragma("clang loop unroll(disable) vectorize(disable) interleave(disable)")
+	for (int j = 0; j < Q8_LANES; j++) {
+		__u64 s = v[j], x = p[j], out = 0;
+#pragma unroll
+		for (int k = 0; k < 64; k += 16) {
+			__s64 sum = (__s16)(((s >> k) & 0xFFFF) - c);
+			__s64 y = (__s64)((x >> k) & 0xFFFF) - 128;
+			out |= (__u64)(((sum >> sa) + (y >> sb) + c_new) & 0xFFFF) << k;
+		}
+		v[j] = out;
+	}
 }
 
 /* A fresh bank: the lanes take the contribution (bias 2**31). */

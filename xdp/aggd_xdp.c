@@ -24,9 +24,9 @@
 /* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here up to native
  * XDP's largest packet (in a jumbo build the widening and narrowing loops would take the program
  * past the verifier's limit, and the daemon gives such jobs no kernel slots). An int16 job's packet
- * carries ELEMS values, one a lane; an int8 job's carries 2 * ELEMS, a pair a lane (per_lane): lane
- * i holds values 2i and 2i+1, a and b, as the int32 a + 65536 * b, and the lanes add those as any
- * int32 contribution. Every result is 4 * ELEMS bytes (int32 values, or an int8 job's int16 pairs),
+ * carries ELEMS values, one a lane; an int8 job's carries 2 * ELEMS (per_lane), added four to a lane
+ * in half of the bank's lanes (aggd_lanes.h, "Quad lanes"), loops of their own. Every result is
+ * 4 * ELEMS bytes (int32 values, or an int8 job's int16 values),
  * wider than the contribution (2 * ELEMS bytes either way): a frame without room for the result
  * grows to hold it, in a frame of one page. A multi-buffer frame can grow only into its last
  * buffer's tailroom, too little for the result of a packet that needed several: there a narrow
@@ -43,7 +43,7 @@
 #define CONTRIB_BYTES(prec) (ELEMS * per_lane(prec) * contrib_width(prec))
 #define RESULT_BYTES (ELEMS * 4)
 #define RESULT_GROWTH(prec) (RESULT_BYTES - CONTRIB_BYTES(prec))
-/* All ones for an int8 job's packed lanes (aggd_lanes.h, lane_lo), else 0; from the precision's
+/* All ones for an int8 job's quad lanes (lane_values below), else 0; from the precision's
  * bits, not a comparison, which clang turns into a branch (the verifier would walk the loops that
  * use it once each way). */
 _Static_assert(AGGD_PRECISION_INT32 == 0 && AGGD_PRECISION_INT16 == 1 && AGGD_PRECISION_INT8 == 2 &&
@@ -52,11 +52,11 @@ static __always_inline __s64 pack_mask(__u8 prec)
 {
 	return AGGD_NARROW ? -(__s64)((prec >> 1) & ~prec & 1) : 0;
 }
-/* An int8 job's pair is split exactly from its lane's sum while the low value's sum fits int16: up
- * to AGGD_INT8_MAX_CONTRIBUTIONS (aggd_proto.h: 256) contributions of |value| <= 128 (256 * 128 =
- * 2**15; -32768 itself is split right, and flagged). A result of more is flagged OVERFLOW whatever
- * its values. */
-_Static_assert(AGGD_INT8_MAX_CONTRIBUTIONS * 128 <= 32768, "an int8 lane's low sum fits int16");
+/* An int8 job's quad lane keeps each value's sum exact in a 16-bit field (added as value + 128,
+ * 0..255) while it holds at most 257 terms: up to AGGD_INT8_MAX_CONTRIBUTIONS (aggd_proto.h: 256)
+ * contributions, and a result of more is flagged OVERFLOW whatever its values. The sum itself then
+ * fits int16 (-32768 included, which results flag). */
+_Static_assert(AGGD_INT8_MAX_CONTRIBUTIONS * 255 < 65536, "an int8 field's biased sum fits 16 bits");
 
 /* Per-member bounds (docs/protocol.md, "Bounds") are checked here up to native XDP's largest packet;
  * in a jumbo build their loop would take the program past the verifier's limit, and the daemon
@@ -65,7 +65,7 @@ _Static_assert(AGGD_INT8_MAX_CONTRIBUTIONS * 128 <= 32768, "an int8 lane's low s
 
 #if defined(AGGD_FRAGS) || AGGD_NARROW
 struct payload_copy {
-	__u32 v[ELEMS];
+	__u32 v[ELEMS + (ELEMS & 1)]; /* an int8 job's quad lanes (aggd_lanes.h) take a whole u64 each */
 };
 BPF_PERCPU_ARRAY(payload_copy, struct payload_copy, 1);
 #endif
@@ -319,11 +319,11 @@ static __always_inline __u32 *payload_of(struct xdp_md *ctx, struct aggd_hdr *h,
 }
 
 #if AGGD_NARROW
-/* A narrow contribution's values widened to int32 lanes in the per-CPU buffer, where the loops work
- * on them as on any contribution (`load` 0, a re-read: nothing to read): an int16 value a lane, an
- * int8 job's pair a lane (aggd_lanes.h, "Packed lanes"). Both are 2 * ELEMS bytes, 2 bytes a lane.
- * Widened in place from the last lane down: lane i's four bytes never cover a byte still to be read
- * (it reads bytes 2i and 2i+1). */
+/* A narrow contribution's values widened in the per-CPU buffer, where the loops work on them (`load`
+ * 0, a re-read: nothing to read): an int16 job's to int32 lanes, an int8 job's to quad lanes, four
+ * values in 16-bit fields (aggd_lanes.h, "Quad lanes"). Both are 2 * ELEMS bytes. Widened in place
+ * from the last lane down: a lane's bytes never cover a byte still to be read (int16 lane i reads
+ * bytes 2i and 2i+1 and takes 4i..4i+3; quad lane j reads 4j..4j+3 and takes 8j..8j+7). */
 static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load, struct job_stats *jst,
 					int *action)
 {
@@ -341,9 +341,12 @@ static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load,
 	}
 	__s16 *w = (void *)buf;
 	if (prec == AGGD_PRECISION_INT8) {
+		__u64 *q = (void *)buf;
+		if (ELEMS & 1)
+			((__u16 *)buf)[ELEMS] = 0; /* the last lane's two values past the packet: zeros */
 		_Pragma("clang loop unroll_count(8)")
-		for (int i = ELEMS - 1; i >= 0; i--)
-			buf[i] = lane_pack(w[i]);
+		for (int j = Q8_LANES - 1; j >= 0; j--)
+			q[j] = q8_spread(buf[j]);
 	} else {
 		_Pragma("clang loop unroll_count(8)")
 		for (int i = ELEMS - 1; i >= 0; i--)
@@ -352,34 +355,35 @@ static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load,
 	return buf;
 }
 
-/* A narrow job's result (the per-CPU buffer's) into the frame, 4 * ELEMS bytes: int32 values as they
- * are (int16 contributions), or an int8 job's lanes split into their int16 pairs, in place (a pair
- * takes its lane's four bytes). Returns whether an int8 job's value is beyond the symmetric int16
- * range (the low 16 bits go out, flagged; aggd_lanes.h, lane_split), or -1 if the frame could not
- * take it. */
-static __always_inline int narrow_out(struct xdp_md *ctx, __u8 prec)
+/* A narrow job's result (the per-CPU buffer's, as the loops left it: int32 values, or an int8 job's
+ * int16 values) into the frame, 4 * ELEMS bytes. Returns -1 if the frame could not take it. */
+static __always_inline int narrow_out(struct xdp_md *ctx)
 {
 	__u32 zero_key = 0;
 	__u32 *buf = (void *)payload_copy.lookup(&zero_key);
 	if (!buf)
 		return -1;
-	__u64 bad = 0;
-	if (prec == AGGD_PRECISION_INT8) {
-		_Pragma("clang loop unroll_count(8)")
-		for (int i = 0; i < ELEMS; i++)
-			bad |= lane_split(&buf[i]);
-	}
 	if (bpf_xdp_store_bytes(ctx, PAYLOAD_OFF, buf, RESULT_BYTES))
 		return -1;
-	return bad != 0;
+	return 0;
 }
 #endif
 
 #if AGGD_BOUNDS
+/* The values of a contribution's 32-bit word x in the per-CPU buffer: with `pack` 0 (int32 and int16
+ * jobs) its int32 and 0; with `pack` all ones (an int8 job) the two 16-bit fields of a quad lane,
+ * each v + 128 (aggd_lanes.h). Without a branch: the loops using it serve every precision in one
+ * walk of the verifier. */
+static __always_inline void lane_values(__u32 x, __s64 pack, __s64 *lo, __s64 *hi)
+{
+	*lo = ((__s64)(__s32)x & ~pack) | (((__s64)(x & 0xFFFF) - 128) & pack);
+	*hi = ((__s64)(x >> 16) - 128) & pack;
+}
+
 /* Whether a contribution's values (exponent `exp`) go beyond its job's bound: a |q| over
  * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more, or a limit of 2**32 or more,
- * lets any int32 through). The values are the lanes', or with `pack` all ones an int8 job's pairs
- * (aggd_lanes.h, lane_lo). The loop has no branch (the verifier walks it once a path): limit - |q|
+ * lets any int32 through). The values are the words', or with `pack` all ones an int8 job's
+ * values two a word (lane_values). The loop has no branch (the verifier walks it once a path): limit - |q|
  * is negative exactly when |q| is beyond. */
 static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
 {
@@ -398,8 +402,8 @@ static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp
 	__u64 under = 0;
 	_Pragma("clang loop unroll_count(8)")
 	for (int i = 0; i < ELEMS; i++) {
-		__s64 x = (__s32)p[i];
-		__s64 lo = lane_lo(x, pack), hi = (x - lo) >> 16;
+		__s64 lo, hi;
+		lane_values(p[i], pack, &lo, &hi);
 		under |= (limit - abs64(lo)) | (limit - abs64(hi));
 		LANE_DONE();
 	}
@@ -430,8 +434,8 @@ static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp,
 	__u64 sum = 0, over = 0;
 	_Pragma("clang loop unroll_count(8)")
 	for (int i = 0; i < ELEMS; i++) {
-		__s64 x = (__s32)p[i];
-		__s64 lo = lane_lo(x, pack), hi = (x - lo) >> 16;
+		__s64 lo, hi;
+		lane_values(p[i], pack, &lo, &hi);
 		/* at most 2**62 (hi is 0 unless both are int8) */
 		sum += (__u64)(lo * lo) + (__u64)(hi * hi);
 		over |= sum;
@@ -673,6 +677,15 @@ int aggd_xdp(struct xdp_md *ctx)
 			ms->offences++;
 		return drop_in(jst, AGGD_DROP_REASON_OUT_OF_BOUNDS);
 	}
+#endif
+#if AGGD_NARROW
+	/* An int8 job's payload is the per-CPU buffer (narrow_in): the quad loops below take it from
+	 * here, whose size the verifier knows (a packet's ELEMS * 4 bytes are short of the last quad
+	 * lane's when ELEMS is odd, and it does not keep which of the two `payload` is). */
+	__u32 q8_key = 0;
+	__u64 *q8 = (void *)payload_copy.lookup(&q8_key);
+	if (!q8)
+		return XDP_ABORTED;
 #endif
 	/* Read again, so that the verifier's states of both ways here are alike and it walks the
 	 * slot's rules once (it does not keep which precision this is, nor, see below, the headers). */
@@ -1048,6 +1061,39 @@ int aggd_xdp(struct xdp_md *ctx)
 		__u64 *v = b->values;
 		__u32 *p = (__u32 *)payload;
 		int se = b->exponent;
+#if AGGD_NARROW
+		if (prec == AGGD_PRECISION_INT8) {
+			/* quad lanes (aggd_lanes.h): four values a lane, the bias 128 a value */
+			__u64 *q = q8;
+			if (sc->add_fresh) {
+				b->exponent = exp_in;
+				b->bias = Q8_BIAS;
+				if (sc->out == add) { /* a lone contribution is its own sum */
+					sc->written_high = q8_set_send(v, q);
+					sc->written = 1;
+				} else {
+					q8_set(v, q);
+				}
+			} else if (exp_in == se && sc->out != add) {
+				b->bias += Q8_BIAS;
+				q8_add(v, q);
+			} else if (exp_in == se) {
+				b->bias += Q8_BIAS;
+				sc->written_high = q8_add_send(v, q, b->bias);
+				sc->written = 1;
+			} else {
+				int sa = 0, sb = 0;
+				if (exp_in < se) {
+					sa = clamp_shift(se - exp_in, 63);
+					b->exponent = exp_in;
+				} else {
+					sb = clamp_shift(exp_in - se, 31);
+				}
+				q8_add_aligned(v, q, b->bias, sa, sb);
+				b->bias += Q8_BIAS;
+			}
+		} else
+#endif
 		if (sc->add_fresh) {
 			b->exponent = exp_in;
 			b->bias = SUM_BIAS;
@@ -1085,25 +1131,11 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 			__u64 bias = b->bias;
 			b->bias = bias + SUM_BIAS;
-			if (AGGD_NARROW && prec == AGGD_PRECISION_INT8) {
-				/* an int8 job's lane is a pair (aggd_lanes.h): each value is shifted on its
-				 * own, and the two packed again */
-				_Pragma("clang loop unroll(disable)")
-				for (int i = 0; i < ELEMS; i++) {
-					__s64 sum = (__s64)(v[i] + bias), x = (__s32)p[i];
-					__s64 slo = (__s16)sum, shi = (sum - slo) >> 16;
-					__s64 xlo = (__s16)x, xhi = (x - xlo) >> 16;
-					sum = (slo >> sa) + (shi >> sa) * 65536;
-					__s64 y = (xlo >> sb) + (xhi >> sb) * 65536;
-					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
-				}
-			} else {
-				_Pragma("clang loop unroll(disable)")
-				for (int i = 0; i < ELEMS; i++) {
-					__s64 sum = (__s64)(v[i] + bias) >> sa;
-					__s64 y = (__s64)(__s32)p[i] >> sb;
-					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
-				}
+			_Pragma("clang loop unroll(disable)")
+			for (int i = 0; i < ELEMS; i++) {
+				__s64 sum = (__s64)(v[i] + bias) >> sa;
+				__s64 y = (__s64)(__s32)p[i] >> sb;
+				v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
 			}
 		}
 		b->n_contrib += weight;
@@ -1124,6 +1156,13 @@ int aggd_xdp(struct xdp_md *ctx)
 			sc->out_group = 1;
 		}
 		__u64 high = sc->written_high;
+#if AGGD_NARROW
+		if (prec == AGGD_PRECISION_INT8) {
+			/* every int8 result is checked: the check costs nothing beside the subtraction */
+			if (!sc->written)
+				high = q8_send(r->values, q8, r->bias);
+		} else
+#endif
 		if (sent_before) {
 			lanes_copy(r->values, (__u32 *)payload, r->bias);
 			high = 0;
@@ -1233,11 +1272,10 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 #if AGGD_NARROW
 	if (prec != AGGD_PRECISION_INT32) {
-		int bad = narrow_out(ctx, prec);
-		if (bad < 0)
+		if (narrow_out(ctx) < 0)
 			return XDP_ABORTED;
-		/* an int8 sum of more contributions may not split exactly (AGGD_INT8_MAX_CONTRIBUTIONS) */
-		if (bad || (prec == AGGD_PRECISION_INT8 && out_n > AGGD_INT8_MAX_CONTRIBUTIONS))
+		/* an int8 sum of more contributions may not fit its field (AGGD_INT8_MAX_CONTRIBUTIONS) */
+		if (prec == AGGD_PRECISION_INT8 && out_n > AGGD_INT8_MAX_CONTRIBUTIONS)
 			out_flags |= AGGD_FLAG_OVERFLOW;
 	}
 #endif

@@ -47,8 +47,8 @@ Results
   (padding included), in the precision's result type (int32; int16 for int8 contributions); a sum
   that does not fit it goes out as its low bits with Flag.OVERFLOW. An int16 result's range is the
   symmetric [-32767, 32767], and one of more than INT8_MAX_CONTRIBUTIONS contributions (``n_contrib``)
-  is flagged whatever its values: the kernel adds an 8-bit packet's values in pairs, one int32 lane
-  a pair, and splits a lane's sum exactly only within those bounds.
+  is flagged whatever its values: the kernel adds an 8-bit packet's values four to a u64 lane, in
+  16-bit fields that do not carry into each other only within those bounds.
 * The whole payload is added (a constant trip count in the kernel), not only ``count`` elements.
   A bank holds exact sums (int64; the kernel keeps them biased in u64 lanes), so the order of
   contributions never matters. Aligning to a smaller exponent shifts the sum right by at most 63 and

@@ -240,10 +240,11 @@ def bank_of(dp, job: int, key: int):
 @pytest.mark.parametrize("pair,flagged", [((32767, -32767), False), ((-32767, 32767), False), ((0, 0), False),
                                           ((-32768, 5), True), ((5, -32768), True), ((-32768, -32768), True),
                                           ((32767, 32767), False)])
-def test_int8_lane_split_at_the_ends_of_the_symmetric_range(xdp_program, pair, flagged):
+def test_int8_quad_lane_at_the_ends_of_the_symmetric_range(xdp_program, pair, flagged):
     """Sums beyond what INT8_MAX_CONTRIBUTIONS contributions reach (32767 needs 258 of 127), written
-    into a released bank's lane as the pair a + 65536 * b, and read again: the lane is split into a
-    and b, and only -32768 (either half) is flagged."""
+    as values 2 and 3 into a released bank's first quad lane (16-bit fields, each under the bank's
+    bias: xdp/aggd_lanes.h), and read again: each field comes out as its value, and only -32768
+    (either field) is flagged."""
     from aggd.dataplane.xdp.bpf_syscall import XDP_TX, prog_test_run
     from tests.harness.equivalence import frame
 
@@ -258,8 +259,8 @@ def test_int8_lane_split_at_the_ends_of_the_symmetric_range(xdp_program, pair, f
         assert verdict == XDP_TX                                         # released
         idx, i, slot = bank_of(xdp_program, job, 0)
         a, b = pair
-        bias = int(slot.bank[i].bias)
-        slot.bank[i].values[1] = (a + 65536 * b - bias) % 2**64         # the second lane: values 2, 3
+        c = int(slot.bank[i].bias) & 0xFFFF                              # every field's bias
+        slot.bank[i].values[0] = sum(((v + c) & 0xFFFF) << (16 * k) for k, v in enumerate((0, 0, a, b)))
         xdp_program.slots[idx] = slot
         reread = Header(type=MsgType.REREAD, job=job, rank=0, count=INT8_VALUES,
                         code=int(Precision.INT8)).pack() + bytes(INT8_VALUES)

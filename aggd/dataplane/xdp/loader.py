@@ -100,15 +100,15 @@ def remove_pinned(pin_dir: str | Path) -> None:
 
 
 def bank_sums(bank, precision: int = proto.Precision.INT32) -> np.ndarray:
-    """A bank's exact sums (int64) from its biased u64 lanes (xdp/aggd_maps.h, struct bank); an 8-bit
-    job's lane pairs split into its values' sums (xdp/aggd_lanes.h, "Packed lanes": exact up to
-    INT8_MAX_CONTRIBUTIONS contributions)."""
+    """A bank's exact sums (int64): its biased u64 lanes (xdp/aggd_maps.h, struct bank), or an 8-bit
+    job's quad lanes, four values' sums a lane in 16-bit fields kept biased by ``bias`` (xdp/aggd_lanes.h,
+    "Quad lanes": exact up to INT8_MAX_CONTRIBUTIONS contributions); 2E values for E lanes."""
     lanes = np.ctypeslib.as_array(bank.values)
-    sums = (lanes + np.uint64(bank.bias)).view(np.int64)
     if precision != proto.Precision.INT8:
-        return sums
-    lo = sums.astype(np.int16).astype(np.int64)
-    return np.stack([lo, (sums - lo) >> 16], axis=1).reshape(-1)
+        return (lanes + np.uint64(bank.bias)).view(np.int64)
+    fields = lanes[:(len(lanes) + 1) // 2].view(np.uint16).reshape(-1, 4)   # little-endian fields
+    bias = np.array([bank.bias], np.uint64).view(np.uint16)
+    return (fields - bias).view(np.int16).reshape(-1)[:2 * len(lanes)].astype(np.int64)
 
 
 def load_xdp_function(bpf, name: str, *, frags: bool = False):

@@ -143,8 +143,9 @@ def values_per_packet(elements: int, precision: int) -> int:
     return elements * LANES[Precision(precision)].per_lane
 
 
-#: An 8-bit sum is exact in its lane pair only up to this many contributions (256 * 128 = 2**15):
-#: a result holding more is flagged OVERFLOW (docs/protocol.md, "Precision").
+#: An 8-bit sum is exact in the XDP program's 16-bit field only up to this many contributions (each
+#: added as value + 128, 0..255: 256 * 255 < 2**16): a result holding more is flagged OVERFLOW
+#: (docs/protocol.md, "Precision").
 INT8_MAX_CONTRIBUTIONS = 256
 #: ``bits`` (what users and configs say: 32, 16, 8) to the wire's Precision
 PRECISION_OF_BITS: dict[int, Precision] = {lanes.bits: p for p, lanes in LANES.items()}
