@@ -3,8 +3,9 @@ test_model_equivalence.py): a round re-run through ``XdpDataPlane.rerun`` (the d
 frame the attached program could not grow) is decided as the model decides it, the result's frame is
 the result's size, and a contribution with room for its result is answered in its own frame (the
 multi-buffer build's narrow packets: test_model_equivalence.py). An 8-bit job's packets carry two
-values a lane (xdp/aggd_lanes.h, "Packed lanes"): its sums, exponent alignment, overflow flag and
-bounds, value by value, against the model and against sums worked out here."""
+values a lane, which the program adds four to a bank lane (xdp/aggd_lanes.h, "Quad lanes"): its
+sums, exponent alignment, overflow flag and bounds, value by value, against the model and against
+sums worked out here."""
 from __future__ import annotations
 
 import ctypes
@@ -277,8 +278,8 @@ def test_int8_quad_lane_at_the_ends_of_the_symmetric_range(xdp_program, pair, fl
 @pytest.mark.parametrize("key,limit", [("bound", 100.0), ("norm_bound", 230.0)])
 def test_bounds_of_an_int8_job_judge_each_value(harness, key, limit):
     """A bound on an 8-bit job's values, or on their L2 norm, judges the 2E values one by one, not
-    the lanes that pack them in pairs (whose int32s are far beyond either bound): a value beyond it
-    in either half of a lane is refused (out_of_bounds, the member's offences counted), and values
+    the words that hold them in pairs (whose int32s are far beyond either bound): a value beyond it
+    in either half of a word is refused (out_of_bounds, the member's offences counted), and values
     within it are summed. The program as the model."""
     world = 2
     harness.start(world, 4, 8, [entry("sync")], precision=Precision.INT8, **{key: Bound.of(limit)})
