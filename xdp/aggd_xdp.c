@@ -247,6 +247,21 @@ static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
 	return sc->ifree >= 0 ? sc->ifree : (quorum ? sc->irel_old_q : sc->irel_old);
 }
 
+/* A contribution at exponent exp_in into bank b at exponent se (they differ): both are aligned to the
+ * coarser scale, the smaller exponent, which the bank takes. The finer operand's true values are
+ * shifted right (floor, exact as docs/protocol.md says): the sum's by sa (at most 63), the
+ * contribution's by sb (at most 31). */
+static __always_inline void align_shifts(struct bank *b, __s16 exp_in, int se, int *sa, int *sb)
+{
+	*sa = *sb = 0;
+	if (exp_in < se) {
+		*sa = clamp_shift(se - exp_in, 63);
+		b->exponent = exp_in;
+	} else {
+		*sb = clamp_shift(exp_in - se, 31);
+	}
+}
+
 /* 1 if a < b (unsigned), else 0, without a branch: the borrow out of a - b */
 static __always_inline __u64 below(__u64 a, __u64 b)
 {
@@ -1082,13 +1097,8 @@ int aggd_xdp(struct xdp_md *ctx)
 				sc->written_high = q8_add_send(v, q, b->bias);
 				sc->written = 1;
 			} else {
-				int sa = 0, sb = 0;
-				if (exp_in < se) {
-					sa = clamp_shift(se - exp_in, 63);
-					b->exponent = exp_in;
-				} else {
-					sb = clamp_shift(exp_in - se, 31);
-				}
+				int sa, sb;
+				align_shifts(b, exp_in, se, &sa, &sb);
 				q8_add_aligned(v, q, b->bias, sa, sb);
 				b->bias += Q8_BIAS;
 			}
@@ -1120,15 +1130,8 @@ int aggd_xdp(struct xdp_md *ctx)
 			}
 			sc->written = 1;
 		} else {
-			/* Align to the coarser scale (the smaller exponent): shift the finer operand's true
-			 * value right, the sum by at most 63, the int32 contribution by at most 31 (exact). */
-			int sa = 0, sb = 0;
-			if (exp_in < se) {
-				sa = clamp_shift(se - exp_in, 63);
-				b->exponent = exp_in;
-			} else {
-				sb = clamp_shift(exp_in - se, 31);
-			}
+			int sa, sb;
+			align_shifts(b, exp_in, se, &sa, &sb);
 			__u64 bias = b->bias;
 			b->bias = bias + SUM_BIAS;
 			_Pragma("clang loop unroll(disable)")
