@@ -531,6 +531,11 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 		    (b->state == BANK_FORWARDED || b->state == BANK_RELEASED))
 			found = i;
 	}
+	/* Read back from the scratch: the verifier then knows only that it is a bank index, and walks
+	 * the payload loop below once, not once for each bank the unrolled scan may have found. */
+	volatile struct scratch *sc = &s->sc;
+	sc->ik = found;
+	found = sc->ik;
 	if (found >= 0) {
 		/* one payload loop, outside the bank scan: the verifier walks it once, not once a bank
 		 * (at 8192 values a packet the program is near its limit of a million instructions) */
