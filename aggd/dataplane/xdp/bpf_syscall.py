@@ -1,11 +1,12 @@
 """The two bpf(2) commands bcc does not offer, through the raw syscall (ctypes): BPF_PROG_LOAD with
-program flags (bcc 0.26 passes none, and XDP multi-buffer needs BPF_F_XDP_HAS_FRAGS), and
-BPF_PROG_TEST_RUN, so the production XDP program can be run on fixture packets and timed without
-any network link."""
+program flags (bcc 0.26 passes none, and XDP multi-buffer needs BPF_F_XDP_HAS_FRAGS) or with the
+verifier's statistics, and BPF_PROG_TEST_RUN, so the production XDP program can be run on fixture
+packets and timed without any network link."""
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 from dataclasses import dataclass
 
 _SYS_BPF = 321  # x86_64
@@ -69,6 +70,27 @@ def prog_load(insns: bytes, *, prog_type: int = BPF_PROG_TYPE_XDP, flags: int = 
         return int(fd)
     tail = log.value.decode(errors="replace").strip().splitlines()[-12:]
     raise OSError(err, f"BPF_PROG_LOAD failed: {os.strerror(err)}\n" + "\n".join(tail))
+
+
+def verified_insns(insns: bytes, *, prog_type: int = BPF_PROG_TYPE_XDP, flags: int = 0,
+                   license: bytes = b"GPL") -> int:
+    """How many instructions the verifier walks to accept ``insns`` (its budget is a million): a load
+    with the verifier's statistics (log level 4), the program closed at once."""
+    code = ctypes.create_string_buffer(bytes(insns), len(insns))
+    lic = ctypes.create_string_buffer(license)
+    log = ctypes.create_string_buffer(1 << 16)
+    attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
+                         license=ctypes.addressof(lic), prog_flags=flags, log_level=4, log_size=len(log),
+                         log_buf=ctypes.addressof(log))
+    fd = _libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"BPF_PROG_LOAD failed: {os.strerror(err)}")
+    os.close(fd)
+    found = re.search(r"processed (\d+) insns", log.value.decode(errors="replace"))
+    if found is None:
+        raise OSError(0, "the verifier's statistics are missing from its log")
+    return int(found.group(1))
 
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)

@@ -215,7 +215,8 @@ class XdpDataPlane(DataPlane):
     # -- the program: compiled, or its instructions from the cache ----------------------------
     def _load(self, cflags: list[str]):
         """bcc's module (the maps) and the loaded function. ``self.compiled`` says whether the
-        program was compiled (False: its instructions came from ``program_cache``)."""
+        program was compiled (False: its instructions came from ``program_cache``), ``self.insns``
+        what was loaded (map fds in place)."""
         from bcc import BPF  # imported here so the rest of aggd works where bcc is absent
         build = "elements=%d, slots=%d, port=%d%s" % (self.elements, self.total_slots, self.port,
                                                       ", multi-buffer" if self.frags else "")
@@ -231,6 +232,7 @@ class XdpDataPlane(DataPlane):
                     raise XdpError(f"the maps build lacks {missing}")
                 insns = program_cache.with_map_fds(entry["insns"], entry["loads"], fds)
                 fn = load_xdp_insns(bpf, FUNCTION, insns, entry["license"], frags=self.frags)
+                self.insns = insns
             except (OSError, XdpError) as exc:
                 log.warning("the cached %s (%s) does not load, compiling it: %s", PROGRAM.name, build, exc)
                 bpf.cleanup()
@@ -243,7 +245,7 @@ class XdpDataPlane(DataPlane):
         bpf = BPF(src_file=str(PROGRAM).encode(), cflags=cflags)
         fn = load_xdp_function(bpf, FUNCTION, frags=self.frags)
         self.compiled = True
-        insns = program_cache.function_insns(bpf, FUNCTION)
+        insns = self.insns = program_cache.function_insns(bpf, FUNCTION)
         loads = program_cache.map_loads(insns, {fd: name for name, fd in program_cache.table_fds(bpf).items()})
         if loads is not None:
             cache.put(key, insns, loads, program_cache.license_of(bpf))
