@@ -96,16 +96,16 @@ def torchrun_argv(lab: Lab, node: int, run: TorchRun, rdzv: tuple[str, int], rdz
     return argv
 
 
-def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.PathLike | None = None,
+def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.PathLike,
         on_record: Callable[[dict], None] | None = None, on_job: Callable[[dict], None] | None = None,
         tag: str = "") -> TorchResult:
-    """Train ``run`` on every worker of ``lab``; ``on_record(line)`` sees every progress line (a
-    dict with ``rank`` and ``step``, ``ready`` or ``done``), ``on_job(job)`` the daemon's
-    ``jobs.create`` answer before the agents start. RuntimeError (with their stderr) when an agent
-    fails or a rank writes no record."""
+    """Train ``run`` on every worker of ``lab``, its records and checkpoints in ``outdir`` (the
+    caller's: ``TorchResult.params`` reads the records' files from it); ``on_record(line)`` sees every
+    progress line (a dict with ``rank`` and ``step``, ``ready`` or ``done``), ``on_job(job)`` the
+    daemon's ``jobs.create`` answer before the agents start. RuntimeError (with their stderr) when an
+    agent fails or a rank writes no record."""
     world = lab.workers
-    own_dir = outdir is None
-    out = Path(outdir if outdir is not None else tempfile.mkdtemp(prefix="aggd-torchlab-"))
+    out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out / "ckpt"
     shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -187,8 +187,6 @@ def run(lab: Lab, daemon: LabDaemon | None, run: TorchRun, *, outdir: str | os.P
                 daemon.call("jobs.delete", job=job["name"])
             except ControlError:
                 pass
-        if own_dir:
-            pass  # the records' .npy files stay for the caller: TorchResult.params reads them
     return TorchResult(run, records, job, job_after, lines)
 
 
