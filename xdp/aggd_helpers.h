@@ -158,11 +158,6 @@ static __always_inline void address_to_sender(struct ethhdr *eth, struct iphdr *
 	udp->check = 0;
 }
 
-static __always_inline int clamp_shift(int s, int max)
-{
-	return s > max ? max : s;
-}
-
 /* A zero-extended int32 x xor LANE_FLIP is x - 2**31 modulo 2**64 for every x: one xor instead of
  * a sign extension (the upper bits keep the compiler from narrowing it to a 32-bit xor). */
 #define LANE_FLIP 0xFFFFFFFF80000000ULL

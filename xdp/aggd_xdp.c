@@ -247,8 +247,8 @@ static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
 	return sc->ifree >= 0 ? sc->ifree : (quorum ? sc->irel_old_q : sc->irel_old);
 }
 
-/* min(x, max) for x >= -2**31 + max, without a branch: the mask is hidden from clang, which would
- * otherwise see a min and emit one (a branch gives the verifier two states, and it walks the
+/* min(x, max) without a branch (x - max must not overflow): the mask is hidden from clang, which
+ * would otherwise see a min and emit one (a branch gives the verifier two states, and it walks the
  * alignment loop once for each). */
 static __always_inline __s64 min_nobranch(__s64 x, __s64 max)
 {
@@ -405,8 +405,8 @@ static __always_inline void lane_values(__u32 x, __s64 pack, __s64 *lo, __s64 *h
 
 /* Whether a contribution's values (exponent `exp`) go beyond its job's bound: a |q| over
  * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more, or a limit of 2**32 or more,
- * lets any int32 through). The values are the words', or with `pack` all ones an int8 job's
- * values two a word (lane_values). The loop has no branch (the verifier walks it once a path): limit - |q|
+ * lets any int32 through). The values are the words', or with `pack` all ones an int8 job's values
+ * two a word (lane_values). The loop has no branch (the verifier walks it once a path): limit - |q|
  * is negative exactly when |q| is beyond. */
 static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
 {
