@@ -147,6 +147,7 @@ struct scratch {
 	__u32 uncarried;    /* a late contribution answered without being added (rule 4) */
 	__u32 passed_full;  /* rule 4 passed over a later round full of carries (Bank.carried) */
 	__u64 hold_newest;  /* the largest key of the chunk's holding banks (0: none; never round 0) */
+	__u64 lag_ns;       /* the added packet's lag, kept here across the copying loops */
 	__u32 written;      /* the adding loop wrote the result into the packet ... */
 	__u64 written_high; /* ... and this is the OR of its values + 2**31 */
 };

@@ -1158,6 +1158,9 @@ int aggd_xdp(struct xdp_md *ctx)
 		if (sc->released)
 			b->state = sc->forward ? BANK_FORWARDED : BANK_RELEASED;
 	}
+	/* Kept in the scratch across the copying loops below, not in registers: the verifier then
+	 * reaches those loops alike whether or not the packet was added, and walks them once. */
+	sc->lag_ns = lag_ns;
 	int out = sc->out;
 	if (out >= 0) {
 		struct bank *r = &s->bank[out & (NBANKS - 1)];
@@ -1204,6 +1207,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	int released = sc->released, partial = sc->partial, forward = sc->forward;
 	int out_group = sc->out_group;
 	int was_late = sc->late, uncarried = sc->uncarried;
+	add = sc->add;
+	lag_ns = sc->lag_ns;
 	bpf_spin_unlock(&s->lock);
 
 	/* The headers, found again: a narrow job's frame has grown (and the verifier walks the rules

@@ -2,8 +2,8 @@
 production XDP program takes at the packet sizes native XDP serves. The verifier walks every
 iteration of every payload loop, once for each distinct state it reaches the loop with, so a change
 that adds a loop or a way into one shows here, with its count, before the program stops loading at
-some size. (The jumbo build of generic mode, 8192 values a packet, lab only, takes about 99% of the
-budget; tests/bpf/test_jumbo.py loads it.)"""
+some size. The jumbo build of generic mode (8192 values a packet, lab only) is held to the whole
+budget, less a twentieth."""
 from __future__ import annotations
 
 import os
@@ -14,6 +14,8 @@ from aggd_client import protocol as proto
 
 #: the share of the budget a native build may take: room for the next change
 BUDGET_SHARE = 0.8
+#: ... and the jumbo build (its loops are 8192 iterations long)
+JUMBO_SHARE = 0.95
 VERIFIER_BUDGET = 1_000_000
 
 
@@ -34,3 +36,19 @@ def test_native_builds_leave_room_in_the_verifier_budget(elements):
     print(f"{elements} values a packet: the verifier walks {walked:,} instructions")
     assert 0 < walked <= BUDGET_SHARE * VERIFIER_BUDGET, \
         f"{elements} values a packet: the verifier walks {walked:,} of its {VERIFIER_BUDGET:,} instructions"
+
+
+def test_the_jumbo_build_leaves_room_in_the_verifier_budget():
+    if os.geteuid() != 0:
+        pytest.fail("tests/bpf need root (CI runs as root)")
+    from aggd.dataplane.xdp.bpf_syscall import verified_insns
+    from aggd.dataplane.xdp.loader import XdpDataPlane
+
+    dp = XdpDataPlane(None, mode="generic", elements=proto.MAX_ELEMENTS, total_slots=4)
+    try:
+        walked = verified_insns(dp.insns)
+    finally:
+        dp.close()
+    print(f"{proto.MAX_ELEMENTS} values a packet (generic mode): the verifier walks {walked:,} instructions")
+    assert 0 < walked <= JUMBO_SHARE * VERIFIER_BUDGET, \
+        f"the jumbo build: the verifier walks {walked:,} of its {VERIFIER_BUDGET:,} instructions"
