@@ -19,36 +19,32 @@ JUMBO_SHARE = 0.95
 VERIFIER_BUDGET = 1_000_000
 
 
-@pytest.mark.parametrize("elements", [proto.DEFAULT_ELEMENTS, (1500 - 28 - proto.HEADER_SIZE) // 4,
-                                      proto.PAGE_MAX_ELEMENTS, proto.NATIVE_MAX_ELEMENTS],
-                         ids=["default", "mtu1500", "one page", "mtu9000 multi-buffer"])
-def test_native_builds_leave_room_in_the_verifier_budget(elements):
+def walked(**data_plane) -> int:
+    """Instructions the verifier walks for the program ``XdpDataPlane(None, **data_plane)`` loads."""
     if os.geteuid() != 0:
         pytest.fail("tests/bpf need root (CI runs as root)")
     from aggd.dataplane.xdp.bpf_syscall import BPF_F_XDP_HAS_FRAGS, verified_insns
     from aggd.dataplane.xdp.loader import XdpDataPlane
 
-    dp = XdpDataPlane(None, elements=elements, total_slots=64)
+    dp = XdpDataPlane(None, **data_plane)
     try:
-        walked = verified_insns(dp.insns, flags=BPF_F_XDP_HAS_FRAGS if dp.frags else 0)
+        return verified_insns(dp.insns, flags=BPF_F_XDP_HAS_FRAGS if dp.frags else 0)
     finally:
         dp.close()
-    print(f"{elements} values a packet: the verifier walks {walked:,} instructions")
-    assert 0 < walked <= BUDGET_SHARE * VERIFIER_BUDGET, \
-        f"{elements} values a packet: the verifier walks {walked:,} of its {VERIFIER_BUDGET:,} instructions"
+
+
+@pytest.mark.parametrize("elements", [proto.DEFAULT_ELEMENTS, (1500 - 28 - proto.HEADER_SIZE) // 4,
+                                      proto.PAGE_MAX_ELEMENTS, proto.NATIVE_MAX_ELEMENTS],
+                         ids=["default", "mtu1500", "one page", "mtu9000 multi-buffer"])
+def test_native_builds_leave_room_in_the_verifier_budget(elements):
+    n = walked(elements=elements, total_slots=64)
+    print(f"{elements} values a packet: the verifier walks {n:,} instructions")
+    assert 0 < n <= BUDGET_SHARE * VERIFIER_BUDGET, \
+        f"{elements} values a packet: the verifier walks {n:,} of its {VERIFIER_BUDGET:,} instructions"
 
 
 def test_the_jumbo_build_leaves_room_in_the_verifier_budget():
-    if os.geteuid() != 0:
-        pytest.fail("tests/bpf need root (CI runs as root)")
-    from aggd.dataplane.xdp.bpf_syscall import verified_insns
-    from aggd.dataplane.xdp.loader import XdpDataPlane
-
-    dp = XdpDataPlane(None, mode="generic", elements=proto.MAX_ELEMENTS, total_slots=4)
-    try:
-        walked = verified_insns(dp.insns)
-    finally:
-        dp.close()
-    print(f"{proto.MAX_ELEMENTS} values a packet (generic mode): the verifier walks {walked:,} instructions")
-    assert 0 < walked <= JUMBO_SHARE * VERIFIER_BUDGET, \
-        f"the jumbo build: the verifier walks {walked:,} of its {VERIFIER_BUDGET:,} instructions"
+    n = walked(mode="generic", elements=proto.MAX_ELEMENTS, total_slots=4)
+    print(f"{proto.MAX_ELEMENTS} values a packet (generic mode): the verifier walks {n:,} instructions")
+    assert 0 < n <= JUMBO_SHARE * VERIFIER_BUDGET, \
+        f"the jumbo build: the verifier walks {n:,} of its {VERIFIER_BUDGET:,} instructions"

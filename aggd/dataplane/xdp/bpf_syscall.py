@@ -45,27 +45,29 @@ class _ProgLoadAttr(ctypes.Structure):
     ]
 
 
+def _load(insns: bytes, prog_type: int, flags: int, name: str, license: bytes, log_level: int = 0,
+          log_buf=None) -> int:
+    """One BPF_PROG_LOAD: the program fd, or -1 with errno set; ``log_buf`` takes the verifier's log
+    at ``log_level``."""
+    code = ctypes.create_string_buffer(bytes(insns), len(insns))
+    lic = ctypes.create_string_buffer(license)
+    attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
+                         license=ctypes.addressof(lic), prog_flags=flags, prog_name=name.encode()[:15])
+    if log_buf is not None:
+        attr.log_level, attr.log_size, attr.log_buf = log_level, len(log_buf), ctypes.addressof(log_buf)
+    return _libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+
+
 def prog_load(insns: bytes, *, prog_type: int = BPF_PROG_TYPE_XDP, flags: int = 0, name: str = "",
               license: bytes = b"GPL") -> int:
     """Load already-relocated BPF instructions (bcc's, map fds in place); returns the program fd.
     On a verifier refusal the error carries the end of the verifier's log."""
-    code = ctypes.create_string_buffer(bytes(insns), len(insns))
-    lic = ctypes.create_string_buffer(license)
-
-    def load(log_level: int, log_buf) -> int:
-        attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
-                             license=ctypes.addressof(lic), prog_flags=flags,
-                             prog_name=name.encode()[:15])
-        if log_buf is not None:
-            attr.log_level, attr.log_size, attr.log_buf = log_level, len(log_buf), ctypes.addressof(log_buf)
-        return _libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
-
-    fd = load(0, None)
+    fd = _load(insns, prog_type, flags, name, license)
     if fd >= 0:
         return int(fd)
     err = ctypes.get_errno()
     log = ctypes.create_string_buffer(1 << 24)
-    fd = load(1, log)  # again, for the verifier's reasons
+    fd = _load(insns, prog_type, flags, name, license, 1, log)  # again, for the verifier's reasons
     if fd >= 0:
         return int(fd)
     tail = log.value.decode(errors="replace").strip().splitlines()[-12:]
@@ -76,13 +78,8 @@ def verified_insns(insns: bytes, *, prog_type: int = BPF_PROG_TYPE_XDP, flags: i
                    license: bytes = b"GPL") -> int:
     """How many instructions the verifier walks to accept ``insns`` (its budget is a million): a load
     with the verifier's statistics (log level 4), the program closed at once."""
-    code = ctypes.create_string_buffer(bytes(insns), len(insns))
-    lic = ctypes.create_string_buffer(license)
     log = ctypes.create_string_buffer(1 << 16)
-    attr = _ProgLoadAttr(prog_type=prog_type, insn_cnt=len(insns) // 8, insns=ctypes.addressof(code),
-                         license=ctypes.addressof(lic), prog_flags=flags, log_level=4, log_size=len(log),
-                         log_buf=ctypes.addressof(log))
-    fd = _libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+    fd = _load(insns, prog_type, flags, "", license, 4, log)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"BPF_PROG_LOAD failed: {os.strerror(err)}")
