@@ -133,7 +133,7 @@ static __always_inline __u32 result_width(__u8 code)
 }
 
 /* Values a packet carries for each of its ELEMS lanes: an int8 job's two (added four to a bank lane:
- * aggd_lanes.h, "Quad lanes"), so that its result fills 4 * ELEMS bytes as every other result does. */
+ * aggd_lanes.h, "Packed lanes"), so that its result fills 4 * ELEMS bytes as every other result does. */
 static __always_inline __u32 per_lane(__u8 code)
 {
 	return code == AGGD_PRECISION_INT8 ? 2 : 1;

@@ -1,5 +1,5 @@
-/* The payload loops: a bank's u64 lanes against the packet's int32 values (an int8 job's: "Quad
- * lanes" below). Each runs over all its lanes (a constant trip count after the one bounds check up
+/* The payload loops: a bank's u64 lanes against the packet's int32 values (an int8 or int16 job's:
+ * "Packed lanes" below). Each runs over all its lanes (a constant trip count after the one bounds check up
  * front, as the verifier wants).
  *
  * A lane holds an exact sum kept biased: the true sum is (__s64)(lane + bias), bias being the
@@ -32,19 +32,30 @@ static __always_inline __u64 abs64(__s64 x)
 	return (__u64)((x ^ sign) - sign);
 }
 
-/* Quad lanes: an int8 job's bank lane j holds the sums of its values 4j .. 4j+3 in four 16-bit
- * fields, each kept biased by 128 a contribution: a value v is added as v + 128 (its byte with the
- * top bit flipped, 0..255), so a field's sum is never negative and, up to 257 contributions, below
- * 2**16: the four never carry into each other and one u64 add a lane adds four values. The bank's
- * `bias` holds 128 times the contributions added in each field (Q8_BIAS each), and a field's true
- * sum is (field - its bias) modulo 2**16, as int16: exact while it fits int16, which up to
- * AGGD_INT8_MAX_CONTRIBUTIONS contributions of -128..127 it does. The result's int16 values are
- * those fields as they lie, so sending a lane is one per-field subtraction, with no split. Half the
- * lanes of a 32-bit bank (Q8_LANES) serve a packet's 2 * ELEMS values. */
-#define Q8_LANES ((ELEMS + 1) / 2)
+/* Packed lanes: a narrow job's bank lane j holds the sums of several of its values in fields of
+ * their own, each kept biased by half the field's range a contribution, so that a field's sum is
+ * never negative, never carries into the next, and one u64 add a lane adds them all:
+ * - Quad lanes (an int8 job): values 4j .. 4j+3 in four 16-bit fields, a value v added as v + 128
+ *   (0..255, its byte with the top bit flipped). Up to 257 contributions a field stays below 2**16;
+ *   its true sum, (field - its bias) modulo 2**16 as int16, is exact while it fits int16, which up
+ *   to AGGD_INT8_MAX_CONTRIBUTIONS contributions of -128..127 it does.
+ * - Dual lanes (an int16 job): values 2j and 2j+1 in two 32-bit fields, v added as v + 32768
+ *   (0..65535). A field stays below 2**32 up to 65537 contributions, more than a bank takes
+ *   (aggd_xdp.c), and its true sum, (field - its bias) modulo 2**32 as int32, always fits.
+ * The bank's `bias` holds the contributions' bias added in each field (PACKED_BIAS each). The
+ * result's values (int16 or int32, as wide as the fields) are the fields less that bias as they
+ * lie, so sending a lane is one per-field subtraction. Half the lanes of a 32-bit bank
+ * (PACKED_LANES) serve a packet's 2 * ELEMS int8 or ELEMS int16 values.
+ *
+ * The loops below take a layout's constants as arguments: always inlined, each caller's are
+ * immediates, so each precision has its own copy of each loop. */
+#define PACKED_LANES ((ELEMS + 1) / 2)
 #define Q8_BIAS 0x0080008000800080ULL  /* 128 in every field: one contribution's bias */
 #define Q8_TOP 0x8000800080008000ULL   /* every field's top bit */
 #define Q8_ONES 0x0001000100010001ULL
+#define D16_BIAS 0x0000800000008000ULL
+#define D16_TOP 0x8000000080000000ULL
+#define D16_ONES 0x0000000100000001ULL
 
 /* Four int8 values (w's bytes, the first lowest) as a contribution to a quad lane: each byte with
  * its top bit flipped (v + 128) into a field of its own. */
@@ -55,102 +66,117 @@ static __always_inline __u64 q8_spread(__u32 w)
 	return (t | (t << 8)) & 0x00FF00FF00FF00FFULL;
 }
 
-/* x - c field by field, modulo 2**16 each (no borrow crosses a field). */
-static __always_inline __u64 q8_sub(__u64 x, __u64 c)
+/* Two int16 values (w's halves, the first lowest) as a contribution to a dual lane (v + 32768). */
+static __always_inline __u64 d16_spread(__u32 w)
 {
-	return ((x | Q8_TOP) - (c & ~Q8_TOP)) ^ ((x ^ ~c) & Q8_TOP);
+	__u64 t = w ^ 0x80008000U;
+	return (t | (t << 16)) & 0x0000FFFF0000FFFFULL;
 }
 
-/* Q8_TOP's bit of each field of x that is -32768 (0x8000), else 0: the one int16 an int8 sum
- * (-128 * 256) reaches outside the symmetric range results keep (docs/protocol.md, "Precision"). */
-static __always_inline __u64 q8_min16(__u64 x)
+/* x - c field by field, modulo each field's range (no borrow crosses a field); `top` has every
+ * field's top bit. */
+static __always_inline __u64 packed_sub(__u64 x, __u64 c, __u64 top)
 {
-	__u64 t = x ^ Q8_TOP;
-	return (t - Q8_ONES) & ~t & Q8_TOP;
+	return ((x | top) - (c & ~top)) ^ ((x ^ ~c) & top);
 }
 
-/* What the quad loops below return for a result: bit 32 (the int32 lanes' overflow bit, as their
- * `high`) if a value is -32768, else 0. */
-static __always_inline __u64 q8_high(__u64 min16)
+/* `top`'s bit of each field of x that is the field's most negative value (its top bit alone), else
+ * 0: -32768, the one int16 an int8 sum (-128 * 256) reaches outside the symmetric range results
+ * keep (docs/protocol.md, "Precision"); -2**31, which no int16 sum a bank holds reaches. */
+static __always_inline __u64 packed_min(__u64 x, __u64 top, __u64 ones)
 {
-	return ((min16 | -min16) >> 63) << 32; /* without a branch */
+	__u64 t = x ^ top;
+	return (t - ones) & ~t & top;
 }
 
-/* A fresh bank takes the contribution (bias Q8_BIAS). */
-static __always_inline void q8_set(__u64 *v, __u64 *p)
+/* What the packed loops below return for a result: bit 32 (the int32 lanes' overflow bit, as their
+ * `high`) if a value is its field's most negative, else 0. */
+static __always_inline __u64 packed_high(__u64 min)
+{
+	return ((min | -min) >> 63) << 32; /* without a branch */
+}
+
+/* A fresh bank takes the contribution (bias PACKED_BIAS). */
+static __always_inline void packed_set(__u64 *v, __u64 *p)
 {
 	_Pragma("clang loop unroll_count(8)")
-	for (int j = 0; j < Q8_LANES; j++)
+	for (int j = 0; j < PACKED_LANES; j++)
 		v[j] = p[j];
 }
 
-/* ... and also sends it: the packet's lanes become their values. */
-static __always_inline __u64 q8_set_send(__u64 *v, __u64 *p)
+/* ... and also sends it: the packet's lanes become their values (`bias` one contribution's). */
+static __always_inline __u64 packed_set_send(__u64 *v, __u64 *p, __u64 bias, __u64 top, __u64 ones)
 {
-	__u64 min16 = 0;
+	__u64 min = 0;
 	_Pragma("clang loop unroll_count(4)")
-	for (int j = 0; j < Q8_LANES; j++) {
-		__u64 x = p[j], o = q8_sub(x, Q8_BIAS);
+	for (int j = 0; j < PACKED_LANES; j++) {
+		__u64 x = p[j], o = packed_sub(x, bias, top);
 		v[j] = x;
 		p[j] = o;
-		min16 |= q8_min16(o);
+		min |= packed_min(o, top, ones);
 		LANE_DONE();
 	}
-	return q8_high(min16);
+	return packed_high(min);
 }
 
-/* The common case: one load, one add, one store for four values (the bias grows by Q8_BIAS). */
-static __always_inline void q8_add(__u64 *v, __u64 *p)
+/* The common case: one load, one add, one store a lane (the bias grows by PACKED_BIAS). */
+static __always_inline void packed_add(__u64 *v, __u64 *p)
 {
 	_Pragma("clang loop unroll_count(8)")
-	for (int j = 0; j < Q8_LANES; j++)
+	for (int j = 0; j < PACKED_LANES; j++)
 		v[j] += p[j];
 }
 
 /* Add the contribution and send the sum (the bank's bias `bias`, this contribution's included). */
-static __always_inline __u64 q8_add_send(__u64 *v, __u64 *p, __u64 bias)
+static __always_inline __u64 packed_add_send(__u64 *v, __u64 *p, __u64 bias, __u64 top, __u64 ones)
 {
-	__u64 min16 = 0;
+	__u64 min = 0;
 	_Pragma("clang loop unroll_count(4)")
-	for (int j = 0; j < Q8_LANES; j++) {
-		__u64 s = v[j] + p[j], o = q8_sub(s, bias);
+	for (int j = 0; j < PACKED_LANES; j++) {
+		__u64 s = v[j] + p[j], o = packed_sub(s, bias, top);
 		v[j] = s;
 		p[j] = o;
-		min16 |= q8_min16(o);
+		min |= packed_min(o, top, ones);
 		LANE_DONE();
 	}
-	return q8_high(min16);
+	return packed_high(min);
 }
 
 /* Send a bank's sum (bias `bias`) without adding to it. */
-static __always_inline __u64 q8_send(__u64 *v, __u64 *p, __u64 bias)
+static __always_inline __u64 packed_send(__u64 *v, __u64 *p, __u64 bias, __u64 top, __u64 ones)
 {
-	__u64 min16 = 0;
+	__u64 min = 0;
 	_Pragma("clang loop unroll_count(4)")
-	for (int j = 0; j < Q8_LANES; j++) {
-		__u64 o = q8_sub(v[j], bias);
+	for (int j = 0; j < PACKED_LANES; j++) {
+		__u64 o = packed_sub(v[j], bias, top);
 		p[j] = o;
-		min16 |= q8_min16(o);
+		min |= packed_min(o, top, ones);
 		LANE_DONE();
 	}
-	return q8_high(min16);
+	return packed_high(min);
 }
 
 /* Add a contribution at another exponent: each field's true sum shifted right by sa, each value by
- * sb (aligned to the coarser scale, as the int32 lanes are), added, and kept under the new bias. */
-static __always_inline void q8_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, int sb)
+ * sb (aligned to the coarser scale, as the int32 lanes are), added, and kept under the new bias.
+ * `dual` is all ones for dual lanes, 0 for quad lanes: a value, not a constant, so that both take
+ * this one loop (a rare one: the verifier would walk a copy a layout). */
+static __always_inline void packed_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, int sb, __u64 dual)
 {
-	__s64 c = (__s64)(bias & 0xFFFF), c_new = c + 128;
+	__u64 mask = 0xFFFF | (dual & 0xFFFF0000ULL);     /* a field's bits */
+	__u64 one = 128 ^ (dual & (128 ^ 32768));         /* one contribution's bias in a field */
+	int up = 48 - (int)(dual & 16);                  /* a field's sign bit to the top, to extend it */
+	__u64 odd = ~dual;                               /* fields at bits 16 and 48: quad lanes only */
+	__s64 c = (__s64)(bias & mask), c_new = c + one;
 	/* not vectorised either: clang would add a second copy of the loop, two lanes an iteration
 	 * behind a test that v and p do not overlap, and the verifier would walk both */
 	_Pragma("clang loop unroll(disable) vectorize(disable) interleave(disable)")
-	for (int j = 0; j < Q8_LANES; j++) {
+	for (int j = 0; j < PACKED_LANES; j++) {
 		__u64 s = v[j], x = p[j], out = 0;
 #pragma unroll
 		for (int k = 0; k < 64; k += 16) {
-			__s64 sum = (__s16)(((s >> k) & 0xFFFF) - c);
-			__s64 y = (__s64)((x >> k) & 0xFFFF) - 128;
-			out |= (__u64)(((sum >> sa) + (y >> sb) + c_new) & 0xFFFF) << k;
+			__s64 sum = (__s64)((((s >> k) & mask) - c) << up) >> up;
+			__s64 y = (__s64)((x >> k) & mask) - (__s64)one;
+			out |= ((__u64)((sum >> sa) + (y >> sb) + c_new) & mask & (k & 16 ? odd : ~0ULL)) << k;
 		}
 		v[j] = out;
 	}

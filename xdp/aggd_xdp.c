@@ -22,12 +22,12 @@
  * back into the frame after them (bpf_xdp_load_bytes / bpf_xdp_store_bytes). Without it the loops
  * work on the packet in place. */
 /* Jobs of int8 and int16 contributions (docs/protocol.md, "Precision") are served here up to native
- * XDP's largest packet (in a jumbo build the widening and narrowing loops would take the program
+ * XDP's largest packet (in a jumbo build their loops would take the program
  * past the verifier's limit, and the daemon gives such jobs no kernel slots). An int16 job's packet
- * carries ELEMS values, one a lane; an int8 job's carries 2 * ELEMS (per_lane), added four to a lane
- * in half of the bank's lanes (aggd_lanes.h, "Quad lanes"), loops of their own. Every result is
- * 4 * ELEMS bytes (int32 values, or an int8 job's int16 values),
- * wider than the contribution (2 * ELEMS bytes either way): a frame without room for the result
+ * carries ELEMS values, added two to a lane; an int8 job's carries 2 * ELEMS (per_lane), added four
+ * to a lane: each in half of the bank's lanes (aggd_lanes.h, "Packed lanes"), loops of their own.
+ * Every result is 4 * ELEMS bytes (an int16 job's int32 values, an int8 job's int16 values), wider
+ * than the contribution (2 * ELEMS bytes either way): a frame without room for the result
  * grows to hold it, in a frame of one page. A multi-buffer frame can grow only into its last
  * buffer's tailroom, too little for the result of a packet that needed several: there a narrow
  * frame is taken only with room, and one without goes up (the daemon re-runs it here with the room
@@ -43,20 +43,29 @@
 #define CONTRIB_BYTES(prec) (ELEMS * per_lane(prec) * contrib_width(prec))
 #define RESULT_BYTES (ELEMS * 4)
 #define RESULT_GROWTH(prec) (RESULT_BYTES - CONTRIB_BYTES(prec))
-/* All ones for an int8 job's quad lanes (lane_values below), else 0; from the precision's
- * bits, not a comparison, which clang turns into a branch (the verifier would walk the loops that
- * use it once each way). */
+/* All ones for an int8 job's quad lanes, or an int16 job's dual lanes (lane_values below), else 0;
+ * from the precision's bits, not a comparison, which clang turns into a branch (the verifier would
+ * walk the loops that use it once each way). */
 _Static_assert(AGGD_PRECISION_INT32 == 0 && AGGD_PRECISION_INT16 == 1 && AGGD_PRECISION_INT8 == 2 &&
-	       AGGD_PRECISION__COUNT == 3, "int8 is the precision below 4 with bit 1 alone");
-static __always_inline __s64 pack_mask(__u8 prec)
+	       AGGD_PRECISION__COUNT == 3, "int8 is the precision below 4 with bit 1 alone, int16 bit 0");
+static __always_inline __s64 quad_mask(__u8 prec)
 {
 	return AGGD_NARROW ? -(__s64)((prec >> 1) & ~prec & 1) : 0;
+}
+
+static __always_inline __s64 dual_mask(__u8 prec)
+{
+	return AGGD_NARROW ? -(__s64)(prec & ~(prec >> 1) & 1) : 0;
 }
 /* An int8 job's quad lane keeps each value's sum exact in a 16-bit field (added as value + 128,
  * 0..255) while it holds at most 257 terms: up to AGGD_INT8_MAX_CONTRIBUTIONS (aggd_proto.h: 256)
  * contributions, and a result of more is flagged OVERFLOW whatever its values. The sum itself then
  * fits int16 (-32768 included, which results flag). */
 _Static_assert(AGGD_INT8_MAX_CONTRIBUTIONS * 255 < 65536, "an int8 field's biased sum fits 16 bits");
+/* An int16 job's dual lane keeps each sum exact in a 32-bit field (value + 32768, 0..65535) while it
+ * holds at most 65537 terms. A bank takes one contribution a member a wbsp step (eight steps), and
+ * late ones carried as many again at most (aggd.core.model, rule 4), far fewer. */
+_Static_assert(AGGD_MAX_MEMBERS * 8 * 2 * 65535ULL < (1ULL << 32), "an int16 field's biased sum fits 32 bits");
 
 /* Per-member bounds (docs/protocol.md, "Bounds") are checked here up to native XDP's largest packet;
  * in a jumbo build their loop would take the program past the verifier's limit, and the daemon
@@ -270,6 +279,34 @@ static __always_inline void align_shifts(struct bank *b, __s16 exp_in, int se, i
 	b->exponent = (__s16)(se + (d & neg));
 }
 
+#if AGGD_NARROW
+/* A narrow contribution `q` (packed lanes, aggd_lanes.h) into bank `b` (index `add`) at the bank's
+ * exponent, or into a fresh bank: a layout's constants as its loops take them (one contribution's
+ * bias, the fields' top bits, a one in each field). */
+static __always_inline void add_packed(struct bank *b, __u64 *q, volatile struct scratch *sc, int add,
+				       __s16 exp_in, __u64 bias1, __u64 top, __u64 ones)
+{
+	__u64 *v = b->values;
+	if (sc->add_fresh) {
+		b->exponent = exp_in;
+		b->bias = bias1;
+		if (sc->out == add) { /* a lone contribution is its own sum */
+			sc->written_high = packed_set_send(v, q, bias1, top, ones);
+			sc->written = 1;
+		} else {
+			packed_set(v, q);
+		}
+	} else if (sc->out != add) {
+		b->bias += bias1;
+		packed_add(v, q);
+	} else {
+		b->bias += bias1;
+		sc->written_high = packed_add_send(v, q, b->bias, top, ones);
+		sc->written = 1;
+	}
+}
+#endif
+
 /* 1 if a < b (unsigned), else 0, without a branch: the borrow out of a - b */
 static __always_inline __u64 below(__u64 a, __u64 b)
 {
@@ -342,11 +379,11 @@ static __always_inline __u32 *payload_of(struct xdp_md *ctx, struct aggd_hdr *h,
 }
 
 #if AGGD_NARROW
-/* A narrow contribution's values widened in the per-CPU buffer, where the loops work on them (`load`
- * 0, a re-read: nothing to read): an int16 job's to int32 lanes, an int8 job's to quad lanes, four
- * values in 16-bit fields (aggd_lanes.h, "Quad lanes"). Both are 2 * ELEMS bytes. Widened in place
- * from the last lane down: a lane's bytes never cover a byte still to be read (int16 lane i reads
- * bytes 2i and 2i+1 and takes 4i..4i+3; quad lane j reads 4j..4j+3 and takes 8j..8j+7). */
+/* A narrow contribution's values spread in the per-CPU buffer, where the loops work on them (`load`
+ * 0, a re-read: nothing to read): an int8 job's to quad lanes, four values in 16-bit fields, an int16
+ * job's to dual lanes, two in 32-bit fields (aggd_lanes.h, "Packed lanes"). Both are 2 * ELEMS bytes.
+ * Spread in place from the last lane down: a lane's bytes never cover a byte still to be read (lane
+ * j reads bytes 4j..4j+3 and takes 8j..8j+7). */
 static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load, struct job_stats *jst,
 					int *action)
 {
@@ -362,24 +399,23 @@ static __always_inline __u32 *narrow_in(struct xdp_md *ctx, __u8 prec, int load,
 		*action = drop_in(jst, AGGD_DROP_REASON_TOO_SHORT);
 		return 0;
 	}
-	__s16 *w = (void *)buf;
+	__u64 *q = (void *)buf;
+	if (ELEMS & 1)
+		((__u16 *)buf)[ELEMS] = 0; /* the last lane's values past the packet: zeros */
 	if (prec == AGGD_PRECISION_INT8) {
-		__u64 *q = (void *)buf;
-		if (ELEMS & 1)
-			((__u16 *)buf)[ELEMS] = 0; /* the last lane's two values past the packet: zeros */
 		_Pragma("clang loop unroll_count(8)")
-		for (int j = Q8_LANES - 1; j >= 0; j--)
+		for (int j = PACKED_LANES - 1; j >= 0; j--)
 			q[j] = q8_spread(buf[j]);
 	} else {
 		_Pragma("clang loop unroll_count(8)")
-		for (int i = ELEMS - 1; i >= 0; i--)
-			buf[i] = (__u32)(__s32)w[i];
+		for (int j = PACKED_LANES - 1; j >= 0; j--)
+			q[j] = d16_spread(buf[j]);
 	}
 	return buf;
 }
 
-/* A narrow job's result (the per-CPU buffer's, as the loops left it: int32 values, or an int8 job's
- * int16 values) into the frame, 4 * ELEMS bytes. Returns -1 if the frame could not take it. */
+/* A narrow job's result (the per-CPU buffer's, as the packed loops left it: an int16 job's int32
+ * values, an int8 job's int16 values) into the frame, 4 * ELEMS bytes. Returns -1 if the frame could not take it. */
 static __always_inline int narrow_out(struct xdp_md *ctx)
 {
 	__u32 zero_key = 0;
@@ -393,22 +429,23 @@ static __always_inline int narrow_out(struct xdp_md *ctx)
 #endif
 
 #if AGGD_BOUNDS
-/* The values of a contribution's 32-bit word x in the per-CPU buffer: with `pack` 0 (int32 and int16
- * jobs) its int32 and 0; with `pack` all ones (an int8 job) the two 16-bit fields of a quad lane,
- * each v + 128 (aggd_lanes.h). Without a branch: the loops using it serve every precision in one
- * walk of the verifier. */
-static __always_inline void lane_values(__u32 x, __s64 pack, __s64 *lo, __s64 *hi)
+/* The values of a contribution's 32-bit word x: with `quad` and `dual` 0 (an int32 job's packet) its
+ * int32 and 0; with `quad` all ones (an int8 job) the two 16-bit fields of a quad lane, each v + 128;
+ * with `dual` all ones (an int16 job) a dual lane's 32-bit field, v + 32768, and 0 (aggd_lanes.h).
+ * Without a branch: the loops using it serve every precision in one walk of the verifier. */
+static __always_inline void lane_values(__u32 x, __s64 quad, __s64 dual, __s64 *lo, __s64 *hi)
 {
-	*lo = ((__s64)(__s32)x & ~pack) | (((__s64)(x & 0xFFFF) - 128) & pack);
-	*hi = ((__s64)(x >> 16) - 128) & pack;
+	*lo = ((__s64)(__s32)x & ~(quad | dual)) | (((__s64)(x & 0xFFFF) - 128) & quad) |
+	      (((__s64)x - 32768) & dual);
+	*hi = ((__s64)(x >> 16) - 128) & quad;
 }
 
 /* Whether a contribution's values (exponent `exp`) go beyond its job's bound: a |q| over
  * bound_mant << (bound_exp + exp), one shift (a shift of 40 or more, or a limit of 2**32 or more,
- * lets any int32 through). The values are the words', or with `pack` all ones an int8 job's values
- * two a word (lane_values). The loop has no branch (the verifier walks it once a path): limit - |q|
+ * lets any int32 through). The values are the words', or with `quad` or `dual` all ones a narrow
+ * job's fields (lane_values). The loop has no branch (the verifier walks it once a path): limit - |q|
  * is negative exactly when |q| is beyond. */
-static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
+static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 quad, __s64 dual)
 {
 	__s32 s = (__s32)cfg->bound_exp + exp;
 	if (s >= 40)
@@ -426,19 +463,19 @@ static __always_inline int beyond_bound(struct job_cfg *cfg, __u32 *p, __s16 exp
 	_Pragma("clang loop unroll_count(8)")
 	for (int i = 0; i < ELEMS; i++) {
 		__s64 lo, hi;
-		lane_values(p[i], pack, &lo, &hi);
+		lane_values(p[i], quad, dual, &lo, &hi);
 		under |= (limit - abs64(lo)) | (limit - abs64(hi));
 		LANE_DONE();
 	}
 	return under >> 63;
 }
 
-/* Whether a contribution's values (exponent `exp`, `pack` as above) go beyond its job's bound on
+/* Whether a contribution's values (exponent `exp`, `quad` and `dual` as above) go beyond its job's bound on
  * their L2 norm: the sum of q**2 over norm_mant**2 shifted by 2 * (norm_exp + exp), floored; no
  * limit where that is 2**63 or more (aggd.core.model.Bound). The limit is below 2**63, so a sum
  * that reaches it is beyond: its top bit is kept in `over` and cleared, and with terms below 2**63
  * the sum never wraps (no branch in the loop, as above). */
-static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 pack)
+static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp, __s64 quad, __s64 dual)
 {
 	__s32 s = 2 * ((__s32)cfg->norm_exp + exp);
 	__u64 m2 = (__u64)cfg->norm_mant * cfg->norm_mant;
@@ -458,7 +495,7 @@ static __always_inline int beyond_norm(struct job_cfg *cfg, __u32 *p, __s16 exp,
 	_Pragma("clang loop unroll_count(8)")
 	for (int i = 0; i < ELEMS; i++) {
 		__s64 lo, hi;
-		lane_values(p[i], pack, &lo, &hi);
+		lane_values(p[i], quad, dual, &lo, &hi);
 		/* at most 2**62 (hi is 0 unless both are int8) */
 		sum += (__u64)(lo * lo) + (__u64)(hi * hi);
 		over |= sum;
@@ -694,12 +731,12 @@ int aggd_xdp(struct xdp_md *ctx)
 	if (!payload)
 		return action;
 #if AGGD_BOUNDS
-	/* an int8 job's values are its lanes' pairs: each is judged on its own */
-	__s64 pack_b = pack_mask(prec);
+	/* a narrow job's values are its packed lanes' fields: each is judged on its own */
+	__s64 quad = quad_mask(prec), dual = dual_mask(prec);
 	if (type == AGGD_MSG_TYPE_CONTRIB &&
-	    ((cfg->bounded && beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), pack_b)) ||
+	    ((cfg->bounded && beyond_bound(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), quad, dual)) ||
 	     (cfg->norm_bounded &&
-	      beyond_norm(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), pack_b)))) {
+	      beyond_norm(cfg, (__u32 *)payload, (__s16)ntohs(HDR(h, __be16, exponent)), quad, dual)))) {
 		struct member_stats *ms = member_stats.lookup(&midx);
 		if (ms)
 			ms->offences++;
@@ -707,12 +744,12 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 #endif
 #if AGGD_NARROW
-	/* An int8 job's payload is the per-CPU buffer (narrow_in): the quad loops below take it from
-	 * here, whose size the verifier knows (a packet's ELEMS * 4 bytes are short of the last quad
-	 * lane's when ELEMS is odd, and it does not keep which of the two `payload` is). */
-	__u32 q8_key = 0;
-	__u64 *q8 = (void *)payload_copy.lookup(&q8_key);
-	if (!q8)
+	/* A narrow job's payload is the per-CPU buffer (narrow_in): the packed loops below take it
+	 * from here, whose size the verifier knows (a packet's ELEMS * 4 bytes are short of the last
+	 * packed lane's when ELEMS is odd, and it does not keep which of the two `payload` is). */
+	__u32 packed_key = 0;
+	__u64 *packed = (void *)payload_copy.lookup(&packed_key);
+	if (!packed)
 		return XDP_ABORTED;
 #endif
 	/* Read again, so that the verifier's states of both ways here are alike and it walks the
@@ -1090,31 +1127,20 @@ int aggd_xdp(struct xdp_md *ctx)
 		__u32 *p = (__u32 *)payload;
 		int se = b->exponent;
 #if AGGD_NARROW
-		if (prec == AGGD_PRECISION_INT8) {
+		/* tested on masks, not on `prec`: the verifier would keep int32's prec (0) apart from
+		 * the rest's, and walk the loops below once for each */
+		__u64 dual = dual_mask(prec);
+		if ((dual | quad_mask(prec)) && !sc->add_fresh && exp_in != se) {
+			int sa, sb;
+			align_shifts(b, exp_in, se, &sa, &sb);
+			packed_add_aligned(v, packed, b->bias, sa, sb, dual);
+			b->bias += Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));
+		} else if (prec == AGGD_PRECISION_INT8) {
 			/* quad lanes (aggd_lanes.h): four values a lane, the bias 128 a value */
-			__u64 *q = q8;
-			if (sc->add_fresh) {
-				b->exponent = exp_in;
-				b->bias = Q8_BIAS;
-				if (sc->out == add) { /* a lone contribution is its own sum */
-					sc->written_high = q8_set_send(v, q);
-					sc->written = 1;
-				} else {
-					q8_set(v, q);
-				}
-			} else if (exp_in == se && sc->out != add) {
-				b->bias += Q8_BIAS;
-				q8_add(v, q);
-			} else if (exp_in == se) {
-				b->bias += Q8_BIAS;
-				sc->written_high = q8_add_send(v, q, b->bias);
-				sc->written = 1;
-			} else {
-				int sa, sb;
-				align_shifts(b, exp_in, se, &sa, &sb);
-				q8_add_aligned(v, q, b->bias, sa, sb);
-				b->bias += Q8_BIAS;
-			}
+			add_packed(b, packed, sc, add, exp_in, Q8_BIAS, Q8_TOP, Q8_ONES);
+		} else if (prec == AGGD_PRECISION_INT16) {
+			/* dual lanes: two values a lane, the bias 32768 a value */
+			add_packed(b, packed, sc, add, exp_in, D16_BIAS, D16_TOP, D16_ONES);
 		} else
 #endif
 		if (sc->add_fresh) {
@@ -1161,6 +1187,9 @@ int aggd_xdp(struct xdp_md *ctx)
 	/* Kept in the scratch across the copying loops below, not in registers: the verifier then
 	 * reaches those loops alike whether or not the packet was added, and walks them once. */
 	sc->lag_ns = lag_ns;
+	/* and the precision read again: the adding ways' knowledge of it (int8, int16, the rest) would
+	 * keep them apart there too */
+	prec = *(volatile __u8 *)&cfg->precision;
 	int out = sc->out;
 	if (out >= 0) {
 		struct bank *r = &s->bank[out & (NBANKS - 1)];
@@ -1176,10 +1205,13 @@ int aggd_xdp(struct xdp_md *ctx)
 		}
 		__u64 high = sc->written_high;
 #if AGGD_NARROW
+		/* every narrow result is checked: the check costs nothing beside the subtraction */
 		if (prec == AGGD_PRECISION_INT8) {
-			/* every int8 result is checked: the check costs nothing beside the subtraction */
 			if (!sc->written)
-				high = q8_send(r->values, q8, r->bias);
+				high = packed_send(r->values, packed, r->bias, Q8_TOP, Q8_ONES);
+		} else if (prec == AGGD_PRECISION_INT16) {
+			if (!sc->written)
+				high = packed_send(r->values, packed, r->bias, D16_TOP, D16_ONES);
 		} else
 #endif
 		if (sent_before) {

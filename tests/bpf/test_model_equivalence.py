@@ -219,8 +219,8 @@ def test_simulated_training_quorum_in_shared_slots(harness, chunks, sizes, slots
     assert all(m._next_round == sim.rounds and not m.rounds for m in sim.members)
 
 
-#: Random sequences a strategy and narrow precision: int8 and int16 contributions, widened into the
-#: lanes and narrowed into int16 / int32 results (docs/protocol.md, "Precision"), half of them with
+#: Random sequences a strategy and narrow precision: int8 and int16 contributions, spread into the
+#: packed lanes and sent as int16 / int32 results (docs/protocol.md, "Precision"), half of them with
 #: room for the result. The values include each type's largest magnitudes. ``page``: in a frame the
 #: program grows; ``frags``: at native XDP's largest packet, where a multi-buffer frame cannot grow
 #: and the program takes a narrow contribution only with room (aggd_xdp.c, AGGD_NARROW_GROWS): the
@@ -317,7 +317,7 @@ def bounded_sequences(harness, label: str, kind: str, precision: Precision, coun
     return harness.seen[("drop", "out_of_bounds", None)] - refused
 
 
-@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT8))
+@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT16, Precision.INT8))
 @pytest.mark.parametrize("kind", KINDS)
 def test_random_sequences_bounded(harness, kind, precision):
     bounded_sequences(harness, f"bounded {precision.name.lower()} {kind}", kind, precision, BOUNDED_SEQUENCES,
@@ -328,7 +328,7 @@ def test_random_sequences_bounded(harness, kind, precision):
 NORM_SEQUENCES = 50      #: per strategy and precision, with a bound on the L2 norm
 
 
-@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT16))
+@pytest.mark.parametrize("precision", (Precision.INT32, Precision.INT16, Precision.INT8))
 @pytest.mark.parametrize("kind", ("sync", "quorum"))
 def test_random_sequences_norm_bounded(harness, kind, precision):
     """A bound on the L2 norm: sums of squares from a few values to 2**64 and beyond (saturated in

@@ -3,9 +3,9 @@ test_model_equivalence.py): a round re-run through ``XdpDataPlane.rerun`` (the d
 frame the attached program could not grow) is decided as the model decides it, the result's frame is
 the result's size, and a contribution with room for its result is answered in its own frame (the
 multi-buffer build's narrow packets: test_model_equivalence.py). An 8-bit job's packets carry two
-values a lane, which the program adds four to a bank lane (xdp/aggd_lanes.h, "Quad lanes"): its
-sums, exponent alignment, overflow flag and bounds, value by value, against the model and against
-sums worked out here."""
+values a lane, which the program adds four to a bank lane, and a 16-bit job's one, added two to a
+bank lane (xdp/aggd_lanes.h, "Packed lanes"): their sums, exponent alignment, overflow flag and
+bounds, value by value, against the model and against sums worked out here."""
 from __future__ import annotations
 
 import ctypes
@@ -327,18 +327,22 @@ def test_int8_count_is_up_to_two_values_a_lane(harness):
     harness.check_counters("int8 counts")
 
 
-def test_pending_sum_of_an_int8_job_splits_its_lanes(xdp_program):
-    """``pending_sum`` (what a conservation check adds to the released sums) reads an open 8-bit
-    round's lanes as the pairs they hold (``loader.bank_sums``), not as int32s."""
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+def test_pending_sum_of_a_narrow_job_reads_its_packed_lanes(xdp_program, precision):
+    """``pending_sum`` (what a conservation check adds to the released sums) reads an open narrow
+    round's packed lanes as the fields they hold (``loader.bank_sums``: four 8-bit values' sums a lane,
+    or two 16-bit values'), not as int32s."""
     from aggd.dataplane.xdp.bpf_syscall import XDP_DROP, prog_test_run
     from tests.harness.equivalence import frame
 
     job = 6
-    members, _ = narrow_job(xdp_program, job, 2, Precision.INT8)
+    members, _ = narrow_job(xdp_program, job, 2, precision)
     try:
-        q = np.resize(np.array([-128, 127, -1, 1, 0, 100]), INT8_VALUES)
-        data = Header(type=MsgType.CONTRIB, job=job, rank=0, count=INT8_VALUES, exponent=3,
-                      code=int(Precision.INT8)).pack() + q.astype(np.int8).tobytes()
+        lanes, values = LANES[precision], values_per_packet(ELEMENTS, precision)
+        top = lanes.contrib_max
+        q = np.resize(np.array([-top - 1, top, -1, 1, 0, 100, -top, 3]), values)
+        data = Header(type=MsgType.CONTRIB, job=job, rank=0, count=values, exponent=3,
+                      code=int(precision)).pack() + q.astype(payload_dtype(precision)).tobytes()
         assert prog_test_run(xdp_program.prog_fd, frame(data, members[0])).verdict == XDP_DROP   # absorbed
         assert xdp_program.pending_sum(job) == q.sum() / 8
     finally:

@@ -100,15 +100,18 @@ def remove_pinned(pin_dir: str | Path) -> None:
 
 
 def bank_sums(bank, precision: int = proto.Precision.INT32) -> np.ndarray:
-    """A bank's exact sums (int64): its biased u64 lanes (xdp/aggd_maps.h, struct bank), or an 8-bit
-    job's quad lanes, four values' sums a lane in 16-bit fields kept biased by ``bias`` (xdp/aggd_lanes.h,
-    "Quad lanes": exact up to INT8_MAX_CONTRIBUTIONS contributions); 2E values for E lanes."""
+    """A bank's exact sums (int64): its biased u64 lanes (xdp/aggd_maps.h, struct bank), or a narrow
+    job's packed lanes, their fields kept biased by ``bias`` (xdp/aggd_lanes.h, "Packed lanes"): an
+    8-bit job's four 16-bit fields a lane (exact up to INT8_MAX_CONTRIBUTIONS contributions), 2E values
+    for E lanes; a 16-bit job's two 32-bit fields, E values."""
     lanes = np.ctypeslib.as_array(bank.values)
-    if precision != proto.Precision.INT8:
+    if precision == proto.Precision.INT32:
         return (lanes + np.uint64(bank.bias)).view(np.int64)
-    fields = lanes[:(len(lanes) + 1) // 2].view(np.uint16).reshape(-1, 4)   # little-endian fields
-    bias = np.array([bank.bias], np.uint64).view(np.uint16)
-    return (fields - bias).view(np.int16).reshape(-1)[:2 * len(lanes)].astype(np.int64)
+    field, value, per_lane = ((np.uint16, np.int16, 2) if precision == proto.Precision.INT8
+                              else (np.uint32, np.int32, 1))
+    fields = lanes[:(len(lanes) + 1) // 2].view(field)                  # little-endian fields
+    bias = np.array([bank.bias], np.uint64).view(field)
+    return (fields.reshape(-1, len(bias)) - bias).view(value).reshape(-1)[:per_lane * len(lanes)].astype(np.int64)
 
 
 def load_xdp_function(bpf, name: str, *, frags: bool = False):
