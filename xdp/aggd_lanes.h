@@ -156,29 +156,42 @@ static __always_inline __u64 packed_send(__u64 *v, __u64 *p, __u64 bias, __u64 t
 	return packed_high(min);
 }
 
+/* x + y field by field, modulo each field's range (no carry crosses a field). */
+static __always_inline __u64 packed_add2(__u64 x, __u64 y, __u64 top)
+{
+	return ((x & ~top) + (y & ~top)) ^ ((x ^ y) & top);
+}
+
 /* Add a contribution at another exponent: each field's true sum shifted right by sa, each value by
- * sb (aligned to the coarser scale, as the int32 lanes are), added, and kept under the new bias.
- * `dual` is all ones for dual lanes, 0 for quad lanes: a value, not a constant, so that both take
- * this one loop (a rare one: the verifier would walk a copy a layout). */
+ * sb (floor: aligned to the coarser scale, as the int32 lanes are), added, and kept under the new
+ * bias. Every field of a lane at once: a field is first taken to offset binary (its true value X
+ * as X + 2**(w-1), w bits wide), where floor(X / 2**k) is a shift of the whole lane, a mask and an
+ * add of 2**(w-1) - 2**(w-1-k) (k < w). A w-bit X gives the same floor for every k >= w - 1, so
+ * the shifts stop there. `dual` is all ones for dual lanes, 0 for quad lanes: a value, so that both
+ * take this one loop (the verifier walks it once, not once a layout). */
 static __always_inline void packed_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, int sb, __u64 dual)
 {
-	__u64 mask = 0xFFFF | (dual & 0xFFFF0000ULL);     /* a field's bits */
-	__u64 one = 128 ^ (dual & (128 ^ 32768));         /* one contribution's bias in a field */
-	int up = 48 - (int)(dual & 16);                  /* a field's sign bit to the top, to extend it */
-	__u64 odd = ~dual;                               /* fields at bits 16 and 48: quad lanes only */
-	__s64 c = (__s64)(bias & mask), c_new = c + one;
-	/* not vectorised either: clang would add a second copy of the loop, two lanes an iteration
-	 * behind a test that v and p do not overlap, and the verifier would walk both */
-	_Pragma("clang loop unroll(disable) vectorize(disable) interleave(disable)")
+	__u64 top = Q8_TOP ^ (dual & (Q8_TOP ^ D16_TOP));     /* 2**(w-1) in every field */
+	__u64 ones = Q8_ONES ^ (dual & (Q8_ONES ^ D16_ONES));
+	__u64 one = Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));  /* one contribution's bias */
+	__u64 field = 0xFFFF | (dual & 0xFFFF0000ULL);         /* the lowest field's bits */
+	__s64 wm1 = 15 + (__s64)(dual & 16);
+	sa = (int)min_nobranch(sa, wm1);
+	sb = (int)min_nobranch(sb, wm1);
+	__u64 to_ob = packed_sub(top, bias, top);              /* a bank field's X + c to X + 2**(w-1) */
+	__u64 x_ob = top - one;                                /* ... a contribution's y + one (no carry) */
+	__u64 mask_a = (field >> sa) * ones, add_a = top - (top >> sa);
+	__u64 mask_b = (field >> sb) * ones, add_b = top - (top >> sb);
+	__u64 bias_new = bias + one;
+	/* not vectorised: clang would add a second copy of the loop, two lanes an iteration behind a
+	 * test that v and p do not overlap, and the verifier would walk both */
+	_Pragma("clang loop unroll_count(2) vectorize(disable) interleave(disable)")
 	for (int j = 0; j < PACKED_LANES; j++) {
-		__u64 s = v[j], x = p[j], out = 0;
-#pragma unroll
-		for (int k = 0; k < 64; k += 16) {
-			__s64 sum = (__s64)((((s >> k) & mask) - c) << up) >> up;
-			__s64 y = (__s64)((x >> k) & mask) - (__s64)one;
-			out |= ((__u64)((sum >> sa) + (y >> sb) + c_new) & mask & (k & 16 ? odd : ~0ULL)) << k;
-		}
-		v[j] = out;
+		__u64 s = ((packed_add2(v[j], to_ob, top) >> sa) & mask_a) + add_a;  /* each < 2**w */
+		__u64 y = (((p[j] + x_ob) >> sb) & mask_b) + add_b;
+		/* s + y is the sum plus 2**w in each field: modulo 2**w, the sum */
+		v[j] = packed_add2(packed_add2(s, y, top), bias_new, top);
+		LANE_DONE();
 	}
 }
 

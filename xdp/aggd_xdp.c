@@ -256,16 +256,6 @@ static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
 	return sc->ifree >= 0 ? sc->ifree : (quorum ? sc->irel_old_q : sc->irel_old);
 }
 
-/* min(x, max) without a branch (x - max must not overflow): the mask is hidden from clang, which
- * would otherwise see a min and emit one (a branch gives the verifier two states, and it walks the
- * alignment loop once for each). */
-static __always_inline __s64 min_nobranch(__s64 x, __s64 max)
-{
-	__s64 d = x - max, m = d >> 63;
-	asm volatile("" : "+r"(m));
-	return max + (d & m);
-}
-
 /* A contribution at exponent exp_in into bank b at exponent se (they differ): both are aligned to the
  * coarser scale, the smaller exponent, which the bank takes. The finer operand's true values are
  * shifted right (floor, exact as docs/protocol.md says): the sum's by sa (at most 63), the

@@ -63,6 +63,33 @@ def test_a_round_rerun_through_the_program_equals_the_model(xdp_program, precisi
 
 
 @pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
+@pytest.mark.parametrize("exponents", [(0, 1, 3), (5, 0, 2), (0, 20, 40), (40, 20, 0), (40, -30, 5), (-30, 30, 0)],
+                         ids=lambda e: "/".join(map(str, e)))
+def test_exponents_far_apart_align_as_the_model_does(xdp_program, precision, exponents):
+    """Three members' contributions at differing exponents, the largest magnitudes included: each
+    is aligned to the coarser scale in the packed lanes (xdp/aggd_lanes.h, packed_add_aligned), by
+    shifts up to and past a field's width (a sum or value then floors to 0 or -1), as the model
+    aligns them."""
+    world, job = len(exponents), 5
+    members, model = narrow_job(xdp_program, job, world, precision)
+    try:
+        lanes, values = LANES[precision], values_per_packet(ELEMENTS, precision)
+        rng = np.random.default_rng(sum(exponents) + int(precision))
+        for r, e in enumerate(exponents):
+            q = rng.integers(-lanes.contrib_max - 1, lanes.contrib_max + 1, values)
+            q[:4] = (lanes.contrib_max, -lanes.contrib_max - 1, -1, 1)
+            data = Header(type=MsgType.CONTRIB, job=job, rank=r, count=values, exponent=e,
+                          code=int(precision)).pack() + q.astype(payload_dtype(precision)).tobytes()
+            want = model.process(data, members[r], 0)
+            got = xdp_program.rerun(data, members[r])
+            assert (got.action, got.out) == (want.action, want.out), (r, e)
+        hdr, payload = decode(got.out)
+        assert hdr.type == MsgType.RESULT and hdr.exponent == min(exponents)
+    finally:
+        xdp_program.remove_job(job)
+
+
+@pytest.mark.parametrize("precision", (Precision.INT8, Precision.INT16))
 def test_contributions_with_room_are_answered_in_their_own_frame(xdp_program, precision):
     """A narrow contribution that carries room for its result (the JOIN_ACK's ``room``: native XDP on
     veth cannot grow a frame) is answered in the kernel in the frame it came in, the room's junk
