@@ -28,9 +28,12 @@ def _job(world: int, precision: int = 0):
                                  members={r: worker_addr(r)[1:] for r in range(world)})
 
 
-def bench_strategy(dp, text: str, elements: int, packets: int, bits: int = 32) -> dict:
+def bench_strategy(dp, text: str, elements: int, packets: int, bits: int = 32, exponents: int = 1) -> dict:
     """``bits`` 8 or 16: a narrow job's contributions, each with room for its result (what native
-    XDP's workers send: docs/protocol.md, "Precision"), an 8-bit one of ``2 * elements`` values."""
+    XDP's workers send: docs/protocol.md, "Precision"), an 8-bit one of ``2 * elements`` values.
+    ``exponents``: how many exponents the members' chunks take (member ``rank`` sends exponent
+    ``rank % exponents``), as workers whose chunks' largest values differ do; above 1 the program
+    aligns every contribution whose exponent is not its round's so far."""
     prec = PRECISION_OF_BITS[bits]
     lanes, values = LANES[prec], values_per_packet(elements, prec)
     dp.remove_job(1)
@@ -45,7 +48,8 @@ def bench_strategy(dp, text: str, elements: int, packets: int, bits: int = 32) -
     for r in range(rounds):
         for rank in range(WORLD):
             # wbsp: only the last member's step counts to release; all others add as step 0
-            hdr = Header(type=MsgType.CONTRIB, job=1, rank=rank, round=r, count=values, code=int(prec))
+            hdr = Header(type=MsgType.CONTRIB, job=1, rank=rank, round=r, count=values, code=int(prec),
+                         exponent=rank % exponents)
             frames.append(raw_frame(hdr.pack() + payloads[rank % 8], src=worker_addr(rank)))
     frames = frames[:packets]
     total_ns = 0
@@ -57,7 +61,7 @@ def bench_strategy(dp, text: str, elements: int, packets: int, bits: int = 32) -
     ns = total_ns / len(frames)
     c = dp.job_stats(1).counters
     return {"system": "aggd-xdp", "strategy": text, "precision": bits, "elements_per_packet": elements,
-            "values_per_packet": values, "packets": len(frames),
+            "values_per_packet": values, "exponents": exponents, "packets": len(frames),
             "ns_per_packet": ns, "elements_per_s_per_core": values / ns * 1e9,
             "added": int(c["contributions"]), "released": int(c["released"]), "verdicts": verdicts}
 

@@ -34,3 +34,16 @@ def test_bench_xdp_at_every_precision():
                for r in rows), rows
     bad = CliRunner().invoke(aggctl, ["bench", "xdp", "--elements", "64", "--precision", "12"])
     assert bad.exit_code != 0 and "--precision" in bad.output and "12" in bad.output
+
+
+def test_bench_xdp_with_members_at_several_exponents():
+    """``--exponents 2``: half the members send another exponent, and their contributions are
+    aligned; every one is still added and each round released."""
+    res = CliRunner().invoke(aggctl, ["bench", "xdp", "--elements", "64", "--strategies", "sync",
+                                      "--precision", "8,32", "--exponents", "1,2", "--packets", "128", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in res.output.splitlines() if line.startswith("{")][:-1]
+    assert [(r["exponents"], r["precision"]) for r in rows] == [(1, 8), (1, 32), (2, 8), (2, 32)]
+    assert all(r["added"] == 128 and r["released"] == 2 for r in rows), rows
+    bad = CliRunner().invoke(aggctl, ["bench", "xdp", "--elements", "64", "--exponents", "0"])
+    assert bad.exit_code != 0 and "--exponents" in bad.output

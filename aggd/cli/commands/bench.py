@@ -427,8 +427,11 @@ def bench_shards(workers, size, calls, steady, rates, rebalance_every, scale, as
 @click.option("--precision", "precisions", default="32", show_default=True,
               help="bits a contribution value, e.g. 8,32: narrow ones with room for the result, an 8-bit "
                    "packet holding two values a lane (docs/protocol.md, \"Precision\")")
+@click.option("--exponents", "exponents_list", default="1", show_default=True,
+              help="exponents the members' chunks take, e.g. 1,2: above 1 the program aligns every "
+                   "contribution at another exponent than its round's (workers' chunks differ so)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
-def bench_xdp(elements_list, strategies, packets, precisions, as_json):
+def bench_xdp(elements_list, strategies, packets, precisions, exponents_list, as_json):
     """Time the production XDP program through BPF_PROG_TEST_RUN, next to numpy's int32 add."""
     from aggd.dataplane.xdp.loader import XdpDataPlane
     from aggd.bench.xdp import bench_strategy, harness_ns, numpy_add
@@ -437,11 +440,14 @@ def bench_xdp(elements_list, strategies, packets, precisions, as_json):
     bad = [b for b in bits_list if b not in proto.PRECISION_OF_BITS]
     if bad:
         raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
+    exponents = _int_list(exponents_list)
+    if any(not 1 <= n <= 32 for n in exponents):
+        raise click.BadParameter("each must be 1 to 32", param_hint="--exponents")
     rows = []
     for elements in _int_list(elements_list):
         dp = XdpDataPlane(None, elements=elements, total_slots=4)
         try:
-            timed = [bench_strategy(dp, s, elements, packets, bits) for bits in bits_list
+            timed = [bench_strategy(dp, s, elements, packets, bits, n) for n in exponents for bits in bits_list
                      for s in strategies.split(",")]
         finally:
             dp.close()
@@ -456,6 +462,8 @@ def bench_xdp(elements_list, strategies, packets, precisions, as_json):
         else:
             harness = f"  (test-run harness {row['harness_ns']:.0f} ns/pkt)" if "harness_ns" in row else ""
             bits = f" {row['precision']:>2}-bit" if "precision" in row else " " * 7
+            if row.get("exponents", 1) > 1:
+                bits += f" {row['exponents']} exponents"
             click.echo(f"{row['strategy']:<16}{bits} {row.get('values_per_packet', row['elements_per_packet']):>9} "
                        f"values/pkt {row['ns_per_packet']:>12.1f} ns/pkt {row['elements_per_s_per_core']:>10.3g} values/s/core "
                        f"({row['fraction_of_numpy']:.0%} of numpy){harness}")
