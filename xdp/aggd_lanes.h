@@ -162,6 +162,26 @@ static __always_inline __u64 packed_add2(__u64 x, __u64 y, __u64 top)
 	return ((x & ~top) + (y & ~top)) ^ ((x ^ y) & top);
 }
 
+/* Add a contribution at a finer exponent than the bank's (which keeps its own): only the values are
+ * shifted, floor(y / 2**sb), the common way workers' exponents differ. A field's y + one (one = 2**m,
+ * its bias) is what the packet's field holds, x, and for sb <= m floor(y / 2**sb) + one is
+ * (x >> sb) + one - (one >> sb): one shift of the lane, a mask and an add of a constant, in [0, 2**w)
+ * as a contribution's field is, so the lane takes it as it takes one (the bias grows by one). A y
+ * below 2**m floors to the same for every sb >= m. `dual` as packed_add_aligned's below. */
+static __always_inline void packed_add_shifted(__u64 *v, __u64 *p, int sb, __u64 dual)
+{
+	__u64 ones = Q8_ONES ^ (dual & (Q8_ONES ^ D16_ONES));
+	__u64 one = Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));
+	__u64 field = 0xFFFF | (dual & 0xFFFF0000ULL);
+	sb = (int)min_nobranch(sb, 7 + (__s64)(dual & 8));
+	__u64 mask = (field >> sb) * ones, k = one - (one >> sb);
+	_Pragma("clang loop unroll_count(4) vectorize(disable) interleave(disable)")
+	for (int j = 0; j < PACKED_LANES; j++) {
+		v[j] += ((p[j] >> sb) & mask) + k;
+		LANE_DONE();
+	}
+}
+
 /* Add a contribution at another exponent: each field's true sum shifted right by sa, each value by
  * sb (floor: aligned to the coarser scale, as the int32 lanes are), added, and kept under the new
  * bias. Every field of a lane at once: a field is first taken to offset binary (its true value X

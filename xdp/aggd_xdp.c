@@ -1123,7 +1123,10 @@ int aggd_xdp(struct xdp_md *ctx)
 		if ((dual | quad_mask(prec)) && !sc->add_fresh && exp_in != se) {
 			int sa, sb;
 			align_shifts(b, exp_in, se, &sa, &sb);
-			packed_add_aligned(v, packed, b->bias, sa, sb, dual);
+			if (sa == 0) /* the contribution is the finer: it alone is shifted */
+				packed_add_shifted(v, packed, sb, dual);
+			else
+				packed_add_aligned(v, packed, b->bias, sa, sb, dual);
 			b->bias += Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));
 		} else if (prec == AGGD_PRECISION_INT8) {
 			/* quad lanes (aggd_lanes.h): four values a lane, the bias 128 a value */
@@ -1163,11 +1166,19 @@ int aggd_xdp(struct xdp_md *ctx)
 			align_shifts(b, exp_in, se, &sa, &sb);
 			__u64 bias = b->bias;
 			b->bias = bias + SUM_BIAS;
-			_Pragma("clang loop unroll(disable)")
-			for (int i = 0; i < ELEMS; i++) {
-				__s64 sum = (__s64)(v[i] + bias) >> sa;
-				__s64 y = (__s64)(__s32)p[i] >> sb;
-				v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+			if (sa == 0) {
+				/* the contribution is the finer (the common way): the sums stay, each value
+				 * shifted is added as a contribution is (less SUM_BIAS, which the bias took) */
+				_Pragma("clang loop unroll_count(8)")
+				for (int i = 0; i < ELEMS; i++)
+					v[i] += (__u64)((__s64)(__s32)p[i] >> sb) - SUM_BIAS;
+			} else {
+				_Pragma("clang loop unroll(disable)")
+				for (int i = 0; i < ELEMS; i++) {
+					__s64 sum = (__s64)(v[i] + bias) >> sa;
+					__s64 y = (__s64)(__s32)p[i] >> sb;
+					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+				}
 			}
 		}
 		b->n_contrib += weight;
