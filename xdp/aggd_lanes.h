@@ -42,7 +42,7 @@ static __always_inline __u64 abs64(__s64 x)
  * - Dual lanes (an int16 job): values 2j and 2j+1 in two 32-bit fields, v added as v + 32768
  *   (0..65535). A field stays below 2**32 up to 65537 contributions, more than a bank takes
  *   (aggd_xdp.c), and its true sum, (field - its bias) modulo 2**32 as int32, always fits.
- * The bank's `bias` holds the contributions' bias added in each field (PACKED_BIAS each). The
+ * The bank's `bias` holds the contributions' bias added in each field (Q8_BIAS, D16_BIAS each). The
  * result's values (int16 or int32, as wide as the fields) are the fields less that bias as they
  * lie, so sending a lane is one per-field subtraction. Half the lanes of a 32-bit bank
  * (PACKED_LANES) serve a packet's 2 * ELEMS int8 or ELEMS int16 values.
@@ -96,7 +96,7 @@ static __always_inline __u64 packed_high(__u64 min)
 	return ((min | -min) >> 63) << 32; /* without a branch */
 }
 
-/* A fresh bank takes the contribution (bias PACKED_BIAS). */
+/* A fresh bank takes the contribution (its bias one contribution's). */
 static __always_inline void packed_set(__u64 *v, __u64 *p)
 {
 	_Pragma("clang loop unroll_count(8)")
@@ -119,7 +119,7 @@ static __always_inline __u64 packed_set_send(__u64 *v, __u64 *p, __u64 bias, __u
 	return packed_high(min);
 }
 
-/* The common case: one load, one add, one store a lane (the bias grows by PACKED_BIAS). */
+/* The common case: one load, one add, one store a lane (the bias grows by one contribution's). */
 static __always_inline void packed_add(__u64 *v, __u64 *p)
 {
 	_Pragma("clang loop unroll_count(8)")
