@@ -162,19 +162,41 @@ static __always_inline __u64 packed_add2(__u64 x, __u64 y, __u64 top)
 	return ((x & ~top) + (y & ~top)) ^ ((x ^ y) & top);
 }
 
+/* A packed layout's constants, picked without a branch from `dual`: all ones for dual lanes, 0 for
+ * quad lanes. A value, not a constant, so that both layouts take the one copy of a loop that uses
+ * it (the verifier walks it once, not once a layout). */
+struct packed_layout {
+	__u64 one;    /* one contribution's bias, 2**m in every field (m = 7 or 15) */
+	__u64 top;    /* every field's top bit, 2**(w-1) (w = 16 or 32) */
+	__u64 ones;   /* a one in every field */
+	__u64 field;  /* the lowest field's bits */
+	__s64 m, w;
+};
+
+static __always_inline struct packed_layout packed_layout(__u64 dual)
+{
+	struct packed_layout l = {
+		.one = Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS)),
+		.top = Q8_TOP ^ (dual & (Q8_TOP ^ D16_TOP)),
+		.ones = Q8_ONES ^ (dual & (Q8_ONES ^ D16_ONES)),
+		.field = 0xFFFF | (dual & 0xFFFF0000ULL),
+		.m = 7 + (__s64)(dual & 8),
+		.w = 16 + (__s64)(dual & 16),
+	};
+	return l;
+}
+
 /* Add a contribution at a finer exponent than the bank's (which keeps its own): only the values are
  * shifted, floor(y / 2**sb), the common way workers' exponents differ. A field's y + one (one = 2**m,
  * its bias) is what the packet's field holds, x, and for sb <= m floor(y / 2**sb) + one is
  * (x >> sb) + one - (one >> sb): one shift of the lane, a mask and an add of a constant, in [0, 2**w)
  * as a contribution's field is, so the lane takes it as it takes one (the bias grows by one). A y
- * below 2**m floors to the same for every sb >= m. `dual` as packed_add_aligned's below. */
+ * below 2**m floors to the same for every sb >= m. */
 static __always_inline void packed_add_shifted(__u64 *v, __u64 *p, int sb, __u64 dual)
 {
-	__u64 ones = Q8_ONES ^ (dual & (Q8_ONES ^ D16_ONES));
-	__u64 one = Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));
-	__u64 field = 0xFFFF | (dual & 0xFFFF0000ULL);
-	sb = (int)min_nobranch(sb, 7 + (__s64)(dual & 8));
-	__u64 mask = (field >> sb) * ones, k = one - (one >> sb);
+	struct packed_layout l = packed_layout(dual);
+	sb = (int)min_nobranch(sb, l.m);
+	__u64 mask = (l.field >> sb) * l.ones, k = l.one - (l.one >> sb);
 	_Pragma("clang loop unroll_count(4) vectorize(disable) interleave(disable)")
 	for (int j = 0; j < PACKED_LANES; j++) {
 		v[j] += ((p[j] >> sb) & mask) + k;
@@ -182,35 +204,27 @@ static __always_inline void packed_add_shifted(__u64 *v, __u64 *p, int sb, __u64
 	}
 }
 
-/* Add a contribution at another exponent: each field's true sum shifted right by sa, each value by
- * sb (floor: aligned to the coarser scale, as the int32 lanes are), added, and kept under the new
- * bias. Every field of a lane at once: a field is first taken to offset binary (its true value X
- * as X + 2**(w-1), w bits wide), where floor(X / 2**k) is a shift of the whole lane, a mask and an
- * add of 2**(w-1) - 2**(w-1-k) (k < w). A w-bit X gives the same floor for every k >= w - 1, so
- * the shifts stop there. `dual` is all ones for dual lanes, 0 for quad lanes: a value, so that both
- * take this one loop (the verifier walks it once, not once a layout). */
-static __always_inline void packed_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, int sb, __u64 dual)
+/* Add a contribution at a coarser exponent than the bank's: each field's true sum is shifted right
+ * by sa (floor: aligned to the contribution's scale, as the int32 lanes are), the contribution
+ * added, and the lane kept under the new bias. Every field of a lane at once: a field is first taken
+ * to offset binary (its true value X as X + 2**(w-1), w bits wide), where floor(X / 2**sa) is a
+ * shift of the whole lane, a mask and an add of 2**(w-1) - 2**(w-1-sa) (sa < w). A w-bit X gives
+ * the same floor for every sa >= w - 1, so the shift stops there. */
+static __always_inline void packed_add_aligned(__u64 *v, __u64 *p, __u64 bias, int sa, __u64 dual)
 {
-	__u64 top = Q8_TOP ^ (dual & (Q8_TOP ^ D16_TOP));     /* 2**(w-1) in every field */
-	__u64 ones = Q8_ONES ^ (dual & (Q8_ONES ^ D16_ONES));
-	__u64 one = Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));  /* one contribution's bias */
-	__u64 field = 0xFFFF | (dual & 0xFFFF0000ULL);         /* the lowest field's bits */
-	__s64 wm1 = 15 + (__s64)(dual & 16);
-	sa = (int)min_nobranch(sa, wm1);
-	sb = (int)min_nobranch(sb, wm1);
-	__u64 to_ob = packed_sub(top, bias, top);              /* a bank field's X + c to X + 2**(w-1) */
-	__u64 x_ob = top - one;                                /* ... a contribution's y + one (no carry) */
-	__u64 mask_a = (field >> sa) * ones, add_a = top - (top >> sa);
-	__u64 mask_b = (field >> sb) * ones, add_b = top - (top >> sb);
-	__u64 bias_new = bias + one;
+	struct packed_layout l = packed_layout(dual);
+	sa = (int)min_nobranch(sa, l.w - 1);
+	__u64 to_ob = packed_sub(l.top, bias, l.top);     /* a bank field's X + c to X + 2**(w-1) */
+	__u64 x_ob = l.top - l.one;                       /* ... a contribution's y + one (no carry) */
+	__u64 mask = (l.field >> sa) * l.ones, add = l.top - (l.top >> sa);
+	__u64 bias_new = bias + l.one;
 	/* not vectorised: clang would add a second copy of the loop, two lanes an iteration behind a
 	 * test that v and p do not overlap, and the verifier would walk both */
-	_Pragma("clang loop unroll_count(2) vectorize(disable) interleave(disable)")
+	_Pragma("clang loop unroll(disable) vectorize(disable) interleave(disable)")
 	for (int j = 0; j < PACKED_LANES; j++) {
-		__u64 s = ((packed_add2(v[j], to_ob, top) >> sa) & mask_a) + add_a;  /* each < 2**w */
-		__u64 y = (((p[j] + x_ob) >> sb) & mask_b) + add_b;
+		__u64 s = ((packed_add2(v[j], to_ob, l.top) >> sa) & mask) + add;  /* each < 2**w */
 		/* s + y is the sum plus 2**w in each field: modulo 2**w, the sum */
-		v[j] = packed_add2(packed_add2(s, y, top), bias_new, top);
+		v[j] = packed_add2(packed_add2(s, p[j] + x_ob, l.top), bias_new, l.top);
 		LANE_DONE();
 	}
 }

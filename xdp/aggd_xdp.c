@@ -258,8 +258,8 @@ static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
 
 /* A contribution at exponent exp_in into bank b at exponent se (they differ): both are aligned to the
  * coarser scale, the smaller exponent, which the bank takes. The finer operand's true values are
- * shifted right (floor, exact as docs/protocol.md says): the sum's by sa (at most 63), the
- * contribution's by sb (at most 31). Without a branch, so that the loops after it are walked once. */
+ * shifted right (floor, exact as docs/protocol.md says): the sum's by sa (at most 63) or the
+ * contribution's by sb (at most 31), the other 0. Without a branch, so that the loops after it are walked once. */
 static __always_inline void align_shifts(struct bank *b, __s16 exp_in, int se, int *sa, int *sb)
 {
 	__s64 d = (__s64)exp_in - se, neg = d >> 63;
@@ -1125,9 +1125,9 @@ int aggd_xdp(struct xdp_md *ctx)
 			align_shifts(b, exp_in, se, &sa, &sb);
 			if (sa == 0) /* the contribution is the finer: it alone is shifted */
 				packed_add_shifted(v, packed, sb, dual);
-			else
-				packed_add_aligned(v, packed, b->bias, sa, sb, dual);
-			b->bias += Q8_BIAS ^ (dual & (Q8_BIAS ^ D16_BIAS));
+			else /* the bank's sum is the finer (sb is 0) */
+				packed_add_aligned(v, packed, b->bias, sa, dual);
+			b->bias += packed_layout(dual).one;
 		} else if (prec == AGGD_PRECISION_INT8) {
 			/* quad lanes (aggd_lanes.h): four values a lane, the bias 128 a value */
 			add_packed(b, packed, sc, add, exp_in, Q8_BIAS, Q8_TOP, Q8_ONES);
@@ -1172,12 +1172,11 @@ int aggd_xdp(struct xdp_md *ctx)
 				_Pragma("clang loop unroll_count(8)")
 				for (int i = 0; i < ELEMS; i++)
 					v[i] += (__u64)((__s64)(__s32)p[i] >> sb) - SUM_BIAS;
-			} else {
+			} else { /* the bank's sum is the finer (sb is 0): the sums are shifted */
 				_Pragma("clang loop unroll(disable)")
 				for (int i = 0; i < ELEMS; i++) {
 					__s64 sum = (__s64)(v[i] + bias) >> sa;
-					__s64 y = (__s64)(__s32)p[i] >> sb;
-					v[i] = (__u64)(sum + y) - bias - SUM_BIAS;
+					v[i] = (__u64)(sum + (__s64)(__s32)p[i]) - bias - SUM_BIAS;
 				}
 			}
 		}
