@@ -66,6 +66,9 @@ class Config:
     #: narrow jobs' workers send room for the result in native mode, as the daemon asks them to
     #: ([dataplane] narrow_room "auto"); False: their frames go through the program's re-run
     narrow_room: bool = True
+    #: the workers' values (``aggd.lab.worker``'s ``--pattern``): "random" (worker r's scaled by
+    #: 1 + r) or "near" (by 1 + (r mod 8) / 8, within a factor of two)
+    pattern: str = "random"
 
 
 @contextlib.contextmanager
@@ -245,7 +248,7 @@ def _host_cpu(host: dict | None, iters: int) -> dict:
 
 def _worker_args(cfg: Config) -> list[str]:
     return ["--sizes", str(cfg.elements_total), "--rounds", str(cfg.iters), "--warmup", str(cfg.warmup),
-            "--check", "last", "--reuse", "--prime", "--give-up-after", "30"]
+            "--check", "last", "--reuse", "--prime", "--give-up-after", "30", "--pattern", cfg.pattern]
 
 
 def _timeout(cfg: Config, slow: bool = False) -> float:
@@ -269,7 +272,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         mode: str, elements: int, slots: int, mtu: int | None, lab_name: str, on_row=None,
         losses: tuple[float, ...] = (0.0,), hogs: tuple[int, ...] = (0,), gros: tuple[bool, ...] = (False,),
         precisions: tuple[int, ...] = (32,), combines: tuple[str, ...] = ("sum",),
-        narrow_room: bool = True) -> list[dict]:
+        narrow_room: bool = True, pattern: str = "random") -> list[dict]:
     """Every (workers, size, loss, hogs) with every system (aggd's at every precision; aggd-user's
     with every ``combines``: "sum" and robust jobs' "median", "trimmed:t"), in that order; returns
     the rows.
@@ -277,8 +280,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
     on the host's cores meanwhile (``cpu_hogs``); ``gros``: the workers' receive path (False: the host's
     backlog, True: GRO, as a NIC: ``Lab.set_gro``); each set in turn, lowest first. A row says its
     ``slowdown_over_lossless`` (its time over the same system's, shape's and hogs' at 0% loss) and
-    ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row. ``narrow_room``:
-    see ``Config``."""
+    ``slowdown_over_quiet`` (over the same at 0 hogs) where the run had that row. ``narrow_room``,
+    ``pattern``: see ``Config``."""
     from aggd.lab.runner import xdp_aggregator
 
     losses, hogs = tuple(sorted(set(losses))), tuple(sorted(set(hogs)))
@@ -300,7 +303,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                 for system, bits, how in [(s, b, c) for s in systems for b in (precisions if s != "gloo" else (32,))
                                           for c in (combines if s == "aggd-user" else ("sum",))]:
                     cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits, how,
-                                 narrow_room)
+                                 narrow_room, pattern)
                     with cpu_hogs(hog):
                         if system == "aggd-xdp":
                             row = run_aggd_xdp(lab, dp, cfg)
@@ -310,6 +313,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
                     row["loss_percent"], row["cpu_hogs"], row["mtu"], row["gro"] = loss, hog, mtu, gro
+                    row["pattern"] = pattern
                     here = seconds[(system, bits, how, gro, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
                         if base != (loss, hog) and (system, bits, how, gro, n, nbytes, *base) in seconds:

@@ -46,6 +46,10 @@ def _block(elements: int) -> int:
     return max(1, BLOCK_VALUES // elements) * elements
 
 
+#: What ``--pattern`` may name (``_generate``).
+PATTERNS = ("random", "near", "integers")
+
+
 def _generate(rng: np.random.Generator, n: int, rank: int, dtype: str, pattern: str, elements: int,
               start: int) -> np.ndarray:
     if pattern == "integers":
@@ -56,8 +60,10 @@ def _generate(rng: np.random.Generator, n: int, rank: int, dtype: str, pattern: 
         x[(-start) % elements::elements] = 1024.0
         return x.astype(dtype)
     x = rng.standard_normal(n, dtype=np.float32 if dtype != "float64" else np.float64)
-    # some variety in scale between workers and chunks, as gradients have
-    x *= x.dtype.type(1 + rank)
+    # some variety in scale between workers and chunks, as gradients have: "random" a wide one (a
+    # chunk's own exponents mostly two or more steps apart), "near" within a factor of two (mostly a
+    # step apart at most); data-parallel gradients lie between (docs/benchmarks.md)
+    x *= x.dtype.type(1 + rank if pattern == "random" else 1 + (rank % 8) / 8)
     return x.astype(dtype, copy=False)
 
 
@@ -251,8 +257,10 @@ def main(argv=None) -> int:
     ap.add_argument("--give-up-after", type=float, default=10.0)
     ap.add_argument("--slow", metavar="RANK:SECONDS", type=lambda t: (int(t.split(":")[0]), float(t.split(":")[1])),
                     help="that member waits this long before each call (a slow member's compute)")
-    ap.add_argument("--pattern", choices=["random", "integers"], default="random",
-                    help="integers: exactly representable sums, identical whatever path serves them")
+    ap.add_argument("--pattern", choices=list(PATTERNS), default="random",
+                    help="random: normal values, worker r's times 1 + r; near: times 1 + (r mod 8) / 8 (within "
+                         "a factor of two); integers: exactly representable sums, identical whatever path "
+                         "serves them")
     ap.add_argument("--digest", action="store_true", help="report a sha256 of each result")
     ap.add_argument("--gloo", metavar="INIT_METHOD",
                     help="reduce with torch.distributed gloo (e.g. tcp://10.77.0.10:29500), not aggd")

@@ -14,13 +14,13 @@ def test_bench_allreduce_emits_a_row_per_system(tmp_path):
     png = tmp_path / "allreduce.png"
     out = subprocess.run(
         [sys.executable, "-m", "aggd.cli.main", "bench", "allreduce", "--systems", "aggd-xdp,aggd-user,gloo",
-         "--size", "256K", "--workers", "2", "--iters", "2", "--json", "--plot", str(png)],
+         "--size", "256K", "--workers", "2", "--iters", "2", "--pattern", "near", "--json", "--plot", str(png)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert [r["system"] for r in rows] == ["aggd-xdp", "aggd-user", "gloo"]
     for r in rows:
-        assert r["workers"] == 2 and r["bytes"] == 256 << 10
+        assert r["workers"] == 2 and r["bytes"] == 256 << 10 and r["pattern"] == "near"
         assert r["within_bound"] and r["errors"] == 0, r
         assert r["seconds_per_allreduce"] > 0 and r["algbw_gbps"] > 0
         # the result array is the only tensor-sized thing an allreduce must add

@@ -22,7 +22,7 @@ def _whole(seed, pattern):
     return np.sum(xs, axis=0), np.repeat(error_bound(WORLD, exps), ELEMENTS)[:SIZE]
 
 
-@pytest.mark.parametrize("pattern", ["random", "integers"])
+@pytest.mark.parametrize("pattern", lw.PATTERNS)
 def test_blockwise_check_matches_the_whole_array_computation(pattern):
     exact, bound = _whole(7, pattern)
     e2, b2 = lw.expected(7, WORLD, SIZE, "float32", 0, ELEMENTS, pattern)
@@ -75,3 +75,15 @@ def test_partial_check_takes_each_chunk_as_the_sum_of_as_many_members_as_it_coun
     wrong = counts.copy()
     wrong[-1] = 1 + wrong[-1] % WORLD     # the last chunk counted as another number of members
     assert not lw.check_partial(out, wrong, 5, WORLD, SIZE, "float32", 0, ELEMENTS)["within_bound"]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_near_workers_chunks_are_a_step_apart_at_most_where_random_ones_are_further(world):
+    """``--pattern near`` is what data-parallel gradients look like to the agreed exponents
+    (aggd_client.exponents): a chunk's own exponents mostly at most a step apart."""
+    def spread(pattern):
+        e = np.stack([chunk_exponents(np.abs(lw.tensor(2, r, 64 * ELEMENTS, "float32", 0, pattern, ELEMENTS))
+                                      .reshape(64, ELEMENTS).max(axis=1), world) for r in range(world)])
+        return e.max(axis=0) - e.min(axis=0)
+    assert (spread("near") <= 1).mean() > 0.9
+    assert (spread("random") >= 2).mean() > 0.8

@@ -75,11 +75,16 @@ def bench():
 @click.option("--narrow-room", type=click.Choice(["auto", "never"]), default="auto", show_default=True,
               help="aggd-xdp's 8- and 16-bit workers in native mode send room for the result (auto, as the "
                    "daemon asks them to), or not (never: each frame goes through the program's re-run)")
+@click.option("--pattern", type=click.Choice(["random", "near"]), default="random", show_default=True,
+              help="the workers' values, normal: worker r's scaled by 1 + r (random: a chunk's own exponents "
+                   "mostly two or more steps apart, so the aggregator aligns most contributions) or by "
+                   "1 + (r mod 8) / 8 (near: within a factor of two, mostly a step apart at most); real "
+                   "gradients lie between (docs/benchmarks.md)")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per configuration")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
               help="write a PNG of algorithm bandwidth against size per system and worker count")
 def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu, slots, losses, hogs, gros,
-                    precisions, combines, narrow_room, as_json, plot_path):
+                    precisions, combines, narrow_room, pattern, as_json, plot_path):
     """Allreduce float32 tensors through aggd's XDP path, aggd's user-space path and Gloo, in one
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
@@ -164,7 +169,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         rows = ab.run(chosen, worker_counts, size_list, iters=iters, warmup=warmup, mode=mode,
                       elements=elements, slots=slots, mtu=mtu, lab_name="b" + uuid.uuid4().hex[:6],
                       on_row=show, losses=loss_list, hogs=hog_list, gros=gro_list, precisions=tuple(int(b) for b in bits),
-                      combines=how_list or ("sum",), narrow_room=narrow_room == "auto")
+                      combines=how_list or ("sum",), narrow_room=narrow_room == "auto", pattern=pattern)
     except ab.BenchError as e:
         raise click.ClickException(str(e)) from None
     for r in ab.ratios(rows):
