@@ -161,15 +161,18 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
     """``_fill`` for a narrow precision: ``ring_n`` is the ring's rows as the precision's values (int8
     or int16: ``ring_u8`` viewed so, the payload at ``_P8`` or ``_P16``) and each value is rounded
     stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from a counter-based
-    generator (splitmix64 of a per-chunk key drawn from ``state`` plus the value's index; 24 bits a
-    value, ``U = (k + 1/2) / 2**24``, unbiased): the numpy path's rule with another generator. Loops
-    run over slices of C-contiguous rows, without a branch inside: numba then vectorises them.
+    generator of a per-chunk key drawn from ``state`` and the value's index: the numpy path's rule
+    with another generator. A 32-bit generator (``_hash32``) whose draw serves two values, 16 bits
+    each (``U = (k + 1/2) / 2**16``: a bias below 2**-16 of a step, which error feedback carries).
+    Loops run over slices of C-contiguous rows, without a branch inside: numba then vectorises them
+    (16M float32 values on this project's lab host: int8 1.1 ns a value, int16 1.3, where splitmix64
+    and 24 bits a value took 1.7).
 
-    int8 values (|x * 2**e| below 128) take a faster way (1.1 ns a value where the float64 way takes
-    1.7, 16M float32 values on this project's lab host): float32 arithmetic, where ``x * 2**e``
-    is exact and ``x * 2**e + U`` rounds to 2**-17 at most, and a 32-bit generator (``_hash32``)
-    whose draw serves two values, 16 bits each (``U = (k + 1/2) / 2**16``): about float32's own
-    resolution there, a bias below 2**-16 of a step (error feedback carries what the rounding lost)."""
+    int8 values (|x * 2**e| below 128) are scaled in float32, where ``x * 2**e`` is exact and
+    ``x * 2**e + U`` rounds to 2**-17 at most, about that generator's resolution; int16 values in
+    float64 (float32 resolves ``x * 2**e + U`` only to 2**-8 at 2**15), as are chunks of extreme
+    exponents. Zero chunks and exponents beyond float64's normal scaling take splitmix64 (``_mix``),
+    24 bits a value."""
     n = x.size
     q = np.float64(qmax)
     q32 = np.float32(qmax)
@@ -196,11 +199,19 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
                     * np.float32(1.0 / 65536.0)
                 dst[cnt - 1] = np.int32(max(-q32, min(q32, np.floor(xs[cnt - 1] * scale32 + u0))))
         elif -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
+            # int16 values: float64 arithmetic (float32 would resolve x * 2**e + U only to 2**-8 at
+            # 2**15) and int8's generator, one draw two values
             scale = math.ldexp(1.0, e)
-            for j in range(cnt):
-                u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
-                    * (1.0 / 16777216.0)
-                dst[j] = max(-q, min(q, math.floor(np.float64(xs[j]) * scale + u)))
+            key32 = np.int64(key & _M32)
+            for j in range(cnt // 2):
+                z = _hash32(key32 + j * 0x9E3779B9)
+                u0 = (np.float64(z & 0xFFFF) + 0.5) * (1.0 / 65536.0)
+                u1 = (np.float64(z >> 16) + 0.5) * (1.0 / 65536.0)
+                dst[2 * j] = np.int32(max(-q, min(q, np.floor(np.float64(xs[2 * j]) * scale + u0))))
+                dst[2 * j + 1] = np.int32(max(-q, min(q, np.floor(np.float64(xs[2 * j + 1]) * scale + u1))))
+            if cnt & 1:
+                u0 = (np.float64(_hash32(key32 + (cnt // 2) * 0x9E3779B9) & 0xFFFF) + 0.5) * (1.0 / 65536.0)
+                dst[cnt - 1] = np.int32(max(-q, min(q, np.floor(np.float64(xs[cnt - 1]) * scale + u0))))
         else:  # zero chunks and extreme magnitudes
             for j in range(cnt):
                 u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
