@@ -223,7 +223,8 @@ static __always_inline void packed_add_aligned(__u64 *v, __u64 *p, __u64 bias, i
 	_Pragma("clang loop unroll(disable) vectorize(disable) interleave(disable)")
 	for (int j = 0; j < PACKED_LANES; j++) {
 		__u64 s = ((packed_add2(v[j], to_ob, l.top) >> sa) & mask) + add;  /* each < 2**w */
-		/* s + y is the sum plus 2**w in each field: modulo 2**w, the sum */
+		/* s plus the contribution in offset binary (p[j] + x_ob) is the sum plus 2**w in each
+		 * field: modulo 2**w, the sum */
 		v[j] = packed_add2(packed_add2(s, p[j] + x_ob, l.top), bias_new, l.top);
 		LANE_DONE();
 	}

@@ -259,7 +259,8 @@ static __always_inline int free_bank(volatile struct scratch *sc, int quorum)
 /* A contribution at exponent exp_in into bank b at exponent se (they differ): both are aligned to the
  * coarser scale, the smaller exponent, which the bank takes. The finer operand's true values are
  * shifted right (floor, exact as docs/protocol.md says): the sum's by sa (at most 63) or the
- * contribution's by sb (at most 31), the other 0. Without a branch, so that the loops after it are walked once. */
+ * contribution's by sb (at most 31), the other 0. Without a branch, so that the loops after it are
+ * walked once. */
 static __always_inline void align_shifts(struct bank *b, __s16 exp_in, int se, int *sa, int *sb)
 {
 	__s64 d = (__s64)exp_in - se, neg = d >> 63;
