@@ -1,7 +1,7 @@
 """How far apart data-parallel workers' own chunk exponents are, on real gradients.
 
-Agreed exponents (aggd_client.exponents) spare the aggregator its aligning when the members' own
-exponents of a chunk are at most a step apart. This measures how often they are: ``--workers`` data-
+The aggregator aligns a chunk's contributions whose own exponents differ (docs/benchmarks.md,
+"Workers' exponents a step apart"). This measures how far apart they are: ``--workers`` data-
 parallel replicas of a project model (aggd.training.torch_models) each take a mini-batch of their
 own shard of the digits, the gradients are cut into chunks of ``--elements`` values, and each
 chunk's own exponents (quantised for a daemon job's headroom, 4) are compared across the workers;

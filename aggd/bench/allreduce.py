@@ -138,7 +138,7 @@ def _row(system: str, cfg: Config, runs, extra: dict) -> dict:
     row = {
         "system": system, "precision": 32 if system == "gloo" else cfg.precision, "workers": cfg.workers,
         "combine": cfg.combine if system == "aggd-user" else "sum",
-        "bytes": nbytes, "elements": n, "iters": cfg.iters,
+        "bytes": nbytes, "elements": n, "iters": cfg.iters, "pattern": cfg.pattern,
         "seconds_per_allreduce": sec, "seconds_min": min(per_round), "seconds_max": max(per_round),
         "algbw_gbps": nbytes * 8 / sec / 1e9, "elements_per_s": n / sec,
         "max_abs_error": max(r["max_abs_error"] for r in checked),
@@ -313,7 +313,6 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                             port += 1  # a fresh rendezvous port: the last one may be in TIME_WAIT
                             row = run_gloo(lab, cfg, port)
                     row["loss_percent"], row["cpu_hogs"], row["mtu"], row["gro"] = loss, hog, mtu, gro
-                    row["pattern"] = pattern
                     here = seconds[(system, bits, how, gro, n, nbytes, loss, hog)] = row["seconds_per_allreduce"]
                     for field, base in (("slowdown_over_lossless", (0.0, hog)), ("slowdown_over_quiet", (loss, 0))):
                         if base != (loss, hog) and (system, bits, how, gro, n, nbytes, *base) in seconds:

@@ -79,8 +79,8 @@ def test_partial_check_takes_each_chunk_as_the_sum_of_as_many_members_as_it_coun
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_near_workers_chunks_are_a_step_apart_at_most_where_random_ones_are_further(world):
-    """``--pattern near`` is what data-parallel gradients look like to the agreed exponents
-    (aggd_client.exponents): a chunk's own exponents mostly at most a step apart."""
+    """``--pattern near``: a chunk's own exponents mostly at most a step apart (data-parallel
+    gradients lie between the two patterns: docs/benchmarks.md)."""
     def spread(pattern):
         e = np.stack([chunk_exponents(np.abs(lw.tensor(2, r, 64 * ELEMENTS, "float32", 0, pattern, ELEMENTS))
                                       .reshape(64, ELEMENTS).max(axis=1), world) for r in range(world)])
