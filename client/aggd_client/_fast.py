@@ -4,11 +4,11 @@
 ``scatter`` checks a batch of received messages and dequantises one round's new results into its
 output (the client calls it once per round in flight); ``ack`` marks answered chunks of a send.
 Both do in one pass what the numpy path does in a dozen, which matters when batches are small.
-They give bit-identical results (tests/client/test_client_fast.py): the same exact power-of-two
-scaling, round-half-even and float64 dequantisation followed by one cast.
-
-Both are for int32 jobs only (``Precision.INT32``: int32 payloads, round half to even); narrow
-precisions take the numpy path, and ``scatter`` leaves a result whose ``code`` is not int32 to it.
+For int32 jobs (round half to even) they give bit-identical results to the numpy path
+(tests/client/test_client_fast.py): the same exact power-of-two scaling, rounding and float64
+dequantisation followed by one cast. For 8- and 16-bit jobs ``fill_narrow`` rounds stochastically,
+as the numpy path does, with a faster generator of its own (same rule and bound, other draws: tested
+for unbiasedness), and ``scatter`` reads every precision's results (``code`` and ``width``).
 
 Used only when numba imports, the host is little-endian (the kernels write the big-endian header by
 bytes and the little-endian payload as native int32) and ``AGGD_CLIENT_NUMBA`` is not ``0``.
@@ -156,6 +156,23 @@ def _hash32(z):  # pragma: no cover - jitted
     return z ^ (z >> 16)
 
 
+def _round_pairs(xs, dst, cnt, scale, q, key32, ft):  # pragma: no cover - jitted
+    """``dst[j] = floor(xs[j] * scale + U)`` clipped to ``±q`` for ``j < cnt``: ``U`` and the bounds
+    in the float type ``ft`` (``scale`` and ``q`` are of it), the product in the wider of ``ft`` and
+    ``xs``'s type. One ``_hash32`` draw of ``key32`` and the pair's index serves two values, 16 bits
+    each (``U = (k + 1/2) / 2**16``). No branch in the loop, so numba vectorises it."""
+    half, step = ft(0.5), ft(1.0 / 65536.0)
+    for j in range(cnt // 2):
+        z = _hash32(key32 + j * 0x9E3779B9)
+        u0 = (ft(z & 0xFFFF) + half) * step
+        u1 = (ft(z >> 16) + half) * step
+        dst[2 * j] = np.int32(max(-q, min(q, np.floor(xs[2 * j] * scale + u0))))
+        dst[2 * j + 1] = np.int32(max(-q, min(q, np.floor(xs[2 * j + 1] * scale + u1))))
+    if cnt & 1:
+        u0 = (ft(_hash32(key32 + (cnt // 2) * 0x9E3779B9) & 0xFFFF) + half) * step
+        dst[cnt - 1] = np.int32(max(-q, min(q, np.floor(xs[cnt - 1] * scale + u0))))
+
+
 def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_n, r0, flags, qmax,
                  state):  # pragma: no cover - jitted
     """``_fill`` for a narrow precision: ``ring_n`` is the ring's rows as the precision's values (int8
@@ -185,33 +202,10 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
         dst = ring_n[r, p:p + E]
         e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
         key = _next_random(state)
-        if p == _P8 and -126 <= e <= 126:  # 2**e is a normal float32
-            scale32 = np.float32(math.ldexp(1.0, e))
-            key32 = np.int64(key & _M32)
-            for j in range(cnt // 2):  # one draw, two values: 16 bits each
-                z = _hash32(key32 + j * 0x9E3779B9)
-                u0 = (np.float32(z & 0xFFFF) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
-                u1 = (np.float32(z >> 16) + np.float32(0.5)) * np.float32(1.0 / 65536.0)
-                dst[2 * j] = np.int32(max(-q32, min(q32, np.floor(xs[2 * j] * scale32 + u0))))
-                dst[2 * j + 1] = np.int32(max(-q32, min(q32, np.floor(xs[2 * j + 1] * scale32 + u1))))
-            if cnt & 1:
-                u0 = (np.float32(_hash32(key32 + (cnt // 2) * 0x9E3779B9) & 0xFFFF) + np.float32(0.5)) \
-                    * np.float32(1.0 / 65536.0)
-                dst[cnt - 1] = np.int32(max(-q32, min(q32, np.floor(xs[cnt - 1] * scale32 + u0))))
+        if p == _P8 and -126 <= e <= 126:  # 2**e is a normal float32: int8 values in float32
+            _round_pairs(xs, dst, cnt, np.float32(math.ldexp(1.0, e)), q32, np.int64(key & _M32), np.float32)
         elif -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
-            # int16 values: float64 arithmetic (float32 would resolve x * 2**e + U only to 2**-8 at
-            # 2**15) and int8's generator, one draw two values
-            scale = math.ldexp(1.0, e)
-            key32 = np.int64(key & _M32)
-            for j in range(cnt // 2):
-                z = _hash32(key32 + j * 0x9E3779B9)
-                u0 = (np.float64(z & 0xFFFF) + 0.5) * (1.0 / 65536.0)
-                u1 = (np.float64(z >> 16) + 0.5) * (1.0 / 65536.0)
-                dst[2 * j] = np.int32(max(-q, min(q, np.floor(np.float64(xs[2 * j]) * scale + u0))))
-                dst[2 * j + 1] = np.int32(max(-q, min(q, np.floor(np.float64(xs[2 * j + 1]) * scale + u1))))
-            if cnt & 1:
-                u0 = (np.float64(_hash32(key32 + (cnt // 2) * 0x9E3779B9) & 0xFFFF) + 0.5) * (1.0 / 65536.0)
-                dst[cnt - 1] = np.int32(max(-q, min(q, np.floor(np.float64(xs[cnt - 1]) * scale + u0))))
+            _round_pairs(xs, dst, cnt, math.ldexp(1.0, e), q, np.int64(key & _M32), np.float64)
         else:  # zero chunks and extreme magnitudes
             for j in range(cnt):
                 u = (np.float64(_mix(key + np.uint64(j) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)) + 0.5) \
@@ -386,13 +380,14 @@ def warm_up() -> bool:
 
 def _compile() -> None:
     global fill, fill_narrow, scatter, ack, max_abs_bits, _be16, _be32, _max_abs_bits, _next_random, _mix, _hash32, \
-        _chunk_exponent, _write_header
+        _round_pairs, _chunk_exponent, _write_header
     import numba
     jit = numba.njit(cache=True)  # short kernels: releasing the GIL would cost more than it gives
     _be16 = jit(_be16)  # module globals: the kernels below resolve them when compiled
     _be32 = jit(_be32)
     _max_abs_bits = max_abs_bits = jit(_max_abs_bits)  # fill calls it; all_finite too
     _next_random, _mix, _hash32 = jit(_next_random), jit(_mix), jit(_hash32)
+    _round_pairs = jit(_round_pairs)
     _chunk_exponent, _write_header = jit(_chunk_exponent), jit(_write_header)
     fill, fill_narrow, scatter, ack = jit(_fill), jit(_fill_narrow), jit(_scatter), jit(_ack)
 
