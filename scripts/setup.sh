@@ -60,4 +60,9 @@ if [ ! -e "$stamp" ]; then
 else
   say "Python packages up to date"
 fi
+# numba caches compiled kernels beside their sources (__pycache__): compiled once here (about 25 s),
+# loaded in about a second after, so neither a first daemon nor a first worker waits for a compiler
+say "compiling the numba kernels of the client and of the daemon's user-space path (cached after the first time)"
+"$VENV/bin/python" -c 'from aggd_client import _fast; _fast.warm_up()
+from aggd.dataplane.userspace import fastpath, kernels; fastpath.warm_up(); kernels.warm_up()'
 say "ready"

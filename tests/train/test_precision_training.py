@@ -15,8 +15,15 @@ from aggd.training import torchbench
 
 pytestmark = pytest.mark.root
 
-#: steps between the cnn's accuracy measurements
-EVAL_EVERY = 5
+#: the cnn's steps, and the steps between its accuracy measurements (on 450 test images)
+STEPS, EVAL_EVERY = 100, 5
+#: the cnn's final accuracy is the mean of its last evaluations (25 steps): at 90-97% one evaluation
+#: moves by up to 1.5 points from the next, three times the half point compared
+SETTLED = 5
+
+
+def settled(row: dict) -> float:
+    return sum(acc for _, _, acc in row["curve"][-SETTLED:]) / SETTLED
 
 
 def _rows(path) -> list[dict]:
@@ -47,12 +54,12 @@ def test_digits_at_8_bits_with_error_reset_train_as_32_bits(tmp_path):
 def test_cnn_under_torchrun_at_8_bits_trains_as_32_bits():
     """DDP's buckets (one at the first step, then rebuilt by size: the hook's error feedback keys
     follow) through an 8-bit job's user-space path, beside the 32-bit job."""
-    rows = torchbench.run(["cnn"], 4, 150, systems=("aggd-user",), lab_name="tp" + __import__("secrets").token_hex(3),
+    rows = torchbench.run(["cnn"], 4, STEPS, systems=("aggd-user",), lab_name="tp" + __import__("secrets").token_hex(3),
                           target=0.9, precisions=(32, 8), eval_every=EVAL_EVERY)
     by = {r["precision"]: r for r in rows}
     base, narrow = by[32], by[8]
     assert base["steps_to_target"] is not None
-    assert abs(narrow["final_accuracy"] - base["final_accuracy"]) <= 0.005, (narrow["final_accuracy"], base)
+    assert abs(settled(narrow) - settled(base)) <= 0.005, (narrow["curve"][-SETTLED:], base["curve"][-SETTLED:])
     # accuracy is measured every 5 steps, so a step count is known only to the next evaluation: 10%
     # more steps than 32 bits' is allowed up to the evaluation at or after it (20 steps: 22 -> 25;
     # runs of one code differ: CI saw 8 bits reach 90% at step 20 in one and 25 in another)
