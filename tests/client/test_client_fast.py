@@ -109,6 +109,12 @@ def test_fill_large_random_and_extremes(silent):
                 assert same_rings(rings_after_fill(c, x, False), rings_after_fill(c, x, True))
 
 
+def result_size(client) -> int:
+    """Bytes of a full result of ``client``'s job (a narrow job's results are wider than its
+    contributions)."""
+    return HEADER_SIZE + client._elements * client._lanes.result_bytes
+
+
 def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0, count=None):
     """Write RESULT messages of round ``t`` for ``chunks`` into the client's staging array;
     returns m."""
@@ -120,6 +126,7 @@ def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0,
     h["job"][:m], h["rank"][:m], h["round"][:m] = JOB, 0xFFFF, t.r32
     h["strategy"][:m], h["param"][:m], h["strategy_version"][:m] = StrategyKind.SSP, 2, 7
     h["chunk"][:m] = chunks
+    h["code"][:m] = int(client._precision)
     E = client._elements
     cnt = np.where(np.asarray(chunks) == t.n_chunks - 1, t.last_count, E)
     if count is not None:
@@ -131,8 +138,8 @@ def results_batch(client, t, rng, chunks, *, exps=None, n_contrib=None, flags=0,
     pay = rng.integers(-2**31, 2**31, (m, E), dtype=np.int64).astype(np.int32)
     for i in range(m):
         pay[i, cnt[i]:] = 0
-    st_["payload"][:m] = pay
-    client._sizes[:m] = client._rec
+    st_["payload"][:m] = pay.astype(st_["payload"].dtype.base)  # a narrow job's wraps
+    client._sizes[:m] = result_size(client)
     return m
 
 
@@ -142,15 +149,23 @@ def fresh_client(silent, fast, **kw):
     return c
 
 
+#: result exponents: any (float64's whole range and beyond), or at and around the bounds of the
+#: kernel's float32 arithmetic for float32 outputs (-96..126)
+EXPONENTS = {"wide": np.arange(-990, 1100), "float32 bounds": np.array([-98, -97, -96, -95, -1, 0, 1, 30, 125, 126, 127, 128])}
+
+
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("mean", [False, True])
-def test_scatter_is_bit_identical(silent, out_dtype, mean):
+@pytest.mark.parametrize("exponents", list(EXPONENTS))
+@pytest.mark.parametrize("precision", [32, 16, 8])
+def test_scatter_is_bit_identical(silent, out_dtype, mean, exponents, precision):
     """Batches holding results of two rounds in flight (and noise), through the kernel and
-    through the numpy path: the same outputs, counts, answered chunks and strategy learnt."""
+    through the numpy path: the same outputs, counts, answered chunks and strategy learnt; int32
+    results, and the narrow jobs' (int32 for 16 bits, int16 for 8: the payload's values wrapped)."""
     rng = np.random.default_rng(1)
     E = 64
     x = np.zeros(E * 50 - 3, out_dtype)
-    clients = [fresh_client(silent, fast, elements=E, slots=64) for fast in (False, True)]
+    clients = [fresh_client(silent, fast, elements=E, slots=64, precision=precision) for fast in (False, True)]
     try:
         state = []
         for c in clients:
@@ -162,7 +177,7 @@ def test_scatter_is_bit_identical(silent, out_dtype, mean):
             state.append(rounds)
         for batch in range(8):
             chunks = rng.integers(0, 50, rng.integers(1, 40))
-            exps = rng.integers(-990, 1100, chunks.size)
+            exps = rng.choice(EXPONENTS[exponents], chunks.size)
             exps[rng.random(chunks.size) < 0.2] = ZERO_EXPONENT
             seed = int(rng.integers(1 << 30))
             which = batch % 2
@@ -176,7 +191,7 @@ def test_scatter_is_bit_identical(silent, out_dtype, mean):
                     c._stage["hdr"]["job"][m] = JOB + 1
                     c._stage["hdr"]["round"][m + 2] = 9
                     c._stage["hdr"]["strategy"][m + 2] = StrategyKind.SYNC
-                    c._sizes[m:m + 3] = c._rec
+                    c._sizes[m:m + 3] = result_size(c)
                     c._sizes[m + 1] = HEADER_SIZE - 1
                     m += 3
                 c._process(m)
