@@ -5,8 +5,8 @@
 output (the client calls it once per round in flight); ``ack`` marks answered chunks of a send.
 Both do in one pass what the numpy path does in a dozen, which matters when batches are small.
 For int32 jobs (round half to even) they give bit-identical results to the numpy path
-(tests/client/test_client_fast.py): the same exact power-of-two scaling, rounding and float64
-dequantisation followed by one cast. For 8- and 16-bit jobs ``fill_narrow`` rounds stochastically,
+(tests/client/test_client_fast.py): the same exact power-of-two scaling, rounding, and
+dequantisation rounded once to the output's type. For 8- and 16-bit jobs ``fill_narrow`` rounds stochastically,
 as the numpy path does, with a faster generator of its own (same rule and bound, other draws: tested
 for unbiasedness), and ``scatter`` reads every precision's results (``code`` and ``width``).
 

@@ -151,7 +151,8 @@ def fresh_client(silent, fast, **kw):
 
 #: result exponents: any (float64's whole range and beyond), or at and around the bounds of the
 #: kernel's float32 arithmetic for float32 outputs (-96..126)
-EXPONENTS = {"wide": np.arange(-990, 1100), "float32 bounds": np.array([-98, -97, -96, -95, -1, 0, 1, 30, 125, 126, 127, 128])}
+EXPONENTS = {"wide": np.arange(-990, 1100),
+             "float32 bounds": np.array([-98, -97, -96, -95, -1, 0, 1, 30, 125, 126, 127, 128])}
 
 
 @pytest.mark.parametrize("out_dtype", [np.float32, np.float64])

@@ -24,7 +24,8 @@ def test_bench_train_tiny_writes_rows_ratios_and_a_plot(tmp_path, monkeypatch, r
     request.addfinalizer(lambda: shutil.rmtree(scratch, ignore_errors=True))
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     res = CliRunner().invoke(aggctl, ["bench", "train", "--model", "cnn", "--workers", "2", "--steps", "6",
-                                      "--systems", "aggd-xdp,gloo", "--target", "0.3", "--eval-every", "2", "--json", str(out), "--png", str(png)])
+                                      "--systems", "aggd-xdp,gloo", "--target", "0.3", "--eval-every", "2",
+                                      "--json", str(out), "--png", str(png)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     rows = [x for x in lines if x["bench"] == "train"]
