@@ -474,6 +474,47 @@ def bench_xdp(elements_list, strategies, packets, precisions, exponents_list, as
                        f"({row['fraction_of_numpy']:.0%} of numpy){harness}")
 
 
+@bench.command("kernels")
+@click.option("--values", "size", default="16M", show_default=True, help="values in the tensor, e.g. 1M, 16M")
+@click.option("--precision", "precisions", default="32,16,8", show_default=True, help="bits a contribution value")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--world", default=4, show_default=True, help="members the job is quantised for")
+@click.option("--elements", default=proto.NATIVE_MAX_ELEMENTS, show_default=True,
+              help="int32 values a packet (a narrow packet holds values_per_packet of its precision)")
+@click.option("--ring", default=2048, show_default=True, help="packets in the fill's ring (a member's window)")
+@click.option("--batch", default=64, show_default=True, help="results a scatter call reads (a receive batch)")
+@click.option("--repeats", type=click.IntRange(1), default=5, show_default=True, help="runs of each; the best is kept")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per kernel and precision")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="write a bar chart")
+def bench_kernels(size, precisions, dtype, world, elements, ring, batch, repeats, as_json, png_path):
+    """Time the client's numba kernels alone on one core (finiteness check, fill, scatter): ns a value."""
+    from aggd.bench import client_kernels
+
+    bits_list = _int_list(precisions, "--precision")
+    bad = [b for b in bits_list if b not in proto.PRECISION_OF_BITS]
+    if bad:
+        raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
+    values = parse_size(size)
+    if not 1 <= world <= proto.MAX_MEMBERS:
+        raise click.BadParameter(f"must be 1 to {proto.MAX_MEMBERS}", param_hint="--world")
+    if not 1 <= elements <= proto.MAX_ELEMENTS or ring < 1 or batch < 1:
+        raise click.BadParameter(f"--elements must be 1 to {proto.MAX_ELEMENTS}, --ring and --batch at least 1")
+    try:
+        rows = client_kernels.run(values, bits_list, dtype, world, elements, ring, batch, repeats)
+    except RuntimeError as e:
+        raise click.ClickException(str(e)) from None
+    for r in rows:
+        if as_json:
+            click.echo(json.dumps(r))
+        else:
+            bits = "" if r["precision"] is None else f"{r['precision']:>2}-bit"
+            click.echo(f"{r['kernel']:<11}{bits:>7} {r['ns_per_value']:8.3f} ns a value")
+    if png_path:
+        client_kernels.plot(rows, png_path)
+        if not as_json:
+            click.echo(f"plot: {png_path}")
+
+
 @bench.command("swap")
 @click.option("--workers", default=4, show_default=True)
 @click.option("--swaps", default=10, show_default=True, help="strategy swaps to time")
