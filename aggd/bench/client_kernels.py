@@ -16,8 +16,9 @@ import time
 import numpy as np
 
 from aggd_client import _fast, quant
-from aggd_client.protocol import (HEADER_DTYPE, HEADER_SIZE, LANES, MAGIC, PRECISION_OF_BITS, VERSION, MsgType,
-                                  StrategyKind, packet_dtype, values_per_packet)
+from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, PRECISION_OF_BITS, VERSION, MsgType, StrategyKind,
+                                  packet_dtype, values_per_packet)
+from aggd_client.transport import staging_dtype
 
 KERNELS = ("all_finite", "fill", "scatter")
 
@@ -66,9 +67,7 @@ def _scatter_run(x: np.ndarray, bits: int, world: int, elements: int, batch: int
     lanes = LANES[prec]
     V = values_per_packet(elements, prec)
     n = -(-x.size // V)
-    stage_dtype = np.dtype({"names": ["hdr", "payload"], "formats": [HEADER_DTYPE, (np.dtype(lanes.result), (V,))],
-                            "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * V})
-    stage = np.zeros(batch, stage_dtype)
+    stage = np.zeros(batch, staging_dtype(V, lanes))
     h = stage["hdr"]
     h["magic"], h["version"], h["type"], h["job"], h["round"] = MAGIC, VERSION, MsgType.RESULT, 1, 0
     h["count"], h["code"], h["n_contrib"], h["strategy"] = V, int(prec), world, StrategyKind.SYNC

@@ -55,6 +55,14 @@ def _local_ip_towards(server: tuple[str, int]) -> str:
         probe.close()
 
 
+def staging_dtype(elements: int, lanes) -> np.dtype:
+    """A receive staging record: a header and ``elements`` values of the job's result type
+    (``lanes.result``), as long as the longest result of ``elements`` values (int32), so that a
+    result of another precision is received whole and refused by its ``code``."""
+    return np.dtype({"names": ["hdr", "payload"], "formats": [HEADER_DTYPE, (np.dtype(lanes.result), (elements,))],
+                     "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * elements})
+
+
 def grow_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
     """Receive and send buffers of ``size`` bytes: forced where allowed, else what the system's
     maximum allows (the daemon's user-space path uses it too)."""
@@ -100,14 +108,9 @@ class UdpTransport:
         self._group = None if group is None else (group[0], int(group[1]))
 
     def _init_staging(self) -> None:
-        """The receive staging array: a batch of messages lands in its records, their sizes in
-        ``_sizes``. A record holds a header and ``elements`` values of the job's result type
-        (``payload``), and is as long as the longest result of ``elements`` values (int32), so a
-        result of another precision is received whole and refused by its ``code``."""
-        E = self._elements
-        dtype = np.dtype({"names": ["hdr", "payload"],
-                          "formats": [HEADER_DTYPE, (np.dtype(self._lanes.result), (E,))],
-                          "offsets": [0, HEADER_SIZE], "itemsize": HEADER_SIZE + 4 * E})
+        """The receive staging array: a batch of messages lands in its records (``staging_dtype``),
+        their sizes in ``_sizes``."""
+        dtype = staging_dtype(self._elements, self._lanes)
         self._stage_rec = rec = dtype.itemsize
         stage = max(16, min(STAGE, STAGE_BYTES // rec))
         self._stage = np.zeros(stage, dtype)  # receive staging

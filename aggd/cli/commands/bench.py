@@ -33,6 +33,15 @@ def _int_list(text: str, hint: str | None = None) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=hint) from None
 
 
+def _bits_list(text: str) -> list[int]:
+    """``--precision``'s comma-separated bits a contribution value, each 8, 16 or 32."""
+    bits = _int_list(text, "--precision")
+    bad = [b for b in bits if b not in proto.PRECISION_OF_BITS]
+    if bad:
+        raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
+    return bits
+
+
 @click.group()
 def bench():
     """Benchmarks (JSON lines with --json)."""
@@ -441,10 +450,7 @@ def bench_xdp(elements_list, strategies, packets, precisions, exponents_list, as
     from aggd.dataplane.xdp.loader import XdpDataPlane
     from aggd.bench.xdp import bench_strategy, harness_ns, numpy_add
 
-    bits_list = _int_list(precisions)
-    bad = [b for b in bits_list if b not in proto.PRECISION_OF_BITS]
-    if bad:
-        raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
+    bits_list = _bits_list(precisions)
     exponents = _int_list(exponents_list)
     if any(not 1 <= n <= 32 for n in exponents):
         raise click.BadParameter("each must be 1 to 32", param_hint="--exponents")
@@ -490,10 +496,7 @@ def bench_kernels(size, precisions, dtype, world, elements, ring, batch, repeats
     """Time the client's numba kernels alone on one core (finiteness check, fill, scatter): ns a value."""
     from aggd.bench import client_kernels
 
-    bits_list = _int_list(precisions, "--precision")
-    bad = [b for b in bits_list if b not in proto.PRECISION_OF_BITS]
-    if bad:
-        raise click.BadParameter(f"bits must be 8, 16 or 32, not {bad[0]}", param_hint="--precision")
+    bits_list = _bits_list(precisions)
     values = parse_size(size)
     if not 1 <= world <= proto.MAX_MEMBERS:
         raise click.BadParameter(f"must be 1 to {proto.MAX_MEMBERS}", param_hint="--world")
