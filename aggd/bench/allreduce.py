@@ -7,6 +7,8 @@ reduced ``iters`` times after ``warmup`` rounds) with the same workers in the sa
 * ``aggd-user``: the user-space aggregator (``aggd.dataplane.userspace.server``, numba kernels) in a process of its
   own in the aggregator's namespace (``aggd.lab.aggregator``), on another port, so XDP passes its
   packets up the stack untouched;
+* ``aggd-xsk``: ``aggd-xdp``'s job with the workers' packets through AF_XDP sockets in copy mode, not UDP
+  sockets (``aggd.lab.xsk_client``: issue 20's optional transport, measured in the lab only);
 * ``gloo``: torch.distributed's allreduce (gloo backend, TCP through the same bridge).
 
 aggd's systems run at every ``precisions`` (bits a contribution value: docs/precision.md); gloo
@@ -40,7 +42,7 @@ from aggd_client import protocol as proto
 from aggd.lab.namespaces import Lab
 from aggd.lab.runner import LabJob, run_workers
 
-SYSTEMS = ("aggd-xdp", "aggd-user", "gloo")
+SYSTEMS = ("aggd-xdp", "aggd-xsk", "aggd-user", "gloo")
 #: BPF map memory the bench's default slot pool may take (aggd.daemon.config.slot_bytes a slot).
 DEFAULT_SLOT_MEMORY = 128 << 20
 USERSPACE_PORT = 47100
@@ -181,7 +183,9 @@ def _values(cfg: Config) -> int:
     return proto.values_per_packet(cfg.elements, proto.PRECISION_OF_BITS[cfg.precision])
 
 
-def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
+def run_aggd_xdp(lab: Lab, dp, cfg: Config, transport: str = "udp") -> dict:
+    """The XDP path's row; with ``transport="xsk"`` the workers send and receive through AF_XDP
+    sockets (system ``aggd-xsk``)."""
     job = LabJob(job=JOB, workers=list(range(cfg.workers)), slots=cfg.slots, precision=cfg.precision)
     if cfg.precision != 32 and not dp.narrow:
         raise BenchError(f"the XDP program holds {cfg.precision}-bit contributions in packets of at most "
@@ -192,11 +196,12 @@ def run_aggd_xdp(lab: Lab, dp, cfg: Config) -> dict:
     try:
         with _handing_back(lab, dp, job):
             runs = run_workers(lab, job, elements=cfg.elements, gso=(cfg.mode == "native"),
-                               timeout=_timeout(cfg), extra=_worker_args(cfg) + (["--room"] if room else []))
+                               timeout=_timeout(cfg), extra=_worker_args(cfg) + (["--room"] if room else []) +
+                               ["--transport", transport])
         counters = dp.job_stats(JOB).counters
     finally:
         dp.remove_job(JOB)
-    return _row("aggd-xdp", cfg, runs, {
+    return _row("aggd-xdp" if transport == "udp" else "aggd-xsk", cfg, runs, {
         "mode": cfg.mode, "elements_per_packet": cfg.elements, "values_per_packet": _values(cfg),
         "retransmits": counters["retransmits"],
         "handed_back": counters["to_userspace"], "room": room,
@@ -292,7 +297,7 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
         lab = stack.enter_context(Lab(lab_name, max(worker_counts), mtu=mtu))
         dp = stack.enter_context(xdp_aggregator(lab, elements=elements, mode=mode,
                                                 total_slots=max(slots, 64))) \
-            if "aggd-xdp" in systems else None
+            if {"aggd-xdp", "aggd-xsk"} & set(systems) else None
         agg = stack.enter_context(userspace_aggregator(lab, elements)) if "aggd-user" in systems else None
         port = GLOO_PORT
         for n in worker_counts:
@@ -305,8 +310,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
                     cfg = Config(n, max(1, nbytes // 4), iters, warmup, elements, slots, mode, bits, how,
                                  narrow_room, pattern)
                     with cpu_hogs(hog):
-                        if system == "aggd-xdp":
-                            row = run_aggd_xdp(lab, dp, cfg)
+                        if system in ("aggd-xdp", "aggd-xsk"):
+                            row = run_aggd_xdp(lab, dp, cfg, "udp" if system == "aggd-xdp" else "xsk")
                         elif system == "aggd-user":
                             row = run_aggd_user(lab, agg, cfg)
                         else:
@@ -326,8 +331,8 @@ def run(systems: list[str], worker_counts: list[int], sizes: list[int], *, iters
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per (workers, bytes, loss, hogs) and aggd precision: algbw of aggd-xdp over gloo's and of
-    aggd-user over aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its
+    """Per (workers, bytes, loss, hogs) and aggd precision: algbw of aggd-xdp over gloo's, of
+    aggd-user and aggd-xsk over aggd-xdp's, and ``slowdown``: (system, "lossless" or "quiet", its
     ``slowdown_over_...``) where the run had that baseline (``run``)."""
     def cond(r):
         return r["workers"], r["bytes"], r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)
@@ -338,8 +343,8 @@ def ratios(rows: list[dict]) -> list[dict]:
     for c in sorted({cond(r) for r in rows}):
         g = by.get((*c, "gloo", 32), {}).get("algbw_gbps")
         for bits in bits_seen:
-            x, u = (by.get((*c, s, bits), {}).get("algbw_gbps") for s in ("aggd-xdp", "aggd-user"))
-            if x is None and u is None and bits != bits_seen[0]:
+            x, k, u = (by.get((*c, s, bits), {}).get("algbw_gbps") for s in ("aggd-xdp", "aggd-xsk", "aggd-user"))
+            if x is None and k is None and u is None and bits != bits_seen[0]:
                 continue
             slowdown = [(s, base, r[f"slowdown_over_{base}"]) for s in SYSTEMS for base in ("lossless", "quiet")
                         if f"slowdown_over_{base}" in (r := by.get((*c, s, 32 if s == "gloo" else bits), {}))]
@@ -347,6 +352,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                         "precision": bits,
                         "xdp_over_gloo": x / g if x and g else None,
                         "user_over_xdp": u / x if u and x else None,
+                        "xsk_over_xdp": k / x if k and x else None,
                         "slowdown": slowdown})
     return out
 
@@ -360,7 +366,7 @@ def plot(rows: list[dict], path: str) -> None:
     # one curve per system and worker count: the runs with the least loss and fewest hogs
     lowest = min((r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)) for r in rows)
     rows = [r for r in rows if (r.get("loss_percent", 0.0), r.get("cpu_hogs", 0), r.get("gro", False)) == lowest]
-    colours = {"aggd-xdp": "#1f77b4", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
+    colours = {"aggd-xdp": "#1f77b4", "aggd-xsk": "#9467bd", "aggd-user": "#2ca02c", "gloo": "#8c564b"}
     styles = ["-", "--", ":", "-."]
     markers = ["s", "o", "^", "D"]
     workers = sorted({r["workers"] for r in rows})

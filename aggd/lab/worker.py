@@ -249,6 +249,8 @@ def main(argv=None) -> int:
                     help="bits a contribution value (not with --token: the join answer says)")
     ap.add_argument("--window", type=int, default=None)
     ap.add_argument("--no-gso", action="store_true")
+    ap.add_argument("--transport", choices=("udp", "xsk"), default="udp",
+                    help="xsk: packets through an AF_XDP socket on the lab interface (aggd.lab.xsk_client)")
     ap.add_argument("--room", action="store_true",
                     help="narrow contributions carry room for their result (not with --token: the join answer says)")
     ap.add_argument("--check", choices=["all", "last", "partial", "none"], default="all",
@@ -315,11 +317,16 @@ def main(argv=None) -> int:
                 ap.error(f"--group: {len(groups)} groups for {k} aggregators")
             # --elements is the aggregator's packet size; an 8-bit packet holds two values a lane
             args.elements = values_per_packet(args.elements, precision_of(args.precision))
+            make, how = AggClient, {}
+            if args.transport == "xsk":
+                from aggd.lab.namespaces import WORKER_IFNAME
+                from aggd.lab.xsk_client import XskClient
+                make, how = XskClient, {"ifname": WORKER_IFNAME}
             for server, group, bind in zip(args.server, groups, binds):
-                clients.append(AggClient(server, int(args.job), args.rank, args.world, group=group, bind=bind,
-                                         elements=args.elements, slots=args.slots, window=args.window,
-                                         gso=not args.no_gso, give_up_after=args.give_up_after,
-                                         precision=args.precision, room=args.room, fast=fast))
+                clients.append(make(server, int(args.job), args.rank, args.world, group=group, bind=bind, **how,
+                                     elements=args.elements, slots=args.slots, window=args.window,
+                                     gso=not args.no_gso, give_up_after=args.give_up_after,
+                                     precision=args.precision, room=args.room, fast=fast))
         store = None
         if args.rebalance_every is not None or args.failover_after is not None:
             if args.store is None:

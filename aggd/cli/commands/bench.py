@@ -49,7 +49,8 @@ def bench():
 
 @bench.command("allreduce")
 @click.option("--systems", default="aggd-xdp,aggd-user,gloo", show_default=True,
-              help="aggd-xdp, aggd-user and/or gloo (torch.distributed), comma-separated")
+              help="aggd-xdp, aggd-xsk (aggd-xdp with the workers on AF_XDP sockets), aggd-user and/or gloo "
+                   "(torch.distributed), comma-separated")
 @click.option("--workers", default="4", show_default=True, help="worker counts, e.g. 2,4,8")
 @click.option("--size", "sizes", default="64M", show_default=True,
               help="tensor sizes in bytes of float32, e.g. 256K,64M")
@@ -188,6 +189,8 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
                          f"{r['xdp_over_gloo']:.2f}x")
         if r["user_over_xdp"] is not None:
             parts.append(f"aggd-user / aggd-xdp {r['user_over_xdp']:.2f}x")
+        if r["xsk_over_xdp"] is not None:
+            parts.append(f"aggd-xsk / aggd-xdp {r['xsk_over_xdp']:.2f}x")
         parts += [f"{system} {x:.2f}x its {base} time" for system, base, x in r["slowdown"]]
         if parts and not as_json:  # (JSON rows carry what they are computed from)
             click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}% "
@@ -514,6 +517,42 @@ def bench_kernels(size, precisions, dtype, world, elements, ring, batch, repeats
             click.echo(f"{r['kernel']:<11}{bits:>7} {r['ns_per_value']:8.3f} ns a value")
     if png_path:
         client_kernels.plot(rows, png_path)
+        if not as_json:
+            click.echo(f"plot: {png_path}")
+
+
+@bench.command("transport")
+@click.option("--mtu", "mtus", default="1500,9000", show_default=True, help="MTUs of the veth, comma-separated")
+@click.option("--bytes", "size", default="1G", show_default=True, help="payload bytes out and back a run")
+@click.option("--window", type=click.IntRange(1, 4096), default=512, show_default=True, help="frames in flight")
+@click.option("--reps", type=click.IntRange(1), default=2, show_default=True, help="runs of each system, in turn")
+@click.option("--systems", default="udp,xsk", show_default=True,
+              help="udp (GSO out, GRO in) and/or xsk (AF_XDP, copy mode), comma-separated")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object per run")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="write a bar chart")
+def bench_transport(mtus, size, window, reps, systems, as_json, png_path):
+    """A worker's packet path alone, UDP sockets against AF_XDP, through a veth to a native XDP
+    program that turns each frame round: rate and host CPU a GB."""
+    from aggd.bench import transport
+
+    mtu_list = _int_list(mtus, "--mtu")
+    bad = [m for m in mtu_list if not 576 <= m <= 9000]
+    if bad:
+        raise click.BadParameter(f"an MTU must be 576 to 9000 (native XDP on a veth), not {bad[0]}", param_hint="--mtu")
+    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    if not chosen or any(s not in transport.SYSTEMS for s in chosen):
+        raise click.BadParameter(f"use {', '.join(transport.SYSTEMS)}", param_hint="--systems")
+
+    def show(r):
+        if as_json:
+            click.echo(json.dumps(r))
+        else:
+            click.echo(f"{r['system']:<4} mtu={r['mtu']:<5} {r['gbps']:7.2f} Gbit/s  "
+                       f"{r['host_cpu_seconds_per_gb']:.3f} host CPU s/GB  resends={r['resends']}")
+
+    rows = transport.run(tuple(mtu_list), parse_size(size), window, reps, tuple(chosen), on_row=show)
+    if png_path:
+        transport.plot(rows, png_path)
         if not as_json:
             click.echo(f"plot: {png_path}")
 

@@ -1,0 +1,257 @@
+"""``aggctl bench transport``: a worker's packet path alone, UDP sockets against an AF_XDP socket.
+
+Two namespaces joined by one veth pair: the worker's end sends full-size UDP frames to a peer whose
+native XDP program turns each one round (addresses and ports swapped, ``XDP_TX``), as an aggregator
+returns a result a contribution; the worker keeps ``window`` frames in flight until ``bytes`` have
+come back. ``udp``: one socket, UDP GSO out (64 KiB a send) and UDP GRO in, as the client;
+``xsk``: an AF_XDP socket in copy mode (``aggd.lab.xsk``) on the worker's end, frames written once
+into its UMEM. A row gives the rate and the host's busy CPU seconds a GB (``/proc/stat``: both ends
+run on the host's cores). No bridge and no aggregator arithmetic: this is where the transport's
+own cost shows, not an allreduce (``bench allreduce --systems aggd-xdp,aggd-xsk`` is that).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import socket
+import struct
+import time
+import uuid
+
+import numpy as np
+
+SYSTEMS = ("udp", "xsk")
+PEER_PORT, WORKER_PORT = 47000, 40000
+WORKER_IP, PEER_IP = "10.78.0.1", "10.78.0.2"
+WORKER_MAC, PEER_MAC = "02:00:00:00:78:01", "02:00:00:00:78:02"
+PAGE_MTU = 3506
+#: a frame not back after this long is taken as lost and sent again (counted)
+LOST_AFTER = 0.05
+
+_PROGRAMS = r"""
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/udp.h>
+BPF_XSKMAP(xsks, 1);
+static __always_inline struct udphdr *udp_of(struct xdp_md *ctx, struct ethhdr **e, struct iphdr **i) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return 0;
+    struct iphdr *ip = (void *)(eth + 1);
+    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return 0;
+    struct udphdr *udp = (void *)(ip + 1);
+    if ((void *)(udp + 1) > end) return 0;
+    *e = eth; *i = ip;
+    return udp;
+}
+int turn_round(struct xdp_md *ctx) {
+    struct ethhdr *eth; struct iphdr *ip;
+    struct udphdr *udp = udp_of(ctx, &eth, &ip);
+    if (!udp || udp->dest != htons(PEER_PORT)) return XDP_PASS;
+    unsigned char mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    __be32 a = ip->saddr; ip->saddr = ip->daddr; ip->daddr = a;   /* checksums unchanged: sums commute */
+    __be16 p = udp->source; udp->source = udp->dest; udp->dest = p;
+    return XDP_TX;
+}
+int to_xsk(struct xdp_md *ctx) {
+    struct ethhdr *eth; struct iphdr *ip;
+    struct udphdr *udp = udp_of(ctx, &eth, &ip);
+    if (!udp || udp->dest != htons(WORKER_PORT)) return XDP_PASS;
+    return xsks.redirect_map(0, XDP_PASS);
+}
+int pass(struct xdp_md *ctx) { return XDP_PASS; }
+"""
+
+
+def _busy_cpu_seconds() -> float:
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")   # all but idle and iowait
+
+
+def _frame(payload: int) -> bytes:
+    udp_len = 8 + payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
+                     socket.inet_aton(WORKER_IP), socket.inet_aton(PEER_IP))
+    s = sum(struct.unpack("!10H", ip))
+    s = (s & 0xFFFF) + (s >> 16)
+    s = (s & 0xFFFF) + (s >> 16)
+    ip = ip[:10] + struct.pack("!H", ~s & 0xFFFF) + ip[12:]
+    eth = bytes.fromhex(PEER_MAC.replace(":", "")) + bytes.fromhex(WORKER_MAC.replace(":", "")) + b"\x08\x00"
+    return eth + ip + struct.pack("!HHHH", WORKER_PORT, PEER_PORT, udp_len, 0) + bytes(i % 251 for i in range(payload))
+
+
+@contextlib.contextmanager
+def _pair(mtu: int):
+    """The worker's and the peer's namespaces, a veth between them; removed on exit."""
+    from pyroute2 import IPRoute, netns
+
+    from aggd.lab.namespaces import disable_tx_checksum
+    tag = uuid.uuid4().hex[:8]
+    worker, peer = f"aggd-tw-{tag}", f"aggd-tp-{tag}"
+    try:
+        netns.create(worker)
+        netns.create(peer)
+        with IPRoute(netns=worker, flags=0) as ipr:
+            ipr.link("add", ifname="w0", kind="veth", peer={"ifname": "p0", "net_ns_fd": peer, "address": PEER_MAC,
+                                                           "mtu": mtu})
+            idx = ipr.link_lookup(ifname="w0")[0]
+            ipr.link("set", index=idx, address=WORKER_MAC, mtu=mtu, state="up")
+            ipr.addr("add", index=idx, address=WORKER_IP, prefixlen=24)
+            ipr.neigh("add", dst=PEER_IP, lladdr=PEER_MAC, ifindex=idx, state="permanent")
+        with IPRoute(netns=peer, flags=0) as ipr:
+            idx = ipr.link_lookup(ifname="p0")[0]
+            ipr.addr("add", index=idx, address=PEER_IP, prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+        # as the lab: a frame turned round by XDP keeps no partial checksum to finish
+        disable_tx_checksum(worker, "w0")
+        yield worker, peer
+    finally:
+        for ns in (worker, peer):
+            with contextlib.suppress(Exception):
+                netns.remove(ns)
+
+
+def _udp(n: int, window: int, payload: int, lost: list[int]) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        from aggd_client.transport import SOL_UDP, UDP_SEGMENT, grow_buffers
+        from aggd_client.mrecv import UDP_GRO
+        grow_buffers(sock)
+        sock.bind((WORKER_IP, WORKER_PORT))
+        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+        sock.setblocking(False)
+        seg = min(64, 65507 // payload)
+        out = memoryview(_frame(payload)[42:] * seg)
+        gso = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", payload))]
+        buf = bytearray(65536)
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        sent = back = 0
+        while back < n:
+            while sent < n and sent - back + seg <= window:
+                k = min(seg, n - sent)
+                try:
+                    sock.sendmsg([out[:k * payload]], gso if k > 1 else [], 0, (PEER_IP, PEER_PORT))
+                except BlockingIOError:
+                    break
+                sent += k
+            got = 0
+            while True:
+                try:
+                    nbytes = sock.recvmsg_into([buf], 64)[0]
+                except BlockingIOError:
+                    break
+                got += -(-nbytes // payload)
+            back += got
+            if not got and not poll.poll(int(LOST_AFTER * 1000)):
+                lost.append(sent - back)
+                sent = back
+    finally:
+        sock.close()
+
+
+def _xsk(n: int, window: int, payload: int, ifindex: int, bpf, lost: list[int]) -> None:
+    from aggd.lab.xsk import XdpSocket
+    frame = np.frombuffer(_frame(payload), np.uint8)
+    tx_frames = 2048
+    xsk = XdpSocket(ifindex, len(frame), tx_frames, 2 * window)
+    try:
+        bpf["xsks"][ctypes.c_int(0)] = ctypes.c_int(xsk.fd)
+        xsk.tx_frames_view[:, :len(frame)] = frame
+        sent = back = 0
+        batch = 64
+        while back < n:
+            while sent < n and sent - back < window:
+                first = sent % tx_frames
+                k = min(batch, n - sent, window - (sent - back), tx_frames - first, tx_frames - xsk.reap())
+                if k <= 0:
+                    xsk.kick()
+                    break
+                xsk.send(first, k, len(frame))
+                sent += k
+            xsk.reap()
+            descs = xsk.receive(0.0)
+            if descs is None:
+                descs = xsk.receive(LOST_AFTER)
+                if descs is None:
+                    lost.append(sent - back)
+                    sent = back
+                    continue
+            xsk.give_back(descs["addr"])
+            back += int(np.count_nonzero((descs["options"] & 1) == 0))   # a frame's last descriptor
+    finally:
+        xsk.close()
+
+
+def run(mtus=(1500, 9000), nbytes: int = 1 << 30, window: int = 512, reps: int = 2, systems=SYSTEMS,
+        on_row=None) -> list[dict]:
+    """Each MTU, ``reps`` times each system in turn: rows of rate and host CPU a GB."""
+    from bcc import BPF
+
+    from aggd.dataplane.xdp.loader import load_xdp_function
+    from aggd.lab.namespaces import in_netns
+    rows = []
+    for mtu in mtus:
+        payload = mtu - 28
+        n = max(1, nbytes // payload)
+        frags = mtu > PAGE_MTU
+        with _pair(mtu) as (worker, peer):
+            bpf = BPF(text=_PROGRAMS, cflags=[f"-DPEER_PORT={PEER_PORT}", f"-DWORKER_PORT={WORKER_PORT}"])
+            with in_netns(peer):
+                BPF.attach_xdp(b"p0", load_xdp_function(bpf, "turn_round", frags=frags), BPF.XDP_FLAGS_DRV_MODE)
+            for rep in range(reps):
+                for system in systems:
+                    lost: list[int] = []
+                    with in_netns(worker):
+                        # the worker's end runs a program either way: native XDP_TX on a veth
+                        # reaches only a peer that has one
+                        BPF.attach_xdp(b"w0", load_xdp_function(bpf, "pass" if system == "udp" else "to_xsk",
+                                                                frags=frags), BPF.XDP_FLAGS_DRV_MODE)
+                        cpu0, t0 = _busy_cpu_seconds(), time.perf_counter()
+                        if system == "udp":
+                            _udp(n, window, payload, lost)
+                        else:
+                            _xsk(n, window, payload, socket.if_nametoindex("w0"), bpf, lost)
+                        cpu1, t1 = _busy_cpu_seconds(), time.perf_counter()
+                        BPF.remove_xdp(b"w0", BPF.XDP_FLAGS_DRV_MODE)
+                    gb = n * payload / 1e9
+                    row = {"bench": "transport", "system": system, "mtu": mtu, "rep": rep, "frames": n,
+                           "payload_bytes": payload, "window": window, "seconds": t1 - t0,
+                           "gbps": gb * 8 / (t1 - t0), "host_cpu_seconds_per_gb": (cpu1 - cpu0) / gb,
+                           "resends": len(lost), "frames_resent": sum(lost)}
+                    rows.append(row)
+                    if on_row:
+                        on_row(row)
+    return rows
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Rate and host CPU a GB per MTU, a bar per system (the mean over reps)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mtus = sorted({r["mtu"] for r in rows})
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+    for ax, field, label in ((axes[0], "gbps", "Gbit/s out and back"),
+                             (axes[1], "host_cpu_seconds_per_gb", "host CPU seconds a GB")):
+        for j, system in enumerate(systems):
+            values = [np.mean([r[field] for r in rows if r["mtu"] == m and r["system"] == system]) for m in mtus]
+            ax.bar(np.arange(len(mtus)) + 0.4 * j, values, 0.4, label=system)
+        ax.set_xticks(np.arange(len(mtus)) + 0.2 * (len(systems) - 1))
+        ax.set_xticklabels([f"MTU {m}" for m in mtus])
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("a worker's packet path alone: UDP sockets and AF_XDP (copy mode), one veth")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
