@@ -1,4 +1,4 @@
-"""An AF_XDP socket in copy mode, through ctypes and numpy: its UMEM and its four rings.
+"""An AF_XDP socket, through ctypes and numpy: its UMEM and its four rings.
 
 For the lab's AF_XDP measurements (``aggd.lab.xsk_client``, ``aggctl bench transport``), not for the
 client distribution: on the lab's veths AF_XDP did not beat the client's UDP sockets in an allreduce
@@ -6,6 +6,8 @@ client distribution: on the lab's veths AF_XDP did not beat the client's UDP soc
 socket calls go through libc. The UMEM is split in two: transmit frames first, then receive frames,
 each ``frame`` bytes of whole chunks; a frame longer than a chunk (MTU 9000 in 4 KiB chunks) is
 several descriptors, all but the last marked ``XDP_PKT_CONTD`` (AF_XDP multi-buffer, ``XDP_USE_SG``).
+The kernel binds in zero-copy mode where the driver offers it and in copy mode elsewhere (veth:
+always copy); ``zero_copy`` says which. The ring code is the same in both.
 """
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ import numpy as np
 
 AF_XDP, SOL_XDP = 44, 283
 XDP_MMAP_OFFSETS, XDP_RX_RING, XDP_TX_RING, XDP_UMEM_REG = 1, 2, 3, 4
-XDP_UMEM_FILL_RING, XDP_UMEM_COMPLETION_RING = 5, 6
-XDP_COPY, XDP_USE_SG = 1 << 1, 1 << 4
+XDP_UMEM_FILL_RING, XDP_UMEM_COMPLETION_RING, XDP_OPTIONS = 5, 6, 8
+XDP_USE_SG = 1 << 4
+XDP_OPTIONS_ZEROCOPY = 1
 XDP_PKT_CONTD = 1
 #: mmap offsets of the rings (include/uapi/linux/if_xdp.h)
 _PGOFF = {"rx": 0, "tx": 0x80000000, "fill": 0x100000000, "completion": 0x180000000}
@@ -64,7 +67,7 @@ class _Ring:
 
 
 class XdpSocket:
-    """An AF_XDP socket bound to queue ``queue`` of ``ifindex`` in copy mode, with ``tx_frames``
+    """An AF_XDP socket bound to queue ``queue`` of ``ifindex``, with ``tx_frames``
     transmit and ``rx_frames`` receive frames of ``frame_bytes`` (rounded up to whole chunks)."""
 
     def __init__(self, ifindex: int, frame_bytes: int, tx_frames: int, rx_frames: int, queue: int = 0):
@@ -91,8 +94,13 @@ class XdpSocket:
             self.tx = _Ring(self.fd, off["tx"], _PGOFF["tx"], ring, DESC)
             self.fill = _Ring(self.fd, off["fill"], _PGOFF["fill"], ring, u64)
             self.completion = _Ring(self.fd, off["completion"], _PGOFF["completion"], ring, u64)
-            addr = struct.pack("HHIII", AF_XDP, XDP_COPY | (XDP_USE_SG if self.parts > 1 else 0), ifindex, queue, 0)
+            addr = struct.pack("HHIII", AF_XDP, XDP_USE_SG if self.parts > 1 else 0, ifindex, queue, 0)
             _check(_libc.bind(self.fd, ctypes.create_string_buffer(addr, len(addr)), len(addr)), "bind(AF_XDP)")
+            options = ctypes.c_uint32(0)
+            length = ctypes.c_uint(4)
+            _check(_libc.getsockopt(self.fd, SOL_XDP, XDP_OPTIONS, ctypes.byref(options), ctypes.byref(length)),
+                   "getsockopt(XDP_OPTIONS)")
+            self.zero_copy = bool(options.value & XDP_OPTIONS_ZEROCOPY)
         except BaseException:
             os.close(self.fd)
             raise

@@ -1,5 +1,5 @@
-"""``XskClient``: the client with its packets sent and received through an AF_XDP socket (copy mode)
-instead of UDP sockets, for the lab's measurement of issue 20's optional transport (``aggctl bench
+"""``XskClient``: the client with its packets sent and received through an AF_XDP socket (zero-copy where
+the driver offers it, copy mode on the lab's veths) instead of UDP sockets, for the lab's measurement of issue 20's optional transport (``aggctl bench
 allreduce --systems aggd-xsk``; docs/benchmarks.md, "AF_XDP workers").
 
 It replaces the two methods of the client's transport (``_send``, ``_receive``) and keeps the rest:

@@ -528,9 +528,11 @@ def bench_kernels(size, precisions, dtype, world, elements, ring, batch, repeats
 @click.option("--reps", type=click.IntRange(1), default=2, show_default=True, help="runs of each system, in turn")
 @click.option("--systems", default="udp,xsk", show_default=True,
               help="udp (GSO out, GRO in) and/or xsk (AF_XDP, copy mode), comma-separated")
+@click.option("--path", "paths", default="veth", show_default=True,
+              help="veth (one veth to the peer) and/or bridge (through a bridge, as the lab), comma-separated")
 @click.option("--json", "as_json", is_flag=True, help="one JSON object per run")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="write a bar chart")
-def bench_transport(mtus, size, window, reps, systems, as_json, png_path):
+def bench_transport(mtus, size, window, reps, systems, paths, as_json, png_path):
     """A worker's packet path alone, UDP sockets against AF_XDP, through a veth to a native XDP
     program that turns each frame round: rate and host CPU a GB."""
     from aggd.bench import transport
@@ -542,15 +544,19 @@ def bench_transport(mtus, size, window, reps, systems, as_json, png_path):
     chosen = [s.strip() for s in systems.split(",") if s.strip()]
     if not chosen or any(s not in transport.SYSTEMS for s in chosen):
         raise click.BadParameter(f"use {', '.join(transport.SYSTEMS)}", param_hint="--systems")
+    path_list = [p.strip() for p in paths.split(",") if p.strip()]
+    if not path_list or any(p not in ("veth", "bridge") for p in path_list):
+        raise click.BadParameter("use veth and/or bridge", param_hint="--path")
 
     def show(r):
         if as_json:
             click.echo(json.dumps(r))
         else:
-            click.echo(f"{r['system']:<4} mtu={r['mtu']:<5} {r['gbps']:7.2f} Gbit/s  "
+            click.echo(f"{r['system']:<4} {r['path']:<6} mtu={r['mtu']:<5} {r['gbps']:7.2f} Gbit/s  "
                        f"{r['host_cpu_seconds_per_gb']:.3f} host CPU s/GB  resends={r['resends']}")
 
-    rows = transport.run(tuple(mtu_list), parse_size(size), window, reps, tuple(chosen), on_row=show)
+    rows = transport.run(tuple(mtu_list), parse_size(size), window, reps, tuple(chosen), tuple(path_list),
+                         on_row=show)
     if png_path:
         transport.plot(rows, png_path)
         if not as_json:
