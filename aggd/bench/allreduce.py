@@ -7,8 +7,8 @@ reduced ``iters`` times after ``warmup`` rounds) with the same workers in the sa
 * ``aggd-user``: the user-space aggregator (``aggd.dataplane.userspace.server``, numba kernels) in a process of its
   own in the aggregator's namespace (``aggd.lab.aggregator``), on another port, so XDP passes its
   packets up the stack untouched;
-* ``aggd-xsk``: ``aggd-xdp``'s job with the workers' packets through AF_XDP sockets in copy mode, not UDP
-  sockets (``aggd.lab.xsk_client``: issue 20's optional transport, measured in the lab only);
+* ``aggd-xsk``: ``aggd-xdp``'s job with the workers' packets through AF_XDP sockets (copy mode on the lab's
+  veths), not UDP sockets (``aggd.lab.xsk_client``: issue 20's optional transport, measured in the lab only);
 * ``gloo``: torch.distributed's allreduce (gloo backend, TCP through the same bridge).
 
 aggd's systems run at every ``precisions`` (bits a contribution value: docs/precision.md); gloo

@@ -267,8 +267,8 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, field, label in ((axes[0], "gbps", "Gbit/s out and back"),
                              (axes[1], "host_cpu_seconds_per_gb", "host CPU seconds a GB")):
         for j, system in enumerate(systems):
-            values = [np.mean([r[field] for r in rows if (r.get("path", "veth"), r["mtu"]) == g and r["system"] == system])
-                      for g in groups]
+            values = [np.mean([r[field] for r in rows
+                               if (r.get("path", "veth"), r["mtu"]) == g and r["system"] == system]) for g in groups]
             ax.bar(np.arange(len(groups)) + 0.4 * j, values, 0.4, label=system)
         ax.set_xticks(np.arange(len(groups)) + 0.2 * (len(systems) - 1))
         ax.set_xticklabels([f"{p}, MTU {m}" for p, m in groups], fontsize=8)

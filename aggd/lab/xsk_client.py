@@ -1,6 +1,7 @@
 """``XskClient``: the client with its packets sent and received through an AF_XDP socket (zero-copy where
-the driver offers it, copy mode on the lab's veths) instead of UDP sockets, for the lab's measurement of issue 20's optional transport (``aggctl bench
-allreduce --systems aggd-xsk``; docs/benchmarks.md, "AF_XDP workers").
+the driver offers it, copy mode on the lab's veths) instead of UDP sockets, for the lab's measurement
+of issue 20's optional transport (``aggctl bench allreduce --systems aggd-xsk``; docs/benchmarks.md,
+"AF_XDP workers: measured, not kept").
 
 It replaces the two methods of the client's transport (``_send``, ``_receive``) and keeps the rest:
 rounds, retransmission and result handling see the same staging records. Contributions leave as

@@ -50,3 +50,11 @@ def test_an_xsk_worker_takes_its_program_away(make_lab):
             assert len(run.records) == 4 and all(r["within_bound"] for r in run.records), run.records
         assert dp.job_stats(1).counters["released"] > 0
     assert [xdp_prog_id(lab.worker_ns(i), WORKER_IFNAME) for i in range(2)] == [None, None]
+
+
+def test_aggd_xsk_refuses_generic_mode():
+    from click.testing import CliRunner
+
+    from aggd.cli.main import main as aggctl
+    res = CliRunner().invoke(aggctl, ["bench", "allreduce", "--systems", "aggd-xsk", "--mode", "generic"])
+    assert res.exit_code == 2 and "--systems" in res.output and "native" in res.output, res.output

@@ -104,6 +104,9 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     if unknown or not chosen:
         raise click.BadParameter(f"unknown system(s) {unknown}: use {', '.join(ab.SYSTEMS)}",
                                  param_hint="--systems")
+    if "aggd-xsk" in chosen and mode != "native":
+        raise click.BadParameter("aggd-xsk needs --mode native: its workers' veths run their XDP program in "
+                                 "native mode, which generic mode's MTU is too large for", param_hint="--systems")
     if "gloo" in chosen:
         import importlib.util
         if importlib.util.find_spec("torch") is None:
