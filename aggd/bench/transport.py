@@ -28,46 +28,32 @@ SYSTEMS = ("udp", "xsk")
 PEER_PORT, WORKER_PORT = 47000, 40000
 WORKER_IP, PEER_IP = "10.78.0.1", "10.78.0.2"
 WORKER_MAC, PEER_MAC = "02:00:00:00:78:01", "02:00:00:00:78:02"
-PAGE_MTU = 3506
 #: a frame not back after this long is taken as lost and sent again (counted)
 LOST_AFTER = 0.05
 
-_PROGRAMS = r"""
+#: The peer's program: each UDP datagram to PEER_PORT back to its sender, addresses and ports swapped
+#: (the checksums stay right: their sums commute).
+_TURN_ROUND = r"""
 #include <uapi/linux/if_ether.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/in.h>
 #include <uapi/linux/udp.h>
-BPF_XSKMAP(xsks, 1);
-static __always_inline struct udphdr *udp_of(struct xdp_md *ctx, struct ethhdr **e, struct iphdr **i) {
+int turn_round(struct xdp_md *ctx) {
     void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
     struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return 0;
+    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
     struct iphdr *ip = (void *)(eth + 1);
-    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return 0;
+    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return XDP_PASS;
     struct udphdr *udp = (void *)(ip + 1);
-    if ((void *)(udp + 1) > end) return 0;
-    *e = eth; *i = ip;
-    return udp;
-}
-int turn_round(struct xdp_md *ctx) {
-    struct ethhdr *eth; struct iphdr *ip;
-    struct udphdr *udp = udp_of(ctx, &eth, &ip);
-    if (!udp || udp->dest != htons(PEER_PORT)) return XDP_PASS;
+    if ((void *)(udp + 1) > end || udp->dest != htons(PEER_PORT)) return XDP_PASS;
     unsigned char mac[ETH_ALEN];
     __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
     __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
     __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
-    __be32 a = ip->saddr; ip->saddr = ip->daddr; ip->daddr = a;   /* checksums unchanged: sums commute */
+    __be32 a = ip->saddr; ip->saddr = ip->daddr; ip->daddr = a;
     __be16 p = udp->source; udp->source = udp->dest; udp->dest = p;
     return XDP_TX;
 }
-int to_xsk(struct xdp_md *ctx) {
-    struct ethhdr *eth; struct iphdr *ip;
-    struct udphdr *udp = udp_of(ctx, &eth, &ip);
-    if (!udp || udp->dest != htons(WORKER_PORT)) return XDP_PASS;
-    return xsks.redirect_map(0, XDP_PASS);
-}
-int pass(struct xdp_md *ctx) { return XDP_PASS; }
 """
 
 
@@ -78,15 +64,14 @@ def _busy_cpu_seconds() -> float:
 
 
 def _frame(payload: int) -> bytes:
-    udp_len = 8 + payload
-    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
-                     socket.inet_aton(WORKER_IP), socket.inet_aton(PEER_IP))
-    s = sum(struct.unpack("!10H", ip))
-    s = (s & 0xFFFF) + (s >> 16)
-    s = (s & 0xFFFF) + (s >> 16)
-    ip = ip[:10] + struct.pack("!H", ~s & 0xFFFF) + ip[12:]
-    eth = bytes.fromhex(PEER_MAC.replace(":", "")) + bytes.fromhex(WORKER_MAC.replace(":", "")) + b"\x08\x00"
-    return eth + ip + struct.pack("!HHHH", WORKER_PORT, PEER_PORT, udp_len, 0) + bytes(i % 251 for i in range(payload))
+    from aggd.lab.xsk import udp_frame_header
+    header = udp_frame_header(_mac(PEER_MAC), _mac(WORKER_MAC), (WORKER_IP, WORKER_PORT), (PEER_IP, PEER_PORT),
+                              payload)
+    return header + bytes(i % 251 for i in range(payload))
+
+
+def _mac(text: str) -> bytes:
+    return bytes.fromhex(text.replace(":", ""))
 
 
 @contextlib.contextmanager
@@ -95,7 +80,7 @@ def _path(mtu: int, bridge: bool):
     through a bridge in a third namespace, as the lab's switch; removed on exit."""
     from pyroute2 import IPRoute, netns
 
-    from aggd.lab.namespaces import attach_xdp_pass, disable_tx_checksum
+    from aggd.lab.namespaces import PAGE_MTU, attach_xdp_pass, disable_tx_checksum
     tag = uuid.uuid4().hex[:8]
     worker, peer, switch = f"aggd-tw-{tag}", f"aggd-tp-{tag}", f"aggd-ts-{tag}"
     names = [worker, peer] + ([switch] if bridge else [])
@@ -146,7 +131,7 @@ def _udp(n: int, window: int, payload: int, lost: list[int]) -> None:
         sock.setsockopt(SOL_UDP, UDP_GRO, 1)
         sock.setblocking(False)
         seg = min(64, 65507 // payload)
-        out = memoryview(_frame(payload)[42:] * seg)
+        out = memoryview(_frame(payload)[-payload:] * seg)
         gso = [(SOL_UDP, UDP_SEGMENT, struct.pack("H", payload))]
         buf = bytearray(65536)
         poll = select.poll()
@@ -175,14 +160,14 @@ def _udp(n: int, window: int, payload: int, lost: list[int]) -> None:
         sock.close()
 
 
-def _xsk(n: int, window: int, payload: int, ifindex: int, bpf, lost: list[int]) -> bool:
+def _xsk(n: int, window: int, payload: int, ifindex: int, redirect, lost: list[int]) -> bool:
     """The AF_XDP run; whether the socket was bound in zero-copy mode."""
     from aggd.lab.xsk import XDP_PKT_CONTD, XdpSocket
     frame = np.frombuffer(_frame(payload), np.uint8)
     tx_frames = 2048
     xsk = XdpSocket(ifindex, len(frame), tx_frames, 2 * window)
     try:
-        bpf["xsks"][ctypes.c_int(0)] = ctypes.c_int(xsk.fd)
+        redirect["xsks"][ctypes.c_int(0)] = ctypes.c_int(xsk.fd)
         xsk.tx_frames_view[:, :len(frame)] = frame
         sent = back = 0
         batch = 64
@@ -217,30 +202,36 @@ def run(mtus=(1500, 9000), nbytes: int = 1 << 30, window: int = 512, reps: int =
     from bcc import BPF
 
     from aggd.dataplane.xdp.loader import load_xdp_function
-    from aggd.lab.namespaces import in_netns
+    from aggd.lab.namespaces import PAGE_MTU, attach_xdp_pass, in_netns
+    from aggd.lab.xsk import REDIRECT_PROGRAM
     rows = []
     for path, mtu in itertools.product(paths, mtus):
         payload = mtu - 28
         n = max(1, nbytes // payload)
         frags = mtu > PAGE_MTU
         with _path(mtu, path == "bridge") as (worker, peer):
-            bpf = BPF(text=_PROGRAMS, cflags=[f"-DPEER_PORT={PEER_PORT}", f"-DWORKER_PORT={WORKER_PORT}"])
+            turn = BPF(text=_TURN_ROUND, cflags=[f"-DPEER_PORT={PEER_PORT}"])
+            redirect = BPF(text=REDIRECT_PROGRAM, cflags=[f"-DMEMBER_PORT={WORKER_PORT}", f"-DGROUP_PORT={WORKER_PORT}"])
             with in_netns(peer):
-                BPF.attach_xdp(b"p0", load_xdp_function(bpf, "turn_round", frags=frags), BPF.XDP_FLAGS_DRV_MODE)
+                BPF.attach_xdp(b"p0", load_xdp_function(turn, "turn_round", frags=frags), BPF.XDP_FLAGS_DRV_MODE)
             for rep in range(reps):
                 for system in systems:
                     lost: list[int] = []
                     zero_copy = None
+                    # the worker's end runs a program either way: native XDP_TX on a veth reaches
+                    # only a peer that has one
+                    if system == "udp":
+                        attach_xdp_pass(worker, "w0", frags=frags)
+                    else:
+                        with in_netns(worker):
+                            BPF.attach_xdp(b"w0", load_xdp_function(redirect, "to_xsk", frags=frags),
+                                           BPF.XDP_FLAGS_DRV_MODE)
                     with in_netns(worker):
-                        # the worker's end runs a program either way: native XDP_TX on a veth
-                        # reaches only a peer that has one
-                        BPF.attach_xdp(b"w0", load_xdp_function(bpf, "pass" if system == "udp" else "to_xsk",
-                                                                frags=frags), BPF.XDP_FLAGS_DRV_MODE)
                         cpu0, t0 = _busy_cpu_seconds(), time.perf_counter()
                         if system == "udp":
                             _udp(n, window, payload, lost)
                         else:
-                            zero_copy = _xsk(n, window, payload, socket.if_nametoindex("w0"), bpf, lost)
+                            zero_copy = _xsk(n, window, payload, socket.if_nametoindex("w0"), redirect, lost)
                         cpu1, t1 = _busy_cpu_seconds(), time.perf_counter()
                         BPF.remove_xdp(b"w0", BPF.XDP_FLAGS_DRV_MODE)
                     gb = n * payload / 1e9

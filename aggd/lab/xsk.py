@@ -31,6 +31,29 @@ XDP_PKT_CONTD = 1
 _PGOFF = {"rx": 0, "tx": 0x80000000, "fill": 0x100000000, "completion": 0x180000000}
 DESC = np.dtype([("addr", np.uint64), ("len", np.uint32), ("options", np.uint32)])
 CHUNK = 4096
+#: Ethernet, IPv4 (no options) and UDP headers in front of a frame's payload.
+FRAME_HEADER = 42
+
+#: The XDP program that hands the UDP datagrams to ``MEMBER_PORT`` and ``GROUP_PORT`` (cflags) to
+#: the socket in entry 0 of ``xsks`` and passes everything else up the stack.
+REDIRECT_PROGRAM = r"""
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/in.h>
+#include <uapi/linux/udp.h>
+BPF_XSKMAP(xsks, 1);
+int to_xsk(struct xdp_md *ctx) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
+    struct iphdr *ip = (void *)(eth + 1);
+    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return XDP_PASS;
+    struct udphdr *udp = (void *)(ip + 1);
+    if ((void *)(udp + 1) > end) return XDP_PASS;
+    if (udp->dest != htons(MEMBER_PORT) && udp->dest != htons(GROUP_PORT)) return XDP_PASS;
+    return xsks.redirect_map(0, XDP_PASS);
+}
+"""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.socket.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
@@ -39,6 +62,20 @@ _libc.setsockopt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_
 _libc.getsockopt.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
 _libc.sendto.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
                          ctypes.c_uint]
+
+
+def udp_frame_header(dst_mac: bytes, src_mac: bytes, src: tuple[str, int], dst: tuple[str, int],
+                     payload: int) -> bytes:
+    """The ``FRAME_HEADER`` bytes of a UDP datagram of ``payload`` bytes from ``src`` to ``dst``
+    ((ip, port) each): IPv4 without options, don't-fragment, UDP checksum 0 (which IPv4 allows)."""
+    udp_len = 8 + payload
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
+                     socket.inet_aton(src[0]), socket.inet_aton(dst[0]))
+    s = sum(struct.unpack("!10H", ip))
+    while s >> 16:
+        s = (s & 0xFFFF) + (s >> 16)
+    ip = ip[:10] + struct.pack("!H", ~s & 0xFFFF) + ip[12:]
+    return dst_mac + src_mac + b"\x08\x00" + ip + struct.pack("!HHHH", src[1], dst[1], udp_len, 0)
 
 
 def _check(rc: int, what: str) -> int:

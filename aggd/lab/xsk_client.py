@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import socket
-import struct
 import time
 
 import numba
@@ -22,31 +21,10 @@ import numpy as np
 
 from aggd_client import AggClient
 
-from .xsk import XDP_PKT_CONTD, XdpSocket
+from .namespaces import PAGE_MTU
+from .xsk import FRAME_HEADER, REDIRECT_PROGRAM, XDP_PKT_CONTD, XdpSocket, udp_frame_header
 
-#: Ethernet, IPv4 (no options) and UDP headers in front of each aggd packet.
-FRAME_HEADER = 42
 TX_FRAMES, RX_FRAMES = 2048, 4096
-PAGE_MTU = 3506  # above it a veth takes native XDP only from a multi-buffer program
-
-_REDIRECT = r"""
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/in.h>
-#include <uapi/linux/udp.h>
-BPF_XSKMAP(xsks, 1);
-int to_xsk(struct xdp_md *ctx) {
-    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
-    struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
-    struct iphdr *ip = (void *)(eth + 1);
-    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return XDP_PASS;
-    struct udphdr *udp = (void *)(ip + 1);
-    if ((void *)(udp + 1) > end) return XDP_PASS;
-    if (udp->dest != htons(MEMBER_PORT) && udp->dest != htons(GROUP_PORT)) return XDP_PASS;
-    return xsks.redirect_map(0, XDP_PASS);
-}
-"""
 
 
 @numba.njit(cache=True, nogil=True)
@@ -74,13 +52,6 @@ def gather_frames(umem, addrs, lens, opts, i, n, stage, sizes, m, m_end, header)
         m += 1
         i = last + 1
     return i, m
-
-
-def _ip_checksum(header: bytes) -> int:
-    s = sum(struct.unpack(f"!{len(header) // 2}H", header))
-    while s >> 16:
-        s = (s & 0xFFFF) + (s >> 16)
-    return ~s & 0xFFFF
 
 
 def _neighbour_mac(ip: str, timeout: float = 2.0) -> bytes:
@@ -118,20 +89,15 @@ class XskClient(AggClient):
         self._frame_len = FRAME_HEADER + self._rec
         self._xsk = XdpSocket(socket.if_nametoindex(ifname), self._frame_len, TX_FRAMES, RX_FRAMES)
         group_port = self._group[1] if self._group is not None else src_port
-        self._bpf = BPF(text=_REDIRECT, cflags=[f"-DMEMBER_PORT={src_port}", f"-DGROUP_PORT={group_port}"])
+        self._bpf = BPF(text=REDIRECT_PROGRAM, cflags=[f"-DMEMBER_PORT={src_port}", f"-DGROUP_PORT={group_port}"])
         with open(f"/sys/class/net/{ifname}/mtu") as f:
             frags = int(f.read()) > PAGE_MTU
         self._ifname = ifname
         BPF.attach_xdp(ifname.encode(), load_xdp_function(self._bpf, "to_xsk", frags=frags), BPF.XDP_FLAGS_DRV_MODE)
         self._bpf["xsks"][ctypes.c_int(0)] = ctypes.c_int(self._xsk.fd)
-        udp_len = 8 + self._rec
-        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, socket.IPPROTO_UDP, 0,
-                         socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
-        ip = ip[:10] + struct.pack("!H", _ip_checksum(ip)) + ip[12:]
         with open(f"/sys/class/net/{ifname}/address") as f:
             own_mac = bytes.fromhex(f.read().strip().replace(":", ""))
-        header = _neighbour_mac(dst_ip) + own_mac + b"\x08\x00" + ip + struct.pack("!HHHH", src_port, dst_port,
-                                                                                     udp_len, 0)
+        header = udp_frame_header(_neighbour_mac(dst_ip), own_mac, (src_ip, src_port), (dst_ip, dst_port), self._rec)
         self._xsk.tx_frames_view[:, :FRAME_HEADER] = np.frombuffer(header, np.uint8)
         self._tx_next = 0
         # compiled (or loaded from numba's cache) now, not in the first round

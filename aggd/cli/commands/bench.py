@@ -33,6 +33,19 @@ def _int_list(text: str, hint: str | None = None) -> list[int]:
         raise click.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=hint) from None
 
 
+def _words(text: str) -> list[str]:
+    """A comma-separated option's items, stripped, empty ones left out."""
+    return [w.strip() for w in text.split(",") if w.strip()]
+
+
+def _write_plot(plot, rows: list[dict], path: str | None, as_json: bool = False) -> None:
+    """``plot(rows, path)`` where a path was given, saying so unless the output is JSON lines."""
+    if path:
+        plot(rows, path)
+        if not as_json:
+            click.echo(f"plot: {path}")
+
+
 def _bits_list(text: str) -> list[int]:
     """``--precision``'s comma-separated bits a contribution value, each 8, 16 or 32."""
     bits = _int_list(text, "--precision")
@@ -99,7 +112,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     lab with the same workers; time, check and measure memory; print the ratios."""
     from aggd.bench import allreduce as ab
 
-    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    chosen = _words(systems)
     unknown = [s for s in chosen if s not in ab.SYSTEMS]
     if unknown or not chosen:
         raise click.BadParameter(f"unknown system(s) {unknown}: use {', '.join(ab.SYSTEMS)}",
@@ -141,16 +154,16 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
     hog_list = tuple(sorted(set(_int_list(hogs))))
     if not hog_list or any(h < 0 or h > 64 for h in hog_list):
         raise click.BadParameter("hog counts must be in 0..64", param_hint="--cpu-hogs")
-    gro_words = [g.strip() for g in gros.split(",") if g.strip()]
+    gro_words = _words(gros)
     if not gro_words or any(g not in ("on", "off") for g in gro_words):
         raise click.BadParameter("use on and/or off, comma-separated", param_hint="--gro")
     gro_list = tuple(sorted({g == "on" for g in gro_words}))
     if iters < 1 or warmup < 0:
         raise click.BadParameter("--iters must be at least 1 and --warmup at least 0")
-    bits = sorted({b.strip() for b in precisions.split(",") if b.strip()}, key=lambda b: -int(b) if b.isdigit() else 0)
+    bits = sorted(set(_words(precisions)), key=lambda b: -int(b) if b.isdigit() else 0)
     if not bits or any(b not in ("32", "16", "8") for b in bits):
         raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
-    how_list = tuple(dict.fromkeys(c.strip() for c in combines.split(",") if c.strip()))
+    how_list = tuple(dict.fromkeys(_words(combines)))
     try:
         for how in how_list:
             if parse_combine(how).kind == CombineKind.ZENO:
@@ -198,10 +211,7 @@ def bench_allreduce(systems, workers, sizes, iters, warmup, mode, elements, mtu,
         if parts and not as_json:  # (JSON rows carry what they are computed from)
             click.echo(f"workers={r['workers']:<2} bytes={r['bytes']:<10} loss={r['loss_percent']:g}% "
                        f"hogs={r['cpu_hogs']}{' gro' if r['gro'] else ''}  " + "  ".join(parts))
-    if plot_path:
-        ab.plot(rows, plot_path)
-        if not as_json:
-            click.echo(f"plot: {plot_path}")
+    _write_plot(ab.plot, rows, plot_path, as_json)
 
 
 @bench.command("train")
@@ -236,15 +246,15 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
     from aggd.training import torchbench as tb
     from aggd.training.torch_models import MODELS
 
-    chosen_models = [m.strip() for m in models.split(",") if m.strip()]
-    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    chosen_models = _words(models)
+    chosen = _words(systems)
     if not chosen_models or any(m not in MODELS for m in chosen_models):
         raise click.BadParameter(f"use {', '.join(MODELS)}", param_hint="--model")
     if not chosen or any(s not in tb.SYSTEMS for s in chosen):
         raise click.BadParameter(f"use {', '.join(tb.SYSTEMS)}", param_hint="--systems")
     if workers < 1 or steps < 2:
         raise click.BadParameter("--workers must be at least 1 and --steps at least 2")
-    bits = [b.strip() for b in precisions.split(",") if b.strip()]
+    bits = _words(precisions)
     if not bits or any(b not in ("32", "16", "8") for b in bits):
         raise click.BadParameter("use 32, 16 or 8, comma-separated", param_hint="--precision")
     seed_list = tuple(dict.fromkeys(_int_list(seeds, "--seeds")))
@@ -284,9 +294,7 @@ def bench_train(models, workers, steps, systems, batch, target, slots, bucket_ca
                 f.write(json.dumps({"bench": "train-ratio", **r}) + "\n")
             for r in summary:
                 f.write(json.dumps({"bench": "train-steps-to-target", **r}) + "\n")
-    if png_path:
-        tb.plot(rows, png_path)
-        click.echo(f"plot: {png_path}")
+    _write_plot(tb.plot, rows, png_path)
 
 
 @bench.command("precision")
@@ -308,7 +316,7 @@ def bench_precision(variants, workers, rounds, target, reset_every, seed, json_p
     from aggd.training import precisionbench as pb
 
     try:
-        chosen = pb.check_variants([v.strip() for v in variants.split(",") if v.strip()])
+        chosen = pb.check_variants(_words(variants))
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--variants") from None
     cfg = pb.Config(workers=workers, rounds=rounds, target=target, seed=seed, reset_every=reset_every,
@@ -325,9 +333,7 @@ def bench_precision(variants, workers, rounds, target, reset_every, seed, json_p
         with open(json_path, "w") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "precision", **r}) + "\n")
-    if png_path:
-        pb.plot(rows, target, png_path)
-        click.echo(f"plot: {png_path}")
+    _write_plot(lambda rows_, path: pb.plot(rows_, target, path), rows, png_path)
 
 
 @bench.command("faulty")
@@ -348,7 +354,7 @@ def bench_faulty(variants, workers, rounds, seeds, scale, json_path, png_path):
     from aggd.training import faultybench as fb
 
     try:
-        chosen = fb.check_variants([v.strip() for v in variants.split(",") if v.strip()])
+        chosen = fb.check_variants(_words(variants))
         seed_list = tuple(int(s) for s in seeds.split(",") if s.strip())
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--variants / --seeds") from None
@@ -365,9 +371,7 @@ def bench_faulty(variants, workers, rounds, seeds, scale, json_path, png_path):
         with open(json_path, "w") as f:
             for r in rows:
                 f.write(json.dumps({"bench": "faulty", **r}) + "\n")
-    if png_path:
-        fb.plot(rows, png_path)
-        click.echo(f"plot: {png_path}")
+    _write_plot(fb.plot, rows, png_path)
 
 
 @bench.command("shards")
@@ -433,10 +437,7 @@ def bench_shards(workers, size, calls, steady, rates, rebalance_every, scale, as
         rows = sb.run(cfg, "s" + uuid.uuid4().hex[:6], on_row=show)
     except sb.BenchError as e:
         raise click.ClickException(str(e)) from None
-    if plot_path:
-        sb.plot(rows, plot_path)
-        if not as_json:
-            click.echo(f"plot: {plot_path}")
+    _write_plot(sb.plot, rows, plot_path, as_json)
 
 
 @bench.command("xdp")
@@ -518,10 +519,7 @@ def bench_kernels(size, precisions, dtype, world, elements, ring, batch, repeats
         else:
             bits = "" if r["precision"] is None else f"{r['precision']:>2}-bit"
             click.echo(f"{r['kernel']:<11}{bits:>7} {r['ns_per_value']:8.3f} ns a value")
-    if png_path:
-        client_kernels.plot(rows, png_path)
-        if not as_json:
-            click.echo(f"plot: {png_path}")
+    _write_plot(client_kernels.plot, rows, png_path, as_json)
 
 
 @bench.command("transport")
@@ -544,10 +542,10 @@ def bench_transport(mtus, size, window, reps, systems, paths, as_json, png_path)
     bad = [m for m in mtu_list if not 576 <= m <= 9000]
     if bad:
         raise click.BadParameter(f"an MTU must be 576 to 9000 (native XDP on a veth), not {bad[0]}", param_hint="--mtu")
-    chosen = [s.strip() for s in systems.split(",") if s.strip()]
+    chosen = _words(systems)
     if not chosen or any(s not in transport.SYSTEMS for s in chosen):
         raise click.BadParameter(f"use {', '.join(transport.SYSTEMS)}", param_hint="--systems")
-    path_list = [p.strip() for p in paths.split(",") if p.strip()]
+    path_list = _words(paths)
     if not path_list or any(p not in ("veth", "bridge") for p in path_list):
         raise click.BadParameter("use veth and/or bridge", param_hint="--path")
 
@@ -560,10 +558,7 @@ def bench_transport(mtus, size, window, reps, systems, paths, as_json, png_path)
 
     rows = transport.run(tuple(mtu_list), parse_size(size), window, reps, tuple(chosen), tuple(path_list),
                          on_row=show)
-    if png_path:
-        transport.plot(rows, png_path)
-        if not as_json:
-            click.echo(f"plot: {png_path}")
+    _write_plot(transport.plot, rows, png_path, as_json)
 
 
 @bench.command("swap")
