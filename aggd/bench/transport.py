@@ -34,18 +34,11 @@ LOST_AFTER = 0.05
 #: The peer's program: each UDP datagram to PEER_PORT back to its sender, addresses and ports swapped
 #: (the checksums stay right: their sums commute).
 _TURN_ROUND = r"""
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/in.h>
-#include <uapi/linux/udp.h>
 int turn_round(struct xdp_md *ctx) {
-    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
-    struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
-    struct iphdr *ip = (void *)(eth + 1);
-    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return XDP_PASS;
-    struct udphdr *udp = (void *)(ip + 1);
-    if ((void *)(udp + 1) > end || udp->dest != htons(PEER_PORT)) return XDP_PASS;
+    struct ethhdr *eth;
+    struct iphdr *ip;
+    struct udphdr *udp = udp_of(ctx, &eth, &ip);
+    if (!udp || udp->dest != htons(PEER_PORT)) return XDP_PASS;
     unsigned char mac[ETH_ALEN];
     __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
     __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
@@ -203,14 +196,14 @@ def run(mtus=(1500, 9000), nbytes: int = 1 << 30, window: int = 512, reps: int =
 
     from aggd.dataplane.xdp.loader import load_xdp_function
     from aggd.lab.namespaces import PAGE_MTU, attach_xdp_pass, in_netns
-    from aggd.lab.xsk import REDIRECT_PROGRAM
+    from aggd.lab.xsk import REDIRECT_PROGRAM, UDP_OF_C
     rows = []
     for path, mtu in itertools.product(paths, mtus):
         payload = mtu - 28
         n = max(1, nbytes // payload)
         frags = mtu > PAGE_MTU
         with _path(mtu, path == "bridge") as (worker, peer):
-            turn = BPF(text=_TURN_ROUND, cflags=[f"-DPEER_PORT={PEER_PORT}"])
+            turn = BPF(text=UDP_OF_C + _TURN_ROUND, cflags=[f"-DPEER_PORT={PEER_PORT}"])
             redirect = BPF(text=REDIRECT_PROGRAM, cflags=[f"-DMEMBER_PORT={WORKER_PORT}", f"-DGROUP_PORT={WORKER_PORT}"])
             with in_netns(peer):
                 BPF.attach_xdp(b"p0", load_xdp_function(turn, "turn_round", frags=frags), BPF.XDP_FLAGS_DRV_MODE)

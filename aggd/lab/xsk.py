@@ -34,26 +34,40 @@ CHUNK = 4096
 #: Ethernet, IPv4 (no options) and UDP headers in front of a frame's payload.
 FRAME_HEADER = 42
 
-#: The XDP program that hands the UDP datagrams to ``MEMBER_PORT`` and ``GROUP_PORT`` (cflags) to
-#: the socket in entry 0 of ``xsks`` and passes everything else up the stack.
-REDIRECT_PROGRAM = r"""
+#: C for XDP programs: the lab's headers and ``udp_of``, the UDP header of an IPv4 frame without
+#: options (its Ethernet and IP headers through ``e`` and ``i``), or NULL.
+UDP_OF_C = r"""
 #include <uapi/linux/if_ether.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/in.h>
 #include <uapi/linux/udp.h>
-BPF_XSKMAP(xsks, 1);
-int to_xsk(struct xdp_md *ctx) {
+static __always_inline struct udphdr *udp_of(struct xdp_md *ctx, struct ethhdr **e, struct iphdr **i) {
     void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
     struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
+    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return 0;
     struct iphdr *ip = (void *)(eth + 1);
-    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return XDP_PASS;
+    if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_UDP || ip->ihl != 5) return 0;
     struct udphdr *udp = (void *)(ip + 1);
-    if ((void *)(udp + 1) > end) return XDP_PASS;
-    if (udp->dest != htons(MEMBER_PORT) && udp->dest != htons(GROUP_PORT)) return XDP_PASS;
+    if ((void *)(udp + 1) > end) return 0;
+    *e = eth;
+    *i = ip;
+    return udp;
+}
+"""
+
+#: The XDP program that hands the UDP datagrams to ``MEMBER_PORT`` and ``GROUP_PORT`` (cflags) to
+#: the socket in entry 0 of ``xsks`` and passes everything else up the stack.
+REDIRECT_PROGRAM = UDP_OF_C + r"""
+BPF_XSKMAP(xsks, 1);
+int to_xsk(struct xdp_md *ctx) {
+    struct ethhdr *eth;
+    struct iphdr *ip;
+    struct udphdr *udp = udp_of(ctx, &eth, &ip);
+    if (!udp || (udp->dest != htons(MEMBER_PORT) && udp->dest != htons(GROUP_PORT))) return XDP_PASS;
     return xsks.redirect_map(0, XDP_PASS);
 }
 """
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.socket.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
