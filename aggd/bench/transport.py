@@ -31,25 +31,6 @@ WORKER_MAC, PEER_MAC = "02:00:00:00:78:01", "02:00:00:00:78:02"
 #: a frame not back after this long is taken as lost and sent again (counted)
 LOST_AFTER = 0.05
 
-#: The peer's program: each UDP datagram to PEER_PORT back to its sender, addresses and ports swapped
-#: (the checksums stay right: their sums commute).
-_TURN_ROUND = r"""
-int turn_round(struct xdp_md *ctx) {
-    struct ethhdr *eth;
-    struct iphdr *ip;
-    struct udphdr *udp = udp_of(ctx, &eth, &ip);
-    if (!udp || udp->dest != htons(PEER_PORT)) return XDP_PASS;
-    unsigned char mac[ETH_ALEN];
-    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
-    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
-    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
-    __be32 a = ip->saddr; ip->saddr = ip->daddr; ip->daddr = a;
-    __be16 p = udp->source; udp->source = udp->dest; udp->dest = p;
-    return XDP_TX;
-}
-"""
-
-
 def _busy_cpu_seconds() -> float:
     with open("/proc/stat") as f:
         ticks = [int(x) for x in f.readline().split()[1:]]
@@ -196,14 +177,14 @@ def run(mtus=(1500, 9000), nbytes: int = 1 << 30, window: int = 512, reps: int =
 
     from aggd.dataplane.xdp.loader import load_xdp_function
     from aggd.lab.namespaces import PAGE_MTU, attach_xdp_pass, in_netns
-    from aggd.lab.xsk import REDIRECT_PROGRAM, UDP_OF_C
+    from aggd.lab.xsk import REDIRECT_PROGRAM, TURN_ROUND_PROGRAM
     rows = []
     for path, mtu in itertools.product(paths, mtus):
         payload = mtu - 28
         n = max(1, nbytes // payload)
         frags = mtu > PAGE_MTU
         with _path(mtu, path == "bridge") as (worker, peer):
-            turn = BPF(text=UDP_OF_C + _TURN_ROUND, cflags=[f"-DPEER_PORT={PEER_PORT}"])
+            turn = BPF(text=TURN_ROUND_PROGRAM, cflags=[f"-DPORT={PEER_PORT}"])
             redirect = BPF(text=REDIRECT_PROGRAM, cflags=[f"-DMEMBER_PORT={WORKER_PORT}", f"-DGROUP_PORT={WORKER_PORT}"])
             with in_netns(peer):
                 BPF.attach_xdp(b"p0", load_xdp_function(turn, "turn_round", frags=frags), BPF.XDP_FLAGS_DRV_MODE)

@@ -1,4 +1,5 @@
-"""An AF_XDP socket, through ctypes and numpy: its UMEM and its four rings.
+"""An AF_XDP socket, through ctypes and numpy: its UMEM and its four rings; and the small XDP programs
+and frame header of the lab's packet-path measurements.
 
 For the lab's AF_XDP measurements (``aggd.lab.xsk_client``, ``aggctl bench transport``), not for the
 client distribution: on the lab's veths AF_XDP did not beat the client's UDP sockets in an allreduce
@@ -36,7 +37,7 @@ FRAME_HEADER = 42
 
 #: C for XDP programs: the lab's headers and ``udp_of``, the UDP header of an IPv4 frame without
 #: options (its Ethernet and IP headers through ``e`` and ``i``), or NULL.
-UDP_OF_C = r"""
+UDP_OF_C = rb"""
 #include <uapi/linux/if_ether.h>
 #include <uapi/linux/ip.h>
 #include <uapi/linux/in.h>
@@ -57,7 +58,7 @@ static __always_inline struct udphdr *udp_of(struct xdp_md *ctx, struct ethhdr *
 
 #: The XDP program that hands the UDP datagrams to ``MEMBER_PORT`` and ``GROUP_PORT`` (cflags) to
 #: the socket in entry 0 of ``xsks`` and passes everything else up the stack.
-REDIRECT_PROGRAM = UDP_OF_C + r"""
+REDIRECT_PROGRAM = UDP_OF_C + rb"""
 BPF_XSKMAP(xsks, 1);
 int to_xsk(struct xdp_md *ctx) {
     struct ethhdr *eth;
@@ -65,6 +66,25 @@ int to_xsk(struct xdp_md *ctx) {
     struct udphdr *udp = udp_of(ctx, &eth, &ip);
     if (!udp || (udp->dest != htons(MEMBER_PORT) && udp->dest != htons(GROUP_PORT))) return XDP_PASS;
     return xsks.redirect_map(0, XDP_PASS);
+}
+"""
+
+#: An XDP program that sends each UDP datagram to ``PORT`` (cflags) back where it came from, MACs,
+#: addresses and ports swapped (both checksums stay valid: one's-complement sums commute), by
+#: XDP_TX: an aggregator's answer without the arithmetic (``bench transport``, tests/netns).
+TURN_ROUND_PROGRAM = UDP_OF_C + rb"""
+int turn_round(struct xdp_md *ctx) {
+    struct ethhdr *eth;
+    struct iphdr *ip;
+    struct udphdr *udp = udp_of(ctx, &eth, &ip);
+    if (!udp || udp->dest != htons(PORT)) return XDP_PASS;
+    unsigned char mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    __be32 addr = ip->saddr; ip->saddr = ip->daddr; ip->daddr = addr;
+    __be16 port = udp->source; udp->source = udp->dest; udp->dest = port;
+    return XDP_TX;
 }
 """
 

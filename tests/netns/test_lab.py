@@ -18,6 +18,7 @@ from aggd.cli.main import main as aggctl
 from aggd.cli.commands.lab import LossPercent
 import aggd.lab.namespaces as lab_module
 from aggd.lab.namespaces import Lab, LabError, in_netns, xdp_prog_id
+from aggd.lab.xsk import TURN_ROUND_PROGRAM
 from aggd_client.transport import UDP_SEGMENT
 from tests.conftest import unique_lab_name
 
@@ -26,31 +27,6 @@ pytestmark = pytest.mark.root
 GROUP = "239.77.0.1"
 BOUNCE_PORT = 47999
 SO_RCVBUFFORCE = 33  # not exported by the socket module
-
-# Turns a UDP datagram to BOUNCE_PORT around: swaps MACs, IPs and ports, then XDP_TX.
-# Swapping leaves both checksums valid (one's-complement sums are order-independent).
-BOUNCE_SRC = rb"""
-#include <uapi/linux/if_ether.h>
-#include <uapi/linux/ip.h>
-#include <uapi/linux/udp.h>
-#include <uapi/linux/in.h>
-int bounce(struct xdp_md *ctx) {
-    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
-    struct ethhdr *eth = data;
-    if ((void *)(eth + 1) > end || eth->h_proto != htons(ETH_P_IP)) return XDP_PASS;
-    struct iphdr *ip = (void *)(eth + 1);
-    if ((void *)(ip + 1) > end || ip->ihl != 5 || ip->protocol != IPPROTO_UDP) return XDP_PASS;
-    struct udphdr *udp = (void *)(ip + 1);
-    if ((void *)(udp + 1) > end || udp->dest != htons(PORT)) return XDP_PASS;
-    unsigned char mac[ETH_ALEN];
-    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
-    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
-    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
-    __be32 addr = ip->saddr; ip->saddr = ip->daddr; ip->daddr = addr;
-    __be16 port = udp->source; udp->source = udp->dest; udp->dest = port;
-    return XDP_TX;
-}
-"""
 
 
 def udp_socket(ns: str, bind: tuple[str, int] = ("0.0.0.0", 0), timeout: float = 1.0):
@@ -109,9 +85,9 @@ def test_xdp_tx_on_agg0_comes_back_through_the_bridge(make_lab):
 
     lab = make_lab(workers=2)
     assert xdp_prog_id(lab.switch_ns, "sw-agg"), "the peer XDP_PASS program is missing"
-    bpf = BPF(text=BOUNCE_SRC, cflags=[f"-DPORT={BOUNCE_PORT}"])
+    bpf = BPF(text=TURN_ROUND_PROGRAM, cflags=[f"-DPORT={BOUNCE_PORT}"])
     try:
-        fn = bpf.load_func(b"bounce", BPF.XDP)
+        fn = bpf.load_func(b"turn_round", BPF.XDP)
         with in_netns(lab.agg_ns):
             BPF.attach_xdp(lab.agg_ifname.encode(), fn, BPF.XDP_FLAGS_DRV_MODE)
         assert "xdp " in lab.check_output(lab.agg_ns, ["ip", "link", "show", "agg0"])  # native
