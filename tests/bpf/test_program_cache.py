@@ -19,7 +19,7 @@ from aggd.testing.frames import parse
 from aggd_client.protocol import Flag
 
 from .conftest import ELEMENTS, job_config
-from .test_xdp_fixtures import contrib
+from tests.fixtures.packets import contrib
 
 pytestmark = pytest.mark.root
 SLOTS = 16

@@ -7,20 +7,14 @@ import pytest
 from aggd.dataplane.xdp.bpf_syscall import prog_test_run
 from aggd.testing.frames import AGG_IP, AGG_MAC, frame, parse, worker_addr
 from aggd_client import protocol as proto
-from aggd_client.protocol import DropReason, Flag, Header, MsgType
+from aggd_client.protocol import Flag, Header, MsgType
+
+from tests.fixtures.packets import MALFORMED, contrib, header
 
 from .conftest import ELEMENTS, job_config
 
 pytestmark = pytest.mark.root
 GROUP = "239.77.0.1"
-
-
-def contrib(rank, round_=0, chunk=0, values=None, exponent=0, job=1, count=ELEMENTS, flags=0, **kw):
-    if values is None:
-        values = np.full(ELEMENTS, rank + 1, np.int32)
-    hdr = Header(type=MsgType.CONTRIB, job=job, rank=rank, round=round_, chunk=chunk, count=count,
-                 exponent=exponent, flags=flags, **kw)
-    return frame(hdr, values, elements=ELEMENTS)
 
 
 def run(dp, pkt):
@@ -191,47 +185,12 @@ def test_two_jobs_do_not_disturb_each_other(dp):
     np.testing.assert_array_equal(out1.payload, np.full(ELEMENTS, 6))
 
 
-def _hdr(**kw):
-    base = dict(type=MsgType.CONTRIB, job=1, rank=0, count=ELEMENTS)
-    base.update(kw)
-    return Header(**base)
-
-
-MALFORMED = [
-    # (name, frame, bucket (None = no job), drop reason, NACK code or None)
-    ("too short", lambda: frame(_hdr())[:14 + 20 + 8 + 20], None, DropReason.TOO_SHORT, None),
-    ("bad magic", lambda: frame(_hdr(magic=0x1234), elements=ELEMENTS), None, DropReason.BAD_MAGIC, None),
-    ("bad version", lambda: frame(_hdr(version=9), elements=ELEMENTS), None, DropReason.BAD_VERSION, None),
-    ("nack sent to aggregator", lambda: frame(_hdr(type=MsgType.NACK), elements=ELEMENTS), None,
-     DropReason.BAD_TYPE, None),
-    ("count zero", lambda: frame(_hdr(count=0), elements=ELEMENTS), None, DropReason.BAD_COUNT, None),
-    ("count beyond packet", lambda: frame(_hdr(count=20), elements=10), None, DropReason.BAD_COUNT, None),
-    ("count beyond packet size", lambda: frame(_hdr(count=ELEMENTS + 1), elements=ELEMENTS + 1), None,
-     DropReason.BAD_COUNT, None),
-    ("unknown job", lambda: frame(_hdr(job=77), elements=ELEMENTS), None, DropReason.UNKNOWN_JOB,
-     proto.NackCode.UNKNOWN_JOB),
-    ("job id out of range", lambda: frame(_hdr(job=60000), elements=ELEMENTS), None, DropReason.UNKNOWN_JOB,
-     proto.NackCode.UNKNOWN_JOB),
-    ("rank out of range", lambda: frame(_hdr(rank=3), src=worker_addr(0), elements=ELEMENTS), 1,
-     DropReason.BAD_RANK, proto.NackCode.NOT_MEMBER),
-    ("member forging another rank", lambda: frame(_hdr(rank=1), src=worker_addr(0), elements=ELEMENTS), 1,
-     DropReason.NOT_MEMBER, proto.NackCode.NOT_MEMBER),
-    ("non-member address", lambda: frame(_hdr(rank=0), src=("02:00:00:00:09:09", "10.77.0.99", 40000),
-                                         elements=ELEMENTS), 1, DropReason.NOT_MEMBER, proto.NackCode.NOT_MEMBER),
-    ("member's address, wrong port", lambda: frame(_hdr(rank=0), src=("02:00:00:00:01:00", "10.77.0.10", 1234),
-                                                   elements=ELEMENTS), 1, DropReason.NOT_MEMBER,
-     proto.NackCode.NOT_MEMBER),
-    ("chunk beyond max_chunks", lambda: frame(_hdr(chunk=1 << 20), elements=ELEMENTS), 1,
-     DropReason.BAD_CHUNK, None),
-]
-
-
 @pytest.mark.parametrize("kind", [MsgType.RESULT, MsgType.JOIN_ACK, MsgType.SHARDS])
 def test_results_and_join_answers_are_passed_to_the_daemon(dp, kind):
     """A rack job's upper results, the JOIN_ACK of its link and shard maps come to the daemon
     (which refuses a result from anyone but a rack job's upper aggregator, as bad_type)."""
     before = dp.job_stats(None).drops
-    res = run(dp, frame(_hdr(type=kind), elements=ELEMENTS))
+    res = run(dp, frame(header(type=kind), elements=ELEMENTS))
     assert res.verdict_name == "pass"
     assert dp.job_stats(None).drops == before
 
@@ -275,7 +234,7 @@ def test_other_traffic_passes_untouched(dp):
 
 def test_packets_the_kernel_cannot_hold_go_to_user_space(dp):
     dp.install_job(job_config(job=3, slots=8, kernel_slots=4))
-    short = frame(_hdr(job=3, count=10), np.ones(10, np.int32))
+    short = frame(header(job=3, count=10), np.ones(10, np.int32))
     assert run(dp, short).verdict_name == "pass"
     beyond = contrib(0, job=3, chunk=5)  # slot 5 of 8: only 4 are in the kernel
     assert run(dp, beyond).verdict_name == "pass"

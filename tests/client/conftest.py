@@ -21,3 +21,18 @@ def userspace_agg():
     finally:
         for agg in made:
             agg.close()
+
+
+@pytest.fixture(params=["numba", "numpy"])
+def path(request, monkeypatch):
+    """Run a test with the numba kernels (when installed), loaded by every client at once, and
+    with the numpy reference path."""
+    from aggd_client import _fast, client
+    if request.param == "numpy":
+        monkeypatch.setattr(_fast, "AVAILABLE", False)
+    elif not _fast.AVAILABLE:
+        pytest.skip("numba not installed")
+    else:
+        monkeypatch.setattr(client, "FAST_AFTER_VALUES", 0)
+    return request.param
+

@@ -13,8 +13,8 @@ import pytest
 from aggd_client import AggClient, StrategyInfo, WouldBlock
 from aggd_client.protocol.definition import StrategyKind
 
-from .test_client_async import (DELAYS, E, STRATEGIES, Workers, assert_close, check_training,
-                                close_all, grad, train)
+from tests.harness.client_loops import (DELAYS, E, STRATEGIES, Workers, assert_close, check_training, close_all,
+                                        grad, train)
 
 userspace = pytest.importorskip("aggd.dataplane.userspace.server")
 model = pytest.importorskip("aggd.core.model")

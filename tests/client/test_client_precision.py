@@ -1,8 +1,5 @@
-"""AggClient at int16 and int8 precision against a fake aggregator on 127.0.0.1 (no privileges).
-
-The fake (``PrecisionFake``) is test_client's ``FakeAggregator`` reading contributions in the type
-their ``code`` says and answering with results of the job's result type (int32 for int16, int16 for
-int8), as the protocol's Precision asks; ``result_code`` makes it answer in another precision.
+"""AggClient at int16 and int8 precision against a fake aggregator on 127.0.0.1 (no privileges):
+``PrecisionFake`` of tests/harness/fake_aggregator.py.
 """
 from __future__ import annotations
 
@@ -12,77 +9,11 @@ import numpy as np
 import pytest
 
 from aggd_client import AggClient, ProtocolError, quant
-from aggd_client.protocol import HEADER_SIZE, Header
-from aggd_client.protocol.definition import LANES, Flag, MsgType, NackCode, Precision
+from aggd_client.protocol import HEADER_SIZE
+from aggd_client.protocol.definition import LANES, Precision
 
-from .test_client import JOB, FakeAggregator, check_close, make_arrays, path, run_workers  # noqa: F401 (path: a fixture)
-
-
-class PrecisionFake(FakeAggregator):
-    def __init__(self, world: int, precision: Precision, *, result_code: int | None = None, room: bool = False,
-                 **kw):
-        super().__init__(world, **kw)
-        self.precision = Precision(precision)
-        self.room = room      # contributions carry room for their result (its values first)
-        self.result_code = int(self.precision) if result_code is None else int(result_code)
-        self.codes: set[int] = set()
-        self.sizes: set[int] = set()
-
-    def handle(self, data: bytes, src) -> None:
-        self.received += 1
-        h = Header.unpack(data)
-        assert h.type == MsgType.CONTRIB
-        self.codes.add(h.code)
-        self.sizes.add(len(data))
-        if h.code != self.precision:
-            return  # the data plane drops it (bad_precision)
-        if h.rank >= self.world:
-            return self._nack(h, NackCode.NOT_MEMBER, src)
-        lanes = LANES[self.precision]
-        key = (h.round, h.chunk)
-        if key in self.released:
-            self.rereads += 1
-            res, payload = self.released[key]
-            res.flags |= Flag.REREAD
-            return self._send(res.pack() + payload, src)
-        contribs = self.pending.setdefault(key, {})
-        if h.rank in contribs:
-            return
-        self.addr[h.rank] = src
-        contribs[h.rank] = (data, h.exponent, h.count)
-        if len(contribs) < self.world:
-            return
-        del self.pending[key]
-        width = lanes.result_bytes if self.room else lanes.contrib_bytes
-        q = np.stack([np.frombuffer(contribs[r][0], lanes.contrib, offset=HEADER_SIZE,
-                                    count=(len(contribs[r][0]) - HEADER_SIZE) // width)
-                      for r in sorted(contribs)])
-        assert np.abs(q.astype(np.int64)).max(initial=0) <= lanes.contrib_max
-        assert not q[:, h.count:].any(), "padding is zero"
-        e = np.array([[contribs[r][1]] for r in sorted(contribs)])
-        total, e_min = quant.align_and_sum(q[:, None, :], e)
-        assert np.abs(total).max() <= lanes.result_max, "honest senders never overflow the result lanes"
-        res = Header(type=MsgType.RESULT, job=h.job, rank=0xFFFF, round=h.round, chunk=h.chunk,
-                     count=h.count, exponent=int(e_min[0]), code=self.result_code,
-                     contributors=(1 << self.world) - 1, n_contrib=self.world)
-        rdtype = LANES[Precision(self.result_code)].result if self.result_code in LANES else "<i4"
-        payload = total[0].astype(rdtype).tobytes()
-        self.released[key] = (res, payload)
-        for r in range(self.world):
-            self._send(res.pack() + payload, self.addr[r])
-
-
-def bound(arrays, world, elements, precision, terms=None):
-    """Exact float64 sum and the per-element bound (result exponent: the smallest of the members'
-    exponents, which the members' own quantisation gives: the rounding does not change them)."""
-    flat = [np.ravel(a) for a in arrays]
-    exact = np.sum([f.astype(np.float64) for f in flat], axis=0)
-    exps = np.stack([quant.quantise_flat(f, world, elements, precision=precision, terms=terms)[1]
-                     for f in flat]).min(axis=0)
-    b = np.repeat(quant.error_bound(world, exps, precision=precision), elements)[:exact.size]
-    b = b + world * np.spacing(np.sum([np.abs(f.astype(np.float64)) for f in flat], axis=0))
-    return exact.reshape(np.shape(arrays[0])), b.reshape(np.shape(arrays[0]))
-
+from tests.harness.fake_aggregator import (JOB, PrecisionFake, check_close, expected_and_bound, make_arrays,
+                                           run_workers)
 
 E = 64
 
@@ -100,7 +31,7 @@ def test_narrow_sum_against_fake(bits, size, dtype, room):
         # contribution packets carry the narrow type (with room: as long as the result)
         lanes = LANES[p]
         assert fake.sizes == {HEADER_SIZE + E * (lanes.result_bytes if room else lanes.contrib_bytes)}
-    exact, b = bound(arrays, world, E, p)
+    exact, b = expected_and_bound(arrays, world, E, precision=p)
     for rs in results:
         for res in rs:
             assert res.dtype == np.dtype(dtype)

@@ -3,7 +3,6 @@ period, residuals persist and stay bounded without reset, keys are bounded (LRU)
 settings that turn it on."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
@@ -11,10 +10,8 @@ from aggd_client import AggClient, quant
 from aggd_client.feedback import ErrorFeedback
 from aggd_client.protocol.definition import Precision
 
+from tests.harness.fake_aggregator import JOB, PrecisionFake
 from tests.harness.ranks import run_ranks
-
-from .test_client import JOB
-from .test_client_precision import PrecisionFake
 
 E = 64
 

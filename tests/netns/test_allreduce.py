@@ -5,7 +5,6 @@ documented error bound (aggd.lab.worker), so each assertion here covers every me
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -13,22 +12,14 @@ import pytest
 
 from aggd.lab.runner import LabJob, run_workers, xdp_aggregator
 
+from tests.harness.lab_runs import assert_all_right
+
 pytestmark = pytest.mark.root
 
 DTYPES = ("float32", "float16", "float64")
 ITEMSIZE = {"float16": 2, "float32": 4, "float64": 8}
 SMALL = "1,256,257"  # one element, exactly one packet, one packet plus one element
 MIB = 1 << 20
-
-
-def assert_all_right(runs, expected_records, dp=None):
-    for run in runs:
-        stats = dp.job_stats(1) if dp is not None else ""
-        assert run.returncode == 0, f"rank {run.rank} failed:\n{run.stderr[-3000:]}\n{stats}"
-        assert len(run.records) == expected_records, run.stderr[-3000:]
-        for rec in run.records:
-            assert rec["shape_ok"], rec
-            assert rec["within_bound"], rec
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

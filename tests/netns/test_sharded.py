@@ -10,17 +10,12 @@ import pytest
 from aggd.lab.runner import LabJob, run_workers, xdp_aggregator
 from aggd_client.shards import ShardMap
 
+from tests.harness.lab_runs import assert_all_right
+
 pytestmark = pytest.mark.root
 
 E = 256
 SIZES = [1, E, E + 1, 37 * E + 5, 3, 262_147]   # shrink and grow, one value to many packets
-
-
-def assert_all_right(runs, expected_records):
-    for run in runs:
-        assert run.returncode == 0, f"rank {run.rank} failed:\n{run.stderr[-3000:]}"
-        assert len(run.records) == expected_records, run.stderr[-3000:]
-        assert all(rec["shape_ok"] and rec["within_bound"] for rec in run.records), run.records
 
 
 @pytest.mark.parametrize("weights, loss", [((1, 1), 0.0), ((1, 3, 2), 0.0), ((2, 1), 2.0)])

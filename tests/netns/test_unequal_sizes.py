@@ -17,7 +17,7 @@ from aggd.core import strategy as strat
 from aggd.lab.runner import LabJob, StrategyRun, run_workers, xdp_aggregator
 from aggd_client.protocol import DEFAULT_ELEMENTS, Flag
 
-from .test_allreduce import assert_all_right
+from tests.harness.lab_runs import assert_all_right
 
 pytestmark = pytest.mark.root
 WORLD = 4

@@ -23,7 +23,7 @@ from aggd.testing.frames import AGG_IP, worker_addr
 from aggd_client import protocol as proto
 
 from ..bpf.conftest import ELEMENTS, job_config
-from ..bpf.test_xdp_fixtures import MALFORMED, contrib
+from tests.fixtures.packets import MALFORMED, contrib
 from tests.harness.equivalence import (KINDS, NO_SHRINK, SEQUENCE_SETTINGS, SWAP_TEXTS, describe, frame, member,
                            departures, play_scenario, run_sequence, sequences, swaps, table_for)
 from tests.fixtures.scenarios import GROUP, JOB, SCENARIOS, T0_NS, entry, tag

@@ -13,6 +13,8 @@ import pytest
 from aggd.lab.runner import LabJob, run_workers
 from aggd_client.protocol import DEFAULT_PORT
 
+from tests.harness.lab_runs import assert_all_right
+
 pytestmark = pytest.mark.root
 
 SIZES = [1, 256, 257, 9_000, 70_001]
@@ -66,10 +68,7 @@ def test_two_racks_sum_through_a_spine_aggregator(make_lab, make_daemon):
     """Every sum right, and each rack sends the spine one contribution a chunk."""
     lab, daemons, top, racks = tree(make_lab, make_daemon)
     runs = run_racks(lab, racks, ["--sizes", ",".join(map(str, SIZES)), "--rounds", "2", "--interleave"])
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert len(run.records) == 2 * len(SIZES)
-        assert all(rec["within_bound"] and rec["shape_ok"] for rec in run.records), run.records
+    assert_all_right(runs, 2 * len(SIZES))
     chunks = 2 * sum(-(-n // 256) for n in SIZES)
     for r in range(2):
         shown = daemons[r].call("jobs.show", job=f"rack{r}")
@@ -99,9 +98,7 @@ def test_loss_on_every_link_is_recovered_at_both_levels(make_lab, make_daemon):
     lab, daemons, top, racks = tree(make_lab, make_daemon, loss=2.0)
     runs = run_racks(lab, racks, ["--sizes", "256,9000,70001", "--rounds", "4", "--interleave",
                                   "--give-up-after", "30"])
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert all(rec["within_bound"] and rec["shape_ok"] for rec in run.records), run.records
+    assert_all_right(runs)
     for r in range(2):
         c = counted(daemons[r].call("jobs.show", job=f"rack{r}")["paths"], "forwarded", "released", "retransmits")
         assert c["forwarded"] > c["released"] and c["retransmits"] > 0, c    # re-sent upwards
@@ -180,9 +177,7 @@ def test_a_rack_daemon_killed_and_restarted_while_the_racks_run(make_lab, make_d
     runs = run_racks(lab, racks, ["--sizes", "256,9000,70001", "--rounds", "12", "--interleave",
                                   "--give-up-after", "30"])
     t.join(60)
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert all(rec["within_bound"] and rec["shape_ok"] for rec in run.records), run.records
+    assert_all_right(runs)
     assert "link" in restarted, "the daemon was not restarted"
     assert restarted["at"] < 12 * sum(-(-n // 256) for n in (256, 9000, 70001)) / 2, restarted   # mid-run
     deadline = time.monotonic() + 10

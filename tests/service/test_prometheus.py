@@ -7,31 +7,28 @@ second before each round, with half of the job's slots in user space. Then: the 
 fires for rank 2 only, the overflow-to-user-space alert for the job (and not for a robust job,
 served in user space by design, whose members then give the dashboard their scores), every
 expression of every panel of configs/grafana/aggd.json and every recording rule returns data,
-``aggctl top`` shows the job, and stopping the daemon fires the daemon-down alert.
-
-Run as a script, this file is the lab's worker (join, then allreduce ``--rounds`` times, sleeping
-``--delay`` seconds before each).
+``aggctl top`` shows the job, and stopping the daemon fires the daemon-down alert. The workers are
+tests/harness/metrics_worker.py.
 """
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.harness.prometheus import Prometheus, free_port
 
 pytestmark = pytest.mark.root
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "configs" / "prometheus" / "aggd.rules.yml"
 DASHBOARD = ROOT / "configs" / "grafana" / "aggd.json"
+WORKER = ROOT / "tests" / "harness" / "metrics_worker.py"
 FOR = "2s"          # the alerts' `for:` in this test (the shipped file says minutes)
 ROUNDS = 14
 DELAY = 1.0         # rank 2 sleeps this long before each round
@@ -42,92 +39,8 @@ GRAFANA_VARIABLES = {"$__rate_interval": "1m", "${__rate_interval}": "1m", "$__i
                      "${__interval}": "5s", "$__range": "5m", "${__range}": "5m"}
 
 
-def free_port(ns: str) -> int:
-    from aggd.lab.namespaces import in_netns
-    with in_netns(ns):
-        s = socket.socket()
-    with s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def shortened_rules() -> str:
     return re.sub(r"(?m)^(\s+for:) \S+$", rf"\1 {FOR}", RULES.read_text())
-
-
-class Prometheus:
-    """Debian's prometheus in namespace ``ns``, scraping ``target`` every second."""
-
-    def __init__(self, lab, workdir: Path, target: str):
-        binary = shutil.which("prometheus")
-        assert binary, "Debian's prometheus is not installed: run scripts/setup.sh (APT_PACKAGES)"
-        self.lab, self.ns = lab, lab.agg_ns
-        rules = workdir / "aggd.rules.yml"
-        rules.write_text(shortened_rules())
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {rules}\n"
-            f"scrape_configs:\n  - job_name: aggd\n    static_configs:\n      - targets: ['{target}']\n")
-        check = subprocess.run(["promtool", "check", "config", str(config)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stdout + check.stderr
-        self.port = free_port(self.ns)
-        self.log_path = workdir / "prometheus.log"
-        with open(self.log_path, "w") as log:
-            self.proc = lab.run(self.ns, [binary, f"--config.file={config}",
-                                          f"--storage.tsdb.path={workdir / 'data'}",
-                                          f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-                                stdout=log, stderr=subprocess.STDOUT)
-        self.wait(lambda: self._get("/-/ready", raw=True) is not None, 60, "Prometheus ready")
-
-    def _get(self, path: str, raw: bool = False, **params):
-        from aggd.lab.namespaces import in_netns
-        url = f"http://127.0.0.1:{self.port}{path}"
-        if params:
-            url += "?" + urllib.parse.urlencode(params)
-        try:
-            with in_netns(self.ns):  # urllib's socket is made in the namespace
-                with urllib.request.urlopen(url, timeout=10) as resp:
-                    body = resp.read().decode()
-        except OSError:
-            if raw:
-                return None
-            raise
-        if raw:
-            return body
-        data = json.loads(body)
-        assert data["status"] == "success", data
-        return data["data"]
-
-    def query(self, expr: str) -> list:
-        return self._get("/api/v1/query", query=expr)["result"]
-
-    def rules(self) -> list[dict]:
-        return [r for g in self._get("/api/v1/rules")["groups"] for r in g["rules"]]
-
-    def firing(self, name: str) -> list[dict]:
-        return [a["labels"] for a in self._get("/api/v1/alerts")["alerts"]
-                if a["labels"]["alertname"] == name and a["state"] == "firing"]
-
-    def wait(self, cond, timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"prometheus exited:\n{self.log_path.read_text()[-3000:]}")
-            got = cond()
-            if got:
-                return got
-            time.sleep(0.5)
-        raise AssertionError(f"no {what} within {timeout} s")
-
-    def close(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def panel_expressions(dashboard: dict, job: str) -> list[tuple[str, str]]:
@@ -150,7 +63,7 @@ def panel_expressions(dashboard: dict, job: str) -> list[tuple[str, str]]:
 
 
 def start_worker(lab, w: int, rank: int, name: str, token: str, delay: float) -> subprocess.Popen:
-    return lab.run(lab.worker_ns(w), [sys.executable, __file__, "--server", f"{lab.agg_ip}:47000",
+    return lab.run(lab.worker_ns(w), [sys.executable, str(WORKER), "--server", f"{lab.agg_ip}:47000",
                                       "--bind", f"{lab.worker_ip(w)}:40000", "--job", name, "--token", token,
                                       "--rank", str(rank), "--rounds", str(ROUNDS), "--delay", str(delay),
                                       "--size", str(SIZE)],
@@ -163,7 +76,7 @@ def test_dashboard_rules_and_alerts_in_prometheus(make_lab, make_daemon, tmp_pat
     d = make_daemon(lab, metrics={"address": f"127.0.0.1:{metrics_port}"})
     job = d.call("jobs.create", name="train", world=3, slots=16, kernel_slots=8)
     assert (job["kernel_slots"], job["userspace_slots"]) == (8, 8)
-    prom = Prometheus(lab, tmp_path, f"127.0.0.1:{metrics_port}")
+    prom = Prometheus(lab, tmp_path, f"127.0.0.1:{metrics_port}", shortened_rules())
     workers = []
     try:
         assert {r["name"] for r in prom.rules()} >= {"AggdDown", "AggdStraggler", "AggdOverflowToUserspace"}
@@ -231,43 +144,3 @@ def test_dashboard_rules_and_alerts_in_prometheus(make_lab, make_daemon, tmp_pat
                 p.kill()
                 p.wait()
         prom.close()
-
-
-def _worker(argv=None) -> int:
-    import argparse
-
-    import numpy as np
-
-    from aggd_client import join
-    from aggd_client.shards import send_report
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--server", required=True)
-    ap.add_argument("--bind", required=True)
-    ap.add_argument("--job", required=True)
-    ap.add_argument("--token", required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--rounds", type=int, required=True)
-    ap.add_argument("--delay", type=float, default=0.0)
-    ap.add_argument("--size", type=int, default=SIZE)
-    a = ap.parse_args(argv)
-    host, port = a.server.rsplit(":", 1)
-    bhost, bport = a.bind.rsplit(":", 1)
-    x = np.full(a.size, float(a.rank + 1), np.float32)
-    with join((host, int(port)), a.job, a.rank, a.token, bind=(bhost, int(bport)), timeout=20,
-              give_up_after=30) as client:
-        world = client.job_info.world
-        t0 = time.monotonic()
-        for _ in range(a.rounds):
-            time.sleep(a.delay)
-            out = client.allreduce(x)
-            assert np.allclose(out, world * (world + 1) / 2), out[:4]
-        if a.rank == 0:   # the map of a job on one aggregator, so the dashboard's shard panels have data
-            send_report(client, version=0, call=a.rounds, weights=[1], index=0,
-                        rates=[a.size * a.rounds / (time.monotonic() - t0)], reason="the map given")
-    print(json.dumps({"rank": a.rank, "rounds": a.rounds}), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_worker())

@@ -11,6 +11,8 @@ import pytest
 from aggd.lab.runner import LabJob, run_workers
 from aggd_client.shards import ShardMap
 
+from tests.harness.lab_runs import assert_all_right
+
 pytestmark = pytest.mark.root
 
 SIZES = [1, 256, 257, 70_001]
@@ -33,10 +35,7 @@ def test_a_job_on_two_daemons_joined_with_one_token(make_lab, make_daemon):
     runs = run_workers(lab, LabJob(job=job["id"], workers=[0, 1, 2, 3], name="big", token=job["token"],
                                    weights=weights),
                        timeout=300, extra=["--sizes", ",".join(map(str, SIZES)), "--rounds", "2", "--interleave"])
-    for r in runs:
-        assert r.returncode == 0, r.stderr[-3000:]
-        assert len(r.records) == 2 * len(SIZES)
-        assert all(rec["within_bound"] and rec["shape_ok"] for rec in r.records), r.records
+    assert_all_right(runs, 2 * len(SIZES))
     m = ShardMap(weights)
     for i, d in enumerate(daemons):
         shown = d.call("jobs.show", job="big")

@@ -64,3 +64,20 @@ def test_the_rule_catches_a_daemon_importing_the_lab(tmp_path):
 def test_where_to_find_names_files_that_exist():
     for path in re.findall(r"`((?:aggd|xdp|client)/[\w/]+\.(?:py|c|h))`", DOC.read_text()):
         assert (ROOT / path).exists(), path
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures and harnesses live in tests/fixtures and tests/harness (docs/architecture.md,
+    "Tests"), so a test module never imports a test module."""
+    broken = []
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.split(".")[-1].startswith("test_") for n in names):
+                broken.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not broken, "test modules importing test modules:\n" + "\n".join(broken)

@@ -7,7 +7,7 @@ from aggd.daemon import config
 from aggd.core.policy import JobPolicy, PolicyError, PolicyRules, fill, rules_from_config
 from aggd.core.straggler import Detector, Observation, WorkerState
 
-from .test_straggler import const, simulate
+from tests.harness.straggler_sim import const, simulate
 
 
 def obs(round_: int, slow: dict[int, float] | None = None, *, world: int = 4, rounds: int = 4,

@@ -1,86 +1,12 @@
-"""The straggler detector (aggd.core.straggler) against synthetic data-plane counters.
-
-``simulate`` plays a job the way the XDP program counts it: per member, each round's chunks arrive
-at once after that member's step time; under ``sync`` a round is released when the last member
-arrives and every member's lag is its arrival minus the first one's; under ``quorum:k`` a round is
-released at the k-th arrival, later arrivals are late (carried: counted, no lag) and their sender
-starts its next step at once, on the newest round. Snapshots of the cumulative counters are taken
-every ``poll`` seconds, as the daemon does.
-"""
+"""The straggler detector (aggd.core.straggler) against synthetic data-plane counters: jobs played
+the way the XDP program counts them (tests/harness/straggler_sim.py)."""
 from __future__ import annotations
-
-import heapq
-import random
 
 import pytest
 
 from aggd.core.straggler import Detector, DetectorConfig, Snapshot
 
-CHUNKS = 19
-
-
-def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | None = None, jitter: float = 0.1,
-             poll: float = 0.2, seed: int = 0, steps_per_round=None):
-    """Snapshots of a job. ``step(rank, round) -> seconds`` of compute; ``strategy`` "sync" or
-    "quorum" (release at the ``k``-th own contribution); ``steps_per_round(rank, round)``: wbsp's
-    extra steps (sync only), spread over the time the fast members wait."""
-    rng = random.Random(seed)
-    k = world if strategy == "sync" else k
-    events = []  # (time, rank, contributions, lag_ns, late, round)
-    heap = [(step(i, 0) * (1 + jitter * rng.random()), i) for i in range(world)]
-    heapq.heapify(heap)
-    target = [0] * world
-    open_round, first, members = 0, None, []
-    while heap and open_round < rounds:
-        a, i = heapq.heappop(heap)
-        if target[i] < open_round:  # its round was released without it: late, carried
-            events.append((a, i, CHUNKS, 0, CHUNKS, target[i]))
-            target[i] = open_round
-            heapq.heappush(heap, (a + 0.001 + step(i, open_round) * (1 + jitter * rng.random()), i))
-            continue
-        first = a if first is None else first
-        members.append((a, i))
-        if len(members) < k:
-            continue
-        for at, m in members:  # released at a: everybody in it gets the result and goes on
-            n = steps_per_round(m, open_round) if steps_per_round else 1
-            for s in range(n):
-                t_s = at if n == 1 else first + (a - first) * s / (n - 1)
-                events.append((t_s, m, CHUNKS, int(CHUNKS * (t_s - first) * 1e9), 0, open_round))
-            target[m] = open_round + 1
-            heapq.heappush(heap, (a + 0.001 + step(m, open_round + 1) * (1 + jitter * rng.random()), m))
-        open_round, first, members = open_round + 1, None, []
-    events.sort()
-    snaps = []
-    cum = [[0, 0, 0, None] for _ in range(world)]
-    j = 0
-    end = events[-1][0]
-    t = poll
-    while t <= end + poll:
-        while j < len(events) and events[j][0] <= t:
-            _, i, c, lag, late, rr = events[j]
-            cum[i][0] += c
-            cum[i][1] += lag
-            cum[i][2] += late
-            cum[i][3] = rr if cum[i][3] is None else max(cum[i][3], rr)
-            j += 1
-        snaps.append(Snapshot(t, tuple(x[0] for x in cum), tuple(x[1] for x in cum), tuple(x[2] for x in cum),
-                              tuple(x[3] for x in cum)))
-        t += poll
-    return snaps
-
-
-def run(snaps, world, **cfg):
-    det = Detector(world, DetectorConfig(**cfg))
-    return det, [o for o in (det.update(s) for s in snaps) if o is not None]
-
-
-def const(fast: float, slow: float = 0.0, who: int = 3, start: int = 0, end: int | None = None):
-    def step(i, r):
-        if i == who and slow and r >= start and (end is None or r < end):
-            return fast * slow
-        return fast
-    return step
+from tests.harness.straggler_sim import const, run, simulate
 
 
 def test_an_even_job_is_never_flagged():
