@@ -992,7 +992,11 @@ int aggd_xdp(struct xdp_md *ctx)
 		int remembered = step == 0 && kidx < 64;
 		__u64 kbit = 1ULL << (kidx & 63);
 		int known = remembered && s->late_round[mi] == (__u64)round + 1;
-		if (ik < 0 && retransmit && !(known && (s->late_refused[mi] & kbit))) {
+		/* a copy, not a late contribution: retransmitted, or a first copy of step 0 whose round
+		 * a strategy other than quorum governed (released with every awaited member, its first
+		 * copy counted: a delayed packet, carried, would be added twice) */
+		int copy = retransmit || (step == 0 && !quorum_kind(st_new));
+		if (ik < 0 && copy && !(known && (s->late_refused[mi] & kbit))) {
 			if (known && (s->late_carried[mi] & kbit)) {
 				/* counted before with nothing to answer: answer now, if there is a result */
 				if (sc->irel_chunk >= 0)

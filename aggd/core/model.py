@@ -95,10 +95,11 @@ Slot rules (numbers as in docs/protocol.md)
   kind, param, timeout_us, t_first = now; bitmap, late, steps, flags, n_contrib start at 0.
   ssp:s admission is ``open.round + s >= K.round`` for every open bank (no unsigned underflow);
   async admits while fewer than 3 banks are open (nothing is ever overwritten unreleased).
-* Rule 4: the late contribution is refused ``stale`` if it is in no bank and has Flag.RETRANSMIT,
-  unless the slot's LateMemory of the member holds it: refused ``busy`` before (carried now, as
-  below), or carried before with no result to answer with (answered now with the newest released
-  result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
+* Rule 4: the late contribution is refused ``stale`` if it is in no bank and is a copy: it has
+  Flag.RETRANSMIT, or it is step 0 of a round a strategy other than quorum governs (such a round
+  released with every awaited member, so its first copy was counted), unless the slot's
+  LateMemory of the member holds it: refused ``busy`` before (carried now, as below), or carried
+  before with no result to answer with (answered now with the newest released result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
   contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
   an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
   K.round that is not *full* (quorum governs it and it holds ``world`` carries: ``Bank.carried``);
@@ -952,6 +953,13 @@ class AggregatorModel:
             return self._drop(cfg.job, DropReason.BAD_STEP)     # one row a member
         return self._slot_rules(job, job.slots[hdr.chunk % cfg.slots], hdr, values, src, now_ns)
 
+    def packet_sizes(self, job: int) -> tuple[int, int]:
+        """The payload sizes ``job``'s members send (docs/protocol.md, "Payload"): its packet of
+        contribution values, and the same with room for the result."""
+        lanes = LANES[Precision(self.jobs[job].cfg.precision)]
+        per_packet = self.elements * lanes.per_lane
+        return (per_packet * lanes.contrib_bytes, per_packet * lanes.result_bytes)
+
     def _kernel_sizes(self, lanes) -> tuple[int, ...]:
         """Payload sizes the kernel takes: its packet size of contribution values, and for a narrow
         precision the same with room for the result (docs/protocol.md, "Precision"); where frames
@@ -1109,7 +1117,12 @@ class AggregatorModel:
         remembered = hdr.step == 0 and k < 64         # what the slot's LateMemory can hold
         mem = slot.late[hdr.rank]
         known = remembered and mem.round == hdr.round
-        if origin is None and hdr.flags & Flag.RETRANSMIT and not (known and mem.refused >> k & 1):
+        # a copy, not a late contribution: retransmitted, or a first copy of step 0 whose round a
+        # strategy other than quorum governed (it released with every awaited member, this one's
+        # copy counted: a delayed packet, carried, would add it twice)
+        copy = hdr.flags & Flag.RETRANSMIT or (
+            hdr.step == 0 and governing(job.table, hdr.round).kind != StrategyKind.QUORUM)
+        if origin is None and copy and not (known and mem.refused >> k & 1):
             if known and mem.carried >> k & 1:         # counted, not answered yet
                 answer = slot.newest_released(hdr.chunk)
                 if answer is None:
@@ -1210,6 +1223,11 @@ class AggregatorModel:
         terms, ref = score_terms(rows, exps, bank.values, bank.exponent)
         job.scores[ranks, :2] += terms
         job.scores[ranks, S_REF] += ref
+
+    def refuse(self, bucket: int, reason: DropReason) -> Verdict:
+        """A packet its caller drops for ``reason`` before the rules (the daemon's own checks),
+        counted with this model's drops."""
+        return self._drop(bucket, reason)
 
     def _drop(self, bucket: int, reason: DropReason) -> Verdict:
         self._drops[bucket][reason] += 1

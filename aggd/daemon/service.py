@@ -402,9 +402,10 @@ class Service:
             log.warning("job %s: the kernel placed its slots at %d+%d, the registry planned %d+%d",
                         job.name, base, count, job.kernel_base, job.kernel_slots)
             job.kernel_base, job.kernel_slots = base, count
-        rerun = getattr(self.dp, "rerun", None)
-        if self.us is not None and rerun is not None and job.precision != proto.Precision.INT32:
-            # a narrow job's packet the kernel could not grow the frame of comes back to it
+        if self.us is not None:
+            # the kernel's slots are never served here too: a narrow job's packet the kernel could
+            # not grow the frame of goes back to it, any other job's of another size is dropped
+            rerun = getattr(self.dp, "rerun", None) if job.precision != proto.Precision.INT32 else None
             self.us.hand_back(job.id, job.slots, job.kernel_slots, rerun)
         table = job.strategy_table()
         if len(table.entries) > 1 or job.strategy.kind != proto.StrategyKind.SYNC:

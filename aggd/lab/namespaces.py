@@ -55,10 +55,9 @@ MAX_WORKERS = 64
 MAX_AGGREGATORS = 8
 # Only namespace names carry it (interface names are fixed); short, as they show up in ps and logs.
 _NAME_RE = re.compile(r"^[A-Za-z0-9_]{1,12}$")
-# Native XDP on a veth without multi-buffer support needs the frame in one page: 4096 - 256
-# headroom - 320 skb_shared_info - 14 Ethernet = 3506, which is what the kernel accepts here. Above
-# it, up to NATIVE_MAX_MTU, native programs are loaded with multi-buffer (frags) support.
-PAGE_MTU = 3506
+# Native XDP on a veth without multi-buffer support needs the frame in one page (3506). Above it,
+# up to NATIVE_MAX_MTU, native programs are loaded with multi-buffer (frags) support.
+PAGE_MTU = proto.PAGE_MAX_MTU
 NATIVE_MAX_MTU = proto.NATIVE_MAX_MTU
 # Above that a lab serves generic (skb) mode XDP only, which takes any frame a veth carries: jumbo
 # packets (protocol.MAX_ELEMENTS) need a 32,836-byte MTU.

@@ -64,7 +64,15 @@ def bmv2(make_lab, compiled, tmp_path):
     b.close()
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+#: Scenarios of a rule the v1model program does not follow yet (docs/p4.md, "What differs"): a
+#: delayed first copy of a contribution whose round sync, ssp, async or wbsp governed is dropped
+#: stale by the model and XDP; the program still carries it.
+NOT_IN_V1MODEL = {name for name in SCENARIOS if name.startswith(("async answers every", "sync: a delayed first copy"))}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
+    reason="the v1model program still carries a delayed copy (docs/p4.md, 'What differs')", strict=True))
+    if n in NOT_IN_V1MODEL else n for n in SCENARIOS])
 def test_scenario_on_bmv2(bmv2, name):
     """Each fixture table on the switch, clock frozen per step: every answer (bytes, and who gets
     it) and every counter as the model says."""

@@ -76,3 +76,19 @@ def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
     d.start(wait=False)
     assert d.proc.wait(60) == 1
     assert "dataplane.netns: no network namespace 'nosuchns'" in d.log() and "Traceback" not in d.log()
+
+
+def test_a_jumbo_link_names_the_settings_native_xdp_needs(make_lab, make_daemon):
+    """The default packet (256 values, a one-page program) on a link of MTU 9000, as `aggctl lab up`
+    makes by default: native attach fails (the kernel says only ERANGE), and the daemon says why
+    and which settings fix it; with larger packets (the multi-buffer program) it starts."""
+    lab = make_lab(1, mtu=9000)
+    d = make_daemon(lab, start=False)
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert "MTU 9000" in d.log() and "dataplane.elements_per_packet above 832" in d.log(), d.log()[-2000:]
+    assert 'dataplane.mode = "generic"' in d.log() and "Traceback" not in d.log()
+    d.configure(dataplane={"elements_per_packet": 2233})
+    d.start("--reset-kernel-state")     # the maps the failed start pinned are the other program's
+    status = d.call("status")["dataplane"]
+    assert status["attached"] and status["elements"] == 2233

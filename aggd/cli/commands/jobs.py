@@ -46,7 +46,8 @@ def list_(as_json):
 @click.option("--precision", type=click.Choice(["32", "16", "8"]),
               help="Bits of a contribution value (default 32). 16 and 8 send half and a quarter of the "
                    "bytes, summed exactly into 32- and 16-bit results; workers round stochastically and "
-                   "feed the rounding back (docs/precision.md). Served in user space for now.")
+                   "feed the rounding back (docs/precision.md). The XDP program adds them in the kernel (in "
+                   "user space with jumbo packets in generic mode, or behind a P4 switch).")
 @click.option("--max-abs", type=click.FloatRange(min=0, min_open=True),
               help="The largest magnitude a member's contribution may have: one with a value beyond it is "
                    "dropped and counted against the member (OFFENCES in `aggctl workers`; docs/protocol.md "

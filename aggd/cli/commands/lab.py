@@ -5,7 +5,9 @@ import json
 
 import click
 
-from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_AGGREGATORS, MAX_WORKERS, NATIVE_MAX_MTU, Lab, LabError
+from aggd_client.protocol import PAGE_MAX_ELEMENTS
+
+from aggd.lab.namespaces import JUMBO_MAX_MTU, MAX_AGGREGATORS, MAX_WORKERS, NATIVE_MAX_MTU, PAGE_MTU, Lab, LabError
 
 DEFAULT_NAME = "aggdlab"
 
@@ -44,7 +46,9 @@ def lab():
 @click.option("--loss", type=LossPercent(), default="0", show_default=True,
               help="Packets dropped in transit on the bridge, e.g. 2% or 0.5%.")
 @click.option("--mtu", type=click.IntRange(68, JUMBO_MAX_MTU), default=NATIVE_MAX_MTU, show_default=True,
-              help=f"above {NATIVE_MAX_MTU} (native XDP's limit) the aggregator must run generic mode")
+              help=f"above {PAGE_MTU} a native XDP aggregator needs elements_per_packet above "
+                   f"{PAGE_MAX_ELEMENTS} (multi-buffer frames); above {NATIVE_MAX_MTU} (native XDP's "
+                   f"limit) it must run generic mode")
 @click.option("--aggregators", type=click.IntRange(1, MAX_AGGREGATORS), default=1, show_default=True,
               help="Aggregator namespaces (10.77.0.1 onwards): a job sharded over several.")
 @click.option("--racks", type=click.IntRange(0, MAX_AGGREGATORS - 1), default=0, show_default=True,

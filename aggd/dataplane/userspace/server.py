@@ -119,9 +119,9 @@ class UserspaceAggregator(DataPlane):
         self.model = self._new_model(elements)     # the aggregator's packet size, and unknown jobs
         self._models: dict[int, AggregatorModel] = {elements: self.model}
         self._route: dict[int, AggregatorModel] = {}  # job -> the model of its packet size
-        #: job -> (slots, kernel slots, rerun): a narrow job's packets for kernel slots that the
-        #: kernel passed up (no room to grow the frame) go back to its program (``hand_back``)
-        self._kernel_held: dict[int, tuple[int, int, Callable[[bytes, Addr], Verdict]]] = {}
+        #: job -> (slots, kernel slots, rerun): packets for the job's kernel slots that reach this
+        #: path are never served by its own slots (``hand_back``)
+        self._kernel_held: dict[int, tuple[int, int, Callable[[bytes, Addr], Verdict] | None]] = {}
         self.handlers: dict[int, Handler] = dict(handlers or {})
         #: where jobs installed with an ``identity`` keep their slots across restarts (``keep``)
         self.keep_dir = Path(keep_dir) if keep_dir is not None else None
@@ -200,19 +200,22 @@ class UserspaceAggregator(DataPlane):
                 log.info("job %d: user-space slots taken up where the previous daemon left them", cfg.job)
 
     def hand_back(self, job: int, slots: int, kernel_slots: int,
-                  rerun: Callable[[bytes, Addr], Verdict] | None) -> None:
+                  rerun: Callable[[bytes, Addr], Verdict] | None = None) -> None:
         """Contributions and re-reads of ``job`` for its first ``kernel_slots`` slots (of ``slots``)
-        belong to the kernel's slots: when one reaches this path (the XDP program could not grow its
-        frame for a narrow job's wider result) it is decided by ``rerun`` (the program itself, on a
-        buffer with room: ``XdpDataPlane.rerun``), never by this path's own slots. None: no longer."""
+        belong to the kernel's (or the switch's) slots, never to this path's own: served here
+        beside the kernel's slot, a chunk's rounds would go two ways, and the kernel's slot then
+        refused the chunk's next round for good. When one reaches this path it is decided by
+        ``rerun`` (the program itself, on a buffer with room: ``XdpDataPlane.rerun``; a narrow job's
+        frame the XDP program could not grow); one that is not the job's packet size (the data
+        plane takes no other there) is dropped ``bad_count``. ``kernel_slots`` 0: no longer."""
         with self._lock:
-            if rerun is None or not kernel_slots:
+            if not kernel_slots:
                 self._kernel_held.pop(job, None)
             else:
                 self._kernel_held[job] = (int(slots), int(kernel_slots), rerun)
             fj = self._fast.jobs.get(job)
             if fj is not None:
-                fj.slow_only = job in self._kernel_held
+                fj.slow_only = self._kernel_held.get(job, (0, 0, None))[2] is not None
 
     def _drop(self, job: int) -> None:
         self._kernel_held.pop(job, None)
@@ -493,7 +496,11 @@ class UserspaceAggregator(DataPlane):
             held = self._kernel_held.get(job)
             if held is not None and size >= HEADER_SIZE and data[3] in (MsgType.CONTRIB, MsgType.REREAD) \
                     and int.from_bytes(data[12:16], "big") % held[0] < held[1]:
-                return held[2](bytes(data), src)          # the kernel's slot: its program decides
+                model = self._route.get(job)
+                if model is not None and size - HEADER_SIZE not in model.packet_sizes(job):
+                    return model.refuse(job, DropReason.BAD_COUNT)   # not the kernel slot's size
+                if held[2] is not None:
+                    return held[2](bytes(data), src)      # the kernel's slot: its program decides
             if size >= HEADER_SIZE and data[3] == MsgType.RESULT:   # from a rack job's upper aggregator?
                 model = next((m for m in self._models.values() if m.relays(job, src)), self.model)
                 return model.process(data, src, int(batch.nows[i]))

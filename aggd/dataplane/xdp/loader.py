@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import ipaddress
 import json
@@ -38,6 +39,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
 MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
+SIOCGIFMTU = 0x8921
 
 NO_JOB = proto.MAX_JOBS
 LAYOUT_DIR = Path("/run/aggd")
@@ -324,10 +326,30 @@ class XdpDataPlane(DataPlane):
             with self._in_netns():
                 BPF.attach_xdp(self.ifname.encode(), self.fn, MODES[self.mode])
         except Exception as exc:
-            raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}") from exc
+            raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}{self._attach_hint()}") from exc
         self.set_own_mac(self._interface_mac())
         self._attached = True
         log.info("attached %s to %s in %s mode", FUNCTION, self.ifname, self.mode)
+
+    def _attach_hint(self) -> str:
+        """Why native attach fails on a link whose MTU a one-page program cannot take (the kernel
+        says only ERANGE), and the settings that fix it; "" otherwise."""
+        if self.mode != "native" or self.frags:
+            return ""
+        try:
+            with self._in_netns():   # (sysfs shows the namespace it was mounted in: ask a socket)
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                    req = fcntl.ioctl(sock, SIOCGIFMTU, struct.pack("16si", self.ifname.encode(), 0))
+            mtu = struct.unpack_from("16si", req)[1]
+        except OSError:
+            return ""
+        if mtu <= proto.PAGE_MAX_MTU:
+            return ""
+        return (f" ({self.ifname}'s MTU {mtu} is above what a program of {self.elements} values a packet, "
+                f"built for one page a frame, takes natively (on veth {proto.PAGE_MAX_MTU}): set "
+                f"dataplane.elements_per_packet above {proto.PAGE_MAX_ELEMENTS} (multi-buffer frames, up to "
+                f"{proto.NATIVE_MAX_ELEMENTS} at MTU {proto.NATIVE_MAX_MTU}), lower the link's MTU, or set "
+                f'dataplane.mode = "generic")')
 
     def _interface_mac(self) -> bytes:
         from pyroute2 import IPRoute

@@ -28,6 +28,9 @@ DEFAULT_ELEMENTS = 256
 #: for 859 int32 after the headers; 832 = 13 * 64 keeps P4's 64-lane passes whole (see
 #: docs/protocol.md). Above it the XDP program is built for multi-buffer frames (XDP "frags").
 PAGE_MAX_ELEMENTS = 832
+#: That MTU: 4096 - 256 XDP headroom - 320 skb_shared_info - 14 Ethernet, what the kernel accepts for
+#: a native program without multi-buffer support on veth.
+PAGE_MAX_MTU = 3506
 #: Largest MTU native XDP serves (a multi-buffer program): the Ethernet jumbo frame real NICs offer.
 NATIVE_MAX_MTU = 9000
 #: Largest payload native XDP takes: what a NATIVE_MAX_MTU frame holds after the IP and UDP headers
