@@ -99,7 +99,8 @@ Slot rules (numbers as in docs/protocol.md)
   Flag.RETRANSMIT, or it is step 0 of a round a strategy other than quorum governs (such a round
   released with every awaited member, so its first copy was counted), unless the slot's
   LateMemory of the member holds it: refused ``busy`` before (carried now, as below), or carried
-  before with no result to answer with (answered now with the newest released result of its chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
+  before with no result to answer with (answered now with the newest released result of its
+  chunk, or dropped ``not_ready`` while there is none). The memory holds step-0
   contributions of one round per member and slot, by ``chunk // slots`` below 64; a refusal or
   an unanswered carry for a newer round replaces it; a carry clears the refusal bit. Otherwise its target is the open bank of the same chunk with the smallest round above
   K.round that is not *full* (quorum governs it and it holds ``world`` carries: ``Bank.carried``);
