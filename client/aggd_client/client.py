@@ -59,8 +59,8 @@ Transport, as docs/protocol.md asks:
   when first timeouts fire for chunks that answers to later chunks have passed by, regrown as
   answers come; without ``window``, at most ``flow.MAX_INFLIGHT_BYTES`` of packets, and the members'
   windows together at most ``flow.MAX_INFLIGHT_PACKETS``).
-  No new result for ``give_up_after`` seconds spent inside the client's calls while a round waits
-  raises ``NoAnswerError``.
+  No new result for ``give_up_after`` seconds (``GIVE_UP_AFTER``, 30, by default) spent inside the
+  client's calls while a round waits raises ``NoAnswerError``.
 
 Progress happens only inside calls (``allreduce_async``, ``wait``, ``done``, ``must_wait``): there is
 no thread. An ``AggClient`` is not thread-safe: one per worker (per thread).
@@ -100,6 +100,10 @@ __all__ = ["AggClient", "AllreduceHandle", "StrategyInfo", "WouldBlock", "ASYNC_
 
 # close(): how long late contributions to rounds already answered are retransmitted (seconds)
 LATE_LINGER = 1.0
+#: Seconds without a new result before a call gives up (``give_up_after``). Well above the time a
+#: daemon takes to declare a dead member gone (``[policy] silent_after``, 5 s, and a scan), so that
+#: the survivors of a dead worker go on rather than give up first, and above a daemon's restart.
+GIVE_UP_AFTER = 30.0
 #: Values reduced through numpy before the numba kernels are loaded (``AggClient(fast=None)``):
 #: what numpy's path costs more than theirs over these is about what loading them costs.
 FAST_AFTER_VALUES = 1 << 20
@@ -171,7 +175,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
     def __init__(self, server: tuple[str, int], job: int, rank: int, world: int, *,
                  group: tuple[str, int] | None = None, bind: tuple[str, int] = ("0.0.0.0", 0),
                  elements: int = 256, slots: int = 1024, window: int | None = None,
-                 retransmit_timeout: float = 0.05, give_up_after: float = 5.0,
+                 retransmit_timeout: float = 0.05, give_up_after: float = GIVE_UP_AFTER,
                  max_retransmit_interval: float = 0.2,
                  strategy: str | StrategyInfo | StrategyKind | None = None, gso: bool = True,
                  gro: bool = True, catch_up: bool = True, first_round: int = 0, tag: int = 0, headroom: int | None = None,
