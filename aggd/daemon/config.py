@@ -492,6 +492,16 @@ def to_toml(settings: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def applied(running: Config, new: Config) -> Config:
+    """What a SIGHUP makes of ``new``: its reloadable keys, and the running value of every other
+    key (those take effect at the next start; ``aggctl status`` shows what is in effect)."""
+    d, keep = new.to_dict(), running.to_dict()
+    for path in changed_keys(running, new) - RELOADABLE:
+        section, key = path.split(".", 1)
+        d[section][key] = keep[section][key]
+    return parse(d, new.source)
+
+
 def changed_keys(old: Config, new: Config) -> set[str]:
     """Key paths whose values differ between two configs."""
     a, b = old.to_dict(), new.to_dict()

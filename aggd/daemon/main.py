@@ -117,7 +117,7 @@ class Daemon:
             self.notifier.status(f"failed: {exc}")
             if self.metrics is not None:
                 self.metrics.close()
-            self.service.stop()
+            self.service.stop(failed_start=True)
             return 1
         n = len(self.service.registry.jobs)
         self.notifier.ready(f"serving {n} job(s) on {self.service.address}")

@@ -40,7 +40,7 @@ from aggd.core import strategy as strat
 
 from aggd.dataplane.xdp import loader as xdp_loader
 from aggd.dataplane.xdp import ops as xdp_ops
-from aggd.daemon.config import Config, changed_keys, RELOADABLE
+from aggd.daemon.config import Config, applied, changed_keys, RELOADABLE
 from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
 from aggd.core.model import Bound, Upstream
@@ -322,9 +322,10 @@ class Service:
             raise ServiceError(f"a kernel slot takes {xdp_ops.slot_size(self.dp)} bytes, the probe said "
                                f"{self.slot_bytes}: the budget would be wrong")
 
-    def stop(self) -> None:
+    def stop(self, failed_start: bool = False) -> None:
         """Detach XDP (or leave the switch) and stop serving; the pinned maps stay unless configured
-        otherwise."""
+        otherwise, or unless this start pinned them and failed (``failed_start``: they hold nothing a
+        later start needs, and the kernel memory they take is the user's)."""
         if self.policy is not None:
             self.policy.stop()
             self.policy = None
@@ -332,8 +333,9 @@ class Service:
         planes, self.dp, self.us = self.planes[::-1], None, None
         failed = None
         for plane in planes:  # the user-space path first: it answers what XDP passes on
+            made_here = failed_start and getattr(plane, "pins_made", False)
             try:
-                plane.stop(unpin=self.config.dataplane.unpin_on_stop)
+                plane.stop(unpin=self.config.dataplane.unpin_on_stop or made_here)
             except Exception as exc:  # noqa: BLE001 - stop the others, then say it
                 failed = failed or exc
         if failed is not None:
@@ -515,9 +517,11 @@ class Service:
 
     # -- reload --------------------------------------------------------------------------------------
     def reload(self, new: Config) -> list[str]:
-        """Apply what a SIGHUP can change; return the changed keys that need a restart."""
+        """Apply what a SIGHUP can change; return the changed keys that need a restart (their
+        running values stay until then)."""
         with self.lock:
             changed = changed_keys(self.config, new)
+            new = applied(self.config, new)
             self.config = new
             self.registry.with_limits(self._limits(new))
             wanted = new.dataplane.kernel_memory // self.slot_bytes
@@ -760,8 +764,10 @@ class Service:
     def cmd_strategy_show(self, job):
         j = self._job(job)
         top, _ = self._rounds(j)
+        # the newest version may govern only from a later round: say which one governs now
+        version, in_force = j.strategy_table().governing(0 if top is None else top)
         return {"job": j.name, "id": j.id, "current": str(j.strategy), "version": j.strategy_version,
-                "round": top,
+                "round": top, "in_force": {"strategy": str(in_force), "version": version},
                 "versions": [{"version": v, "from_round": r, "strategy": t} for v, r, t in j.strategies]}
 
     def cmd_strategy_set(self, job, strategy, from_round=None):

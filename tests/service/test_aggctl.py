@@ -55,6 +55,9 @@ def test_every_command(make_lab, make_daemon, slot_bytes, tmp_path):
     # a valid hot swap: applied where the kernel can take it, refused (and nothing recorded) where not
     res = d.aggctl("strategy", "set", "resnet", "quorum:2:20ms", "--from-round", "5")
     assert res.exit_code == 0 and "version 1" in res.output, res.output
+    # before round 5 sync still governs: show says which is in force and which comes
+    out = ok(d.aggctl("strategy", "show", "resnet"))
+    assert "sync (version 0) in force, round -; quorum:2:20ms (version 1) from round 5" in out, out
     # a job served wholly in user space takes a swap too
     out = ok(d.aggctl("strategy", "set", "tiny", "sync", "--from-round", "3"))
     assert "sync from round 3 (version 1)" in out
@@ -66,8 +69,9 @@ def test_every_command(make_lab, make_daemon, slot_bytes, tmp_path):
         [{"version": 7, "from_round": 0, "strategy": "wbsp"}]
 
     # error paths: bad strategy text (caught before the daemon), invalid for the job, unknown job
-    res = d.aggctl("strategy", "set", "resnet", "fastest")
-    assert res.exit_code == 2 and "unknown strategy 'fastest'" in res.output
+    for argv in (("strategy", "set", "resnet", "fastest"), ("jobs", "create", "y", "--world", "2", "--strategy", "fastest")):
+        res = d.aggctl(*argv)
+        assert res.exit_code == 2 and "unknown strategy 'fastest'" in res.output, (argv, res.output)
     res = d.aggctl("strategy", "set", "resnet", "quorum:7")
     assert res.exit_code == 1 and "aggd refused" in res.output and "quorum k=7" in res.output
     for argv in (("jobs", "show", "nope"), ("workers", "nope"), ("strategy", "show", "nope"),

@@ -38,7 +38,14 @@ def test_notify_reload_and_clean_stop(make_lab, make_daemon):
     d.notify.wait_for("READY=1", 10, after=mark)
     assert 'dataplane.mode: must be "native" or "generic", not "fast"' in d.log()
     assert d.call("status")["dataplane"]["mode"] == "native"  # still running, old config
-    d.configure(dataplane={"mode": "native"})
+    # a key that needs a restart: logged, and status shows the value in effect until then
+    d.configure(dataplane={"mode": "native", "port": 47100})
+    mark = len(d.notify.messages)
+    d.send(signal.SIGHUP)
+    d.notify.wait_for("READY=1", 10, after=mark)
+    assert "these changes need a restart: dataplane.port" in d.log()
+    assert d.call("status")["dataplane"]["port"] == 47000
+    d.configure(dataplane={"mode": "native", "port": 47000})
 
     # SIGTERM: STOPPING=1, XDP detached, maps and state kept
     mark = len(d.notify.messages)
@@ -88,7 +95,9 @@ def test_a_jumbo_link_names_the_settings_native_xdp_needs(make_lab, make_daemon)
     assert d.proc.wait(60) == 1
     assert "MTU 9000" in d.log() and "dataplane.elements_per_packet above 832" in d.log(), d.log()[-2000:]
     assert 'dataplane.mode = "generic"' in d.log() and "Traceback" not in d.log()
+    # the failed start pinned maps afresh and removed them: the next start needs no reset
+    assert not Path(d.pin_dir).exists() or not any(Path(d.pin_dir).iterdir())
     d.configure(dataplane={"elements_per_packet": 2233})
-    d.start("--reset-kernel-state")     # the maps the failed start pinned are the other program's
+    d.start()
     status = d.call("status")["dataplane"]
     assert status["attached"] and status["elements"] == 2233

@@ -6,6 +6,7 @@ import time
 
 import click
 
+from aggd.core import strategy as strat
 from aggd.daemon.control import ControlClient, ControlError, DaemonUnreachable
 
 #: Exit status when no daemon answers (like `systemctl status` for an inactive unit); a refused
@@ -32,6 +33,16 @@ def call(cmd: str, **args):
 
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+def checked_strategy(text: str) -> str:
+    """``text`` if it is a strategy; else a usage error (exit 2) saying what is wrong with it, without
+    asking the daemon."""
+    try:
+        strat.parse(text)
+    except strat.StrategyError as exc:
+        raise DaemonError(f"bad strategy {text!r}: {exc}", 2) from None
+    return text
 
 
 def echo_json(obj) -> None:

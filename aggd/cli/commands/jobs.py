@@ -6,7 +6,8 @@ import click
 from aggd_client.protocol import MAX_ELEMENTS, MAX_MEMBERS
 from aggd_client.quant import MAX_HEADROOM
 
-from aggd.cli.commands._daemon import call, echo_json, job_cells, job_columns, json_option, slot_range, table
+from aggd.cli.commands._daemon import (call, checked_strategy, echo_json, job_cells, job_columns, json_option,
+                                      slot_range, table)
 
 COUNTERS = ("rx_packets", "contributions", "released", "rereads", "to_userspace", "retransmits", "overflows")
 
@@ -83,7 +84,7 @@ def list_(as_json):
 def create(name, world, strategy, slots, elements, kernel_slots, headroom, precision, max_abs, max_norm, quarantine_after,
            combine, score_rho, score_after, token, upstream, upstream_token, upstream_rank, span, as_json):
     """Create job NAME and print its token (workers join with it)."""
-    args = {"name": name, "world": world, "strategy": strategy}
+    args = {"name": name, "world": world, "strategy": checked_strategy(strategy)}
     for key, value in (("slots", slots), ("elements", elements), ("kernel_slots", kernel_slots),
                        ("headroom", headroom), ("token", token),
                        ("precision", None if precision is None else int(precision)), ("max_abs", max_abs), ("max_norm", max_norm),

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import click
 
-from aggd.core import strategy as strat
-
-from aggd.cli.commands._daemon import DaemonError, call, echo_json, json_option, table
+from aggd.cli.commands._daemon import call, checked_strategy, echo_json, json_option, table
 
 
 @click.group()
@@ -14,8 +12,13 @@ def strategy():
 
 
 def _print(s: dict) -> None:
-    click.echo(f"job {s['job']} ({s['id']}): {s['current']} (version {s['version']}), "
-               f"round {'-' if s['round'] is None else s['round']}")
+    now = s["in_force"]
+    line = (f"job {s['job']} ({s['id']}): {now['strategy']} (version {now['version']}) in force, "
+            f"round {'-' if s['round'] is None else s['round']}")
+    if now["version"] != s["version"]:
+        newest = s["versions"][-1]
+        line += f"; {s['current']} (version {s['version']}) from round {newest['from_round']}"
+    click.echo(line)
     table(("VERSION", "FROM ROUND", "STRATEGY"), [(v["version"], v["from_round"], v["strategy"]) for v in s["versions"]])
 
 
@@ -36,11 +39,7 @@ def show(job, as_json):
 @json_option
 def set_(job, text, from_round, as_json):
     """Switch JOB to STRATEGY (sync, quorum:K[:TIMEOUT], ssp:S, async, wbsp) from a round on."""
-    try:
-        strat.parse(text)  # say what is wrong with the text without asking the daemon
-    except strat.StrategyError as exc:
-        raise DaemonError(f"bad strategy {text!r}: {exc}", 2) from None
-    args = {"job": job, "strategy": text}
+    args = {"job": job, "strategy": checked_strategy(text)}
     if from_round is not None:
         args["from_round"] = from_round
     s = call("strategy.set", **args)

@@ -203,6 +203,8 @@ class XdpDataPlane(DataPlane):
         if self.frags:
             cflags.append("-DAGGD_FRAGS")
         self.pin_dir = Path(pin_dir) if pin_dir else None
+        #: this load pins the maps afresh (none were there): a start that then fails removes them
+        self.pins_made = self.pin_dir is not None and not (self.pin_dir.is_dir() and any(self.pin_dir.iterdir()))
         if self.pin_dir is not None:
             self._check_pinned_layout()
             cflags.append(f'-DAGGD_PIN_DIR="{self.pin_dir}"')
@@ -215,7 +217,12 @@ class XdpDataPlane(DataPlane):
             self._recover_allocations()
             self._layout_file.write_text(json.dumps(self._layout()))
         if ifname is not None:
-            self.attach()
+            try:
+                self.attach()
+            except XdpError:
+                if self.pins_made:      # nothing a later start needs: leave no kernel memory pinned
+                    self.unpin()
+                raise
 
     # -- the program: compiled, or its instructions from the cache ----------------------------
     def _load(self, cflags: list[str]):
