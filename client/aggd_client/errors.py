@@ -59,14 +59,15 @@ class UnknownJobError(_Refused):
 
 class NotMemberError(_Refused):
     """NACK code 2: the rank is out of the job's range, or this worker's address is not the one
-    registered for the rank."""
+    registered for the rank (another worker joined as it, or the daemon quarantined it)."""
 
     code = 2
 
     def _message(self) -> str:
         return (f"aggregator {_addr(self.server)} refused rank {self.rank} of job {self.job} "
                 f"from {_addr(self.member_address)}: not a member (is the rank below the job's "
-                f"world size and this address the one registered for it?)")
+                f"world size and this address the one registered for it? A member the daemon "
+                f"quarantined is refused so too: `aggctl workers JOB` says why)")
 
 
 class BadTokenError(_Refused):

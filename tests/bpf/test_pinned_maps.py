@@ -50,3 +50,12 @@ def test_other_layout_is_refused_with_the_difference(pin_dir):
     XdpDataPlane(None, elements=ELEMENTS, total_slots=64, pin_dir=pin_dir).close()
     with pytest.raises(XdpError, match="total_slots"):
         XdpDataPlane(None, elements=ELEMENTS, total_slots=128, pin_dir=pin_dir)
+
+
+@pytest.mark.parametrize("elements", [1, 256, 832, 2233, 8192])
+def test_config_checks_slot_size_is_the_kernels(elements):
+    """`aggctl config check` counts slots with ``config.slot_bytes``: the size the daemon measures
+    from the maps header (it said 7090 slots where the daemon made 6374)."""
+    from aggd.daemon.config import slot_bytes
+    from aggd.dataplane.xdp.ops import probe_value_sizes
+    assert slot_bytes(elements) == probe_value_sizes(elements)["slots"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ AGGCTL = Path(sys.executable).with_name("aggctl")
 
 
 def test_make_demo_trains_switches_and_back_and_leaves_nothing():
-    out = subprocess.run([str(AGGCTL), "demo"], capture_output=True, text=True, timeout=600)
+    name = "dm" + uuid.uuid4().hex[:6]         # (every test names its namespaces uniquely)
+    out = subprocess.run([str(AGGCTL), "demo", "--name", name], capture_output=True, text=True, timeout=600)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert re.search(r"the daemon switched sync -> quorum:3\S* from round \d+: rank 3 \(", text), text[-3000:]
@@ -29,6 +31,6 @@ def test_make_demo_trains_switches_and_back_and_leaves_nothing():
              re.findall(r"^  (dynamic|sync): +[\d.]+ s +\(final accuracy ([\d.]+)", text, re.M)}
     assert set(final) == {"dynamic", "sync"} and min(final.values()) >= 0.94, text[-1500:]
     assert re.search(r"reached it \d+% (sooner|later) than sync", text), text[-1500:]
-    lab = re.search(r"^lab (\w+):", text, re.M).group(1)
+    assert re.search(rf"^lab {name}:", text, re.M), text[:500]
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert lab not in namespaces
+    assert name not in namespaces

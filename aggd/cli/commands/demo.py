@@ -123,7 +123,9 @@ SLOW_FROM, SLOW_UNTIL = 0.1, 0.4
 @click.option("--slow", default=3.0, show_default=True, help="how much slower the last worker turns")
 @click.option("--target", default=0.95, show_default=True, help="target test accuracy")
 @click.option("--no-baseline", is_flag=True, help="skip the sync run")
-def demo(workers, rounds, compute_ms, slow, target, no_baseline):
+@click.option("--name", help="the lab's name (its namespaces are NAME-agg, NAME-w0, ...; default: demo and "
+                             "4 random hex digits)")
+def demo(workers, rounds, compute_ms, slow, target, no_baseline, name):
     """Train a model with N workers through aggd while one turns slow for a while: the daemon
     switches strategy and back; then the same under sync, and the time to target accuracy of both."""
     from aggd.lab.namespaces import Lab
@@ -134,12 +136,16 @@ def demo(workers, rounds, compute_ms, slow, target, no_baseline):
     params = RunParams(workers=workers, rounds=rounds, compute_ms=compute_ms, target=target)
     start, end = SLOW_FROM, SLOW_UNTIL
     scenario = Scenario("phase", slow, start, end)
-    name = "demo" + uuid.uuid4().hex[:4]
+    name = name or "demo" + uuid.uuid4().hex[:4]
+    try:
+        lab = Lab(name, workers)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--name or --workers") from None
     click.echo(f"lab {name}: a bridge, the aggregator and {workers} worker namespaces; aggd's XDP data plane on "
                f"agg0 with its straggler policy on.\nEach worker trains a {64}-{params.hidden}-10 MLP on its "
                f"shard of scikit-learn's digits ({compute_ms:g} ms of compute a step); worker {workers - 1} "
                f"turns {slow:g}x slower for rounds {int(start * rounds)}..{int(end * rounds)}.\n")
-    with Lab(name, workers) as lab, lab_daemon(lab) as daemon:
+    with lab, lab_daemon(lab) as daemon:
         dyn = _train(lab, daemon, "dynamic", scenario, params,
                      "1) dynamic: the daemon picks the strategy from what it measures")
         for d in dyn.decisions:
