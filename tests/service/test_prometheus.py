@@ -89,7 +89,10 @@ def test_dashboard_rules_and_alerts_in_prometheus(make_lab, make_daemon, tmp_pat
         firing = prom.wait(lambda: prom.firing("AggdStraggler"), 60, "AggdStraggler firing")
         assert {(a["aggd_job"], a["rank"]) for a in firing} == {("train", "2")}, firing
 
-        # aggctl top finds the endpoint (address and namespace) from the daemon's config
+        # aggctl top finds the endpoint (address and namespace) from the daemon's config: the file
+        # given, or without one the file of the daemon its control socket reaches
+        res = d.aggctl("top", "--once", "--json", "--interval", "0.5")
+        assert res.exit_code == 0 and json.loads(res.output)["jobs"], res.output
         res = d.aggctl("top", "--config", str(d.config_path), "--once", "--json", "--interval", "1.5")
         assert res.exit_code == 0, res.output
         top = json.loads(res.output)

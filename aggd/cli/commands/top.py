@@ -3,8 +3,8 @@
 Two scrapes of ``/metrics`` an interval apart give the rates (rounds/s, elements/s, the kernel's
 share); gauges (strategy, lag, rounds behind) come from the newer one. The endpoint is found like
 the daemon finds it: ``[metrics] address`` of the daemon's config (``--config``, ``$AGGD_CONFIG``,
-``/etc/aggd/aggd.toml``), inside ``[dataplane] netns`` when that is set; ``--url`` and ``--netns``
-say otherwise.
+``/etc/aggd/aggd.toml``, else the file of the daemon the control socket reaches), inside
+``[dataplane] netns`` when that is set; ``--url`` and ``--netns`` say otherwise.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from aggd.cli.commands._daemon import EXIT_UNREACHABLE, DaemonError
+from aggd.cli.commands._daemon import EXIT_UNREACHABLE, DaemonError, call
 
 DEFAULT_URL = "http://127.0.0.1:9477/metrics"
 DEFAULT_CONFIG = Path("/etc/aggd/aggd.toml")
@@ -37,6 +37,8 @@ def endpoint(url: str | None, config: str | None, netns: str | None) -> tuple[st
         return url, netns
     path = config or os.environ.get("AGGD_CONFIG") or (str(DEFAULT_CONFIG) if DEFAULT_CONFIG.exists() else None)
     if path is None:
+        path = _running_config()
+    if path is None:
         return DEFAULT_URL, netns
     from aggd.daemon.config import ConfigError, load
 
@@ -47,6 +49,15 @@ def endpoint(url: str | None, config: str | None, netns: str | None) -> tuple[st
     host, _, port = cfg.metrics.address.rpartition(":")
     host = f"[{host.strip('[]')}]" if ":" in host.strip("[]") else host
     return f"http://{host}:{port}/metrics", netns if netns is not None else (cfg.dataplane.netns or None)
+
+
+def _running_config() -> str | None:
+    """The config file of the daemon the control socket reaches (``aggctl --socket``,
+    ``$AGGD_SOCKET``): a daemon started by hand with its own file; None if none answers."""
+    try:
+        return call("status").get("config")
+    except DaemonError:
+        return None
 
 
 def parse(text: str) -> Samples:
@@ -217,7 +228,8 @@ def render(v: dict, source: str) -> list[str]:
 @click.option("--url", help=f"The metrics endpoint (default: from the daemon's config, else {DEFAULT_URL}).")
 @click.option("--config", "config", type=click.Path(dir_okay=False),
               help="The daemon's config, for [metrics] address and [dataplane] netns "
-                   "(default $AGGD_CONFIG, else /etc/aggd/aggd.toml if it exists).")
+                   "(default $AGGD_CONFIG, else /etc/aggd/aggd.toml if it exists, else the file of the "
+                   "daemon the control socket reaches).")
 @click.option("--netns", help="Network namespace to reach the endpoint from (default: [dataplane] netns).")
 @click.option("--interval", "-n", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between refreshes (and between the two scrapes of --once).")
