@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,13 @@ def test_a_jumbo_link_names_the_settings_native_xdp_needs(make_lab, make_daemon)
     d.start()
     status = d.call("status")["dataplane"]
     assert status["attached"] and status["elements"] == 2233
+
+
+def test_a_stop_after_the_namespace_went_away_is_clean(make_lab, make_daemon):
+    """The data plane's namespace deleted under a running daemon (a lab taken down first): its
+    interfaces and their program went with it, and SIGTERM stops the daemon cleanly, saying so."""
+    lab = make_lab(1)
+    d = make_daemon(lab)
+    subprocess.run(["ip", "netns", "del", lab.agg_ns], check=True)
+    assert d.stop(signal.SIGTERM) == 0
+    assert "is gone: nothing to detach" in d.log() and "Traceback" not in d.log(), d.log()[-3000:]

@@ -420,9 +420,14 @@ class XdpDataPlane(DataPlane):
     def detach(self) -> None:
         if self._attached:
             from bcc import BPF
-            with self._in_netns():
-                BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
             self._attached = False
+            try:
+                with self._in_netns():
+                    BPF.remove_xdp(self.ifname.encode(), MODES[self.mode])
+            except FileNotFoundError:
+                # the namespace is gone, and its interfaces with their programs
+                log.warning("network namespace %s is gone: nothing to detach from %s", self.netns, self.ifname)
+                return
             log.info("detached from %s", self.ifname)
 
     def close(self) -> None:
