@@ -751,13 +751,16 @@ class Service:
     def cmd_workers(self, job):
         j = self._job(job)
         top, per_rank = self._rounds(j)
-        offences = {int(r["rank"]): int(r.get("offences", 0)) for r in (self.member_stats(j) or [])}
+        stats = {int(r["rank"]): r for r in (self.member_stats(j) or [])}
         rows = []
         for rank in range(j.world):
             m = j.members.get(rank)
+            # the slots' banks show recent rounds only; the member's counters keep its newest
+            # (a dead member's rounds leave the banks as the others go on)
+            seen = [x for x in (per_rank.get(rank), stats.get(rank, {}).get("last_round")) if x is not None]
             rows.append({"rank": rank, "address": list(m.address) if m else None,
-                         "joined_at": m.joined_at if m else None, "last_round": per_rank.get(rank),
-                         "lag": None, "gone": j.gone.get(rank), "offences": offences.get(rank, 0),
+                         "joined_at": m.joined_at if m else None, "last_round": max(seen) if seen else None,
+                         "lag": None, "gone": j.gone.get(rank), "offences": int(stats.get(rank, {}).get("offences", 0)),
                          **self._policy_view(j, rank)})
         return {"job": j.name, "id": j.id, "round": top, "workers": rows, **self._policy_view(j)}
 

@@ -131,3 +131,6 @@ def test_the_readmes_client_defaults_outlast_a_dead_workers_declaration(lab_daem
             if p.poll() is None:
                 p.kill()
     assert "rank 2 declared gone" in d.log()
+    # aggctl workers names the dead rank's last round, long after the slots' banks moved on
+    dead = d.call("workers", job="readme")["workers"][2]
+    assert dead["gone"] and dead["last_round"] is not None and dead["last_round"] >= 50, dead
