@@ -116,18 +116,22 @@ class AggdHookState:
 
         fut = torch.futures.Future()
         self.buckets_seen.add(index)
+        from .torch.work import raising
+
         if not self.threaded:
             try:
                 fut.set_result(self._reduce(index, tensor))
             except Exception as exc:
                 fut.set_exception(exc)
-            return fut
+            return raising(fut)
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="aggd-ddp-hook", daemon=True)
                 self._thread.start()
         self._queue.put((index, tensor, fut))
-        return fut
+        # DDP reads the future in C++: a failure set on it would be taken for its tensor ("Unable
+        # to cast ... to Tensor"); the continuation's is an error it raises from backward()
+        return raising(fut)
 
     def _run(self) -> None:
         while True:

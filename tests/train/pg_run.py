@@ -90,7 +90,9 @@ def collectives(rank: int, world: int, init: str, env: dict, out) -> None:
         # refused, with a message naming what
         for name, fn in (("max", lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.MAX)),
                          ("int", lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64))),
-                         ("meta", lambda: dist.all_reduce(torch.ones(4, device="meta")))):
+                         ("meta", lambda: dist.all_reduce(torch.ones(4, device="meta"))),
+                         ("mixed", lambda: dist.distributed_c10d._get_default_group().allreduce(
+                             [torch.ones(3), torch.ones(3, dtype=torch.float64)]).wait())):
             try:
                 fn()
                 report["refusals"][name] = None

@@ -15,7 +15,7 @@ import pytest
 import torch  # a dev requirement (requirements-dev.txt): never skipped
 
 from aggd_client import AggClient, quant
-from aggd_client.torch_hook import AggdHookState, reduce_tensor
+from aggd_client.torch_hook import AggdHookState, aggd_hook, reduce_tensor
 
 from . import ddp_run
 
@@ -192,3 +192,33 @@ def test_the_hook_reduces_buckets_through_a_sharded_client():
         for r in range(world):
             np.testing.assert_allclose(out[r][i].numpy(), exact, atol=1e-5)
         assert torch.equal(out[0][i], out[1][i])
+
+
+class _Silent:
+    """A client whose every round fails as one nobody answers."""
+    strategy = "sync"
+    round = 0
+
+    def allreduce_async(self, x, op):
+        from aggd_client import NoAnswerError
+        raise NoAnswerError(("10.0.0.1", 47000), 1, 30.0, "round 0: 0 of 1 chunks answered")
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_failed_round_reaches_backward_as_an_error_naming_it(tmp_path, threaded):
+    """DDP reads the hook's future in C++: the failure must be an error there, not the future's value
+    (DDP then said "Unable to cast no answer from aggregator ... to Tensor"). One process, gloo."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = DDP(torch.nn.Linear(4, 2))
+        model.register_comm_hook(AggdHookState(_Silent(), threaded=threaded), aggd_hook)
+        loss = model(torch.ones(3, 4)).sum()
+        with pytest.raises(RuntimeError) as info:
+            loss.backward()
+        assert "no answer from aggregator 10.0.0.1:47000" in str(info.value)
+        assert "Unable to cast" not in str(info.value)
+    finally:
+        dist.destroy_process_group()

@@ -40,6 +40,18 @@ def check_tensor(t) -> None:
                          f"host memory), not tensors on {t.device}")
 
 
+def check_tensors(tensors) -> None:
+    """``check_tensor`` of each of one allreduce's ``tensors``, which must be some and share a dtype
+    (TypeError otherwise)."""
+    if not tensors:
+        raise ValueError("aggd allreduce needs at least one tensor")
+    for t in tensors:
+        check_tensor(t)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) > 1:
+        raise TypeError(f"the tensors of one aggd allreduce must share a dtype, not {sorted(map(str, dtypes))}")
+
+
 def to_numpy(t):
     """(numpy array to send, torch dtype to return) for a tensor; a tensor on another device than
     the CPU is copied to host memory first (``Tensor.cpu()``)."""
@@ -62,13 +74,7 @@ def from_numpy(arr: np.ndarray, dtype, shape):
 def stage_in(tensors) -> tuple[np.ndarray, object]:
     """One flat host array holding every tensor of ``tensors`` (one dtype, the order given), and
     their torch dtype. A single CPU tensor's array may share its memory (it is only read)."""
-    if not tensors:
-        raise ValueError("aggd allreduce needs at least one tensor")
-    for t in tensors:
-        check_tensor(t)
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) > 1:
-        raise TypeError(f"the tensors of one aggd allreduce must share a dtype, not {sorted(map(str, dtypes))}")
+    check_tensors(tensors)
     arrays = [to_numpy(t)[0].reshape(-1) for t in tensors]
     flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
     return np.ascontiguousarray(flat), tensors[0].dtype

@@ -162,9 +162,8 @@ class AggdProcessGroup(dist.ProcessGroup):
         name = _op_name(op)
         if name not in OPS:
             raise ValueError(f"the aggd backend reduces with ReduceOp.SUM and ReduceOp.AVG, not ReduceOp.{name}")
-        from .convert import check_tensor
-        for t in tensors:
-            check_tensor(t)  # refused here, before anything is queued (the same on every rank)
+        from .convert import check_tensors
+        check_tensors(tensors)  # refused here, before anything is queued (the same on every rank)
         return AggdWork(self._reducer.submit(tensors, OPS[name]), "allreduce")
 
     def allreduce_coalesced(self, tensors, opts=None):

@@ -16,11 +16,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["AggdWork", "completed_work", "failed_work"]
+__all__ = ["AggdWork", "completed_work", "failed_work", "raising"]
 
 
 def _unwrap(f: torch.futures.Future):
     return f.wait()   # raises the reduction's error inside the continuation
+
+
+def raising(fut: torch.futures.Future) -> torch.futures.Future:
+    """``fut``'s continuation, whose failure C++ consumers (DDP) see as an error (module docstring)."""
+    return fut.then(_unwrap)
 
 
 class AggdWork(dist._Work):
@@ -28,7 +33,7 @@ class AggdWork(dist._Work):
 
     def __init__(self, fut: torch.futures.Future, what: str = "allreduce"):
         super().__init__()
-        self._fut = fut.then(_unwrap)   # a failure of `fut` becomes a C++ error (module docstring)
+        self._fut = raising(fut)   # a failure of `fut` becomes a C++ error (module docstring)
         self._what = what
 
     def wait(self, timeout=None) -> bool:  # noqa: ARG002 - the group's timeout is enforced upstream
