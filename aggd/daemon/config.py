@@ -492,14 +492,16 @@ def to_toml(settings: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def applied(running: Config, new: Config) -> Config:
+def applied(running: Config, new: Config) -> tuple[Config, list[str]]:
     """What a SIGHUP makes of ``new``: its reloadable keys, and the running value of every other
-    key (those take effect at the next start; ``aggctl status`` shows what is in effect)."""
+    key (those take effect at the next start; ``aggctl status`` shows what is in effect); and the
+    changed keys that so wait for a restart."""
     d, keep = new.to_dict(), running.to_dict()
-    for path in changed_keys(running, new) - RELOADABLE:
+    waiting = sorted(changed_keys(running, new) - RELOADABLE)
+    for path in waiting:
         section, key = path.split(".", 1)
         d[section][key] = keep[section][key]
-    return parse(d, new.source)
+    return parse(d, new.source), waiting
 
 
 def changed_keys(old: Config, new: Config) -> set[str]:

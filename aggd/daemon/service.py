@@ -40,7 +40,7 @@ from aggd.core import strategy as strat
 
 from aggd.dataplane.xdp import loader as xdp_loader
 from aggd.dataplane.xdp import ops as xdp_ops
-from aggd.daemon.config import Config, applied, changed_keys, RELOADABLE
+from aggd.daemon.config import Config, applied
 from aggd.daemon.control import ControlError, check_args
 from aggd.dataplane import DataPlaneError, holding, max_round, member_rows
 from aggd.core.model import Bound, Upstream
@@ -520,15 +520,14 @@ class Service:
         """Apply what a SIGHUP can change; return the changed keys that need a restart (their
         running values stay until then)."""
         with self.lock:
-            changed = changed_keys(self.config, new)
-            new = applied(self.config, new)
+            new, waiting = applied(self.config, new)
             self.config = new
             self.registry.with_limits(self._limits(new))
             wanted = new.dataplane.kernel_memory // self.slot_bytes
             if new.dataplane.kind == "xdp" and wanted > self.kernel_capacity:
                 log.warning("dataplane.kernel_memory grew to %d slots; the kernel array holds %d until a "
                             "restart with --reset-kernel-state", wanted, self.kernel_capacity)
-            return sorted(changed - RELOADABLE)
+            return waiting
 
     # -- aggctl requests ---------------------------------------------------------------------------------
     #: Each aggctl command's arguments and their kinds (aggd.daemon.control.check_args): a request

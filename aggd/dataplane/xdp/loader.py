@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import hashlib
 import ipaddress
 import json
@@ -39,7 +38,6 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0
 XDP_FLAGS_SKB_MODE = 1 << 1
 XDP_FLAGS_DRV_MODE = 1 << 2
 MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
-SIOCGIFMTU = 0x8921
 
 NO_JOB = proto.MAX_JOBS
 LAYOUT_DIR = Path("/run/aggd")
@@ -344,11 +342,8 @@ class XdpDataPlane(DataPlane):
         if self.mode != "native" or self.frags:
             return ""
         try:
-            with self._in_netns():   # (sysfs shows the namespace it was mounted in: ask a socket)
-                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-                    req = fcntl.ioctl(sock, SIOCGIFMTU, struct.pack("16si", self.ifname.encode(), 0))
-            mtu = struct.unpack_from("16si", req)[1]
-        except OSError:
+            mtu = self._link().get_attr("IFLA_MTU")
+        except (OSError, XdpError):
             return ""
         if mtu <= proto.PAGE_MAX_MTU:
             return ""
@@ -358,13 +353,17 @@ class XdpDataPlane(DataPlane):
                 f"{proto.NATIVE_MAX_ELEMENTS} at MTU {proto.NATIVE_MAX_MTU}), lower the link's MTU, or set "
                 f'dataplane.mode = "generic")')
 
-    def _interface_mac(self) -> bytes:
+    def _link(self):
+        """The interface's link message (pyroute2), read in its namespace."""
         from pyroute2 import IPRoute
         with IPRoute(netns=self.netns, flags=0) if self.netns else IPRoute() as ipr:
             links = ipr.get_links(ifname=self.ifname)
         if not links:
             raise XdpError(f"no interface {self.ifname}")
-        return _mac_of(links[0].get_attr("IFLA_ADDRESS"))
+        return links[0]
+
+    def _interface_mac(self) -> bytes:
+        return _mac_of(self._link().get_attr("IFLA_ADDRESS"))
 
     def set_own_mac(self, mac: bytes | None) -> None:
         """The MAC unicast frames must be sent to for the program to take them (None: any; the
