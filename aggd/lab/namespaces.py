@@ -266,6 +266,10 @@ class Node:
     address: str | None
     mac: str | None
     state: str  # "up", "down" or "missing"
+    #: an aggregator's bridge port, which `aggctl lab link` shapes or cuts: "up", "down" or "missing"
+    port_state: str | None = None
+    #: that port's token-bucket limit towards the aggregator, Mbit/s (None: none)
+    rate_mbit: float | None = None
 
 
 class Lab:
@@ -598,8 +602,11 @@ class Lab:
         """What exists right now: one Node per namespace, the loss setting and the XDP_PASS id."""
         nodes = [self._node("switch", self.switch_ns, BRIDGE, None)]
         for i in range(self.aggregators):
-            nodes.append(self._node("aggregator" if i == 0 else f"aggregator {i}", self.agg_ns_of(i),
-                                    AGG_IFNAME, self.agg_ip_of(i)))
+            node = self._node("aggregator" if i == 0 else f"aggregator {i}", self.agg_ns_of(i),
+                              AGG_IFNAME, self.agg_ip_of(i))
+            if netns_exists(self.switch_ns):
+                node.port_state, node.rate_mbit = self._port(i)
+            nodes.append(node)
         for i in range(self.workers):
             nodes.append(self._node(f"worker {i}", self.worker_ns(i), WORKER_IFNAME,
                                     self.worker_ip(i)))
@@ -614,6 +621,18 @@ class Lab:
             "sw_agg_xdp_prog_id": xdp,
             "nodes": [asdict(n) for n in nodes],
         }
+
+    def _port(self, i: int) -> tuple[str, float | None]:
+        """The bridge's port to aggregator ``i``: its state and its token-bucket rate (Mbit/s)."""
+        with IPRoute(netns=self.switch_ns, flags=0) as ipr:
+            links = ipr.get_links(ifname=self.agg_port_of(i))
+        if not links:
+            return "missing", None
+        qdiscs = json.loads(self.check_output(self.switch_ns, ["tc", "-j", "qdisc", "show", "dev",
+                                                               self.agg_port_of(i)]) or "[]")
+        rates = [q["options"]["rate"] for q in qdiscs if q.get("kind") == "tbf" and q.get("root")]
+        # tc gives bytes per second
+        return "up" if links[0]["flags"] & 1 else "down", (rates[0] * 8 / 1e6 if rates else None)
 
     def _node(self, role: str, ns: str, ifname: str, address: str | None) -> Node:
         if not netns_exists(ns):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import socket
 import struct
@@ -306,9 +307,14 @@ def test_two_racks_behind_a_spine():
         # a slower link, then one that is gone, and back
         assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--rate", "50"]).exit_code == 0
         assert "tbf" in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg1"])
+        shown = runner.invoke(aggctl, ["lab", "status", "--name", name]).output
+        assert re.search(r"aggregator 1 .* up, 50 Mbit/s$", shown, re.M), shown
         assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--rate", "off",
                                       "--state", "down"]).exit_code == 0
         assert "tbf" not in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg1"])
+        info = json.loads(runner.invoke(aggctl, ["lab", "status", "--name", name, "--json"]).output)
+        ports = [(n["port_state"], n["rate_mbit"]) for n in info["nodes"] if n["role"].startswith("aggregator")]
+        assert ports == [("up", None), ("down", None), ("up", None)], ports
         assert not lab.ping(lab.worker_ns(3), lab.agg_ip_of(1), timeout=0.3)
         assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--state", "up"]).exit_code == 0
         assert lab.ping(lab.worker_ns(3), lab.agg_ip_of(1))

@@ -127,10 +127,18 @@ def link(name, aggregator, rate, state):
                + (f" {state}" if state else ""))
 
 
+def _port(node: dict) -> str:
+    """An aggregator's bridge port as `lab link` left it: its state and any rate limit."""
+    if node.get("port_state") is None:
+        return "-"
+    rate = node.get("rate_mbit")
+    return node["port_state"] + (f", {rate:g} Mbit/s" if rate is not None else "")
+
+
 def _print_table(info: dict) -> None:
-    header = ("ROLE", "NAMESPACE", "IFACE", "ADDRESS", "MAC", "STATE")
+    header = ("ROLE", "NAMESPACE", "IFACE", "ADDRESS", "MAC", "STATE", "BRIDGE PORT")
     keys = ("role", "namespace", "ifname", "address", "mac", "state")
-    rows = [header] + [tuple(str(n[k] or "-") for k in keys) for n in info["nodes"]]
+    rows = [header] + [tuple(str(n[k] or "-") for k in keys) + (_port(n),) for n in info["nodes"]]
     widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     for row in rows:
         click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
