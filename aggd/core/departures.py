@@ -46,12 +46,15 @@ class Silent:
 
 
 def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], now_ns: int, awaited: int,
-                   rules: DepartureRules, step_s: float | None = None, since_ns: int = 0) -> list[Silent]:
+                   rules: DepartureRules, step_s: float | None = None, since_ns: int = 0,
+                   starting: int = 0) -> list[Silent]:
     """The awaited members to declare gone: missing from a round that has been open (with some
     awaited member in it) longer than the threshold, and silent as long. A member that never
-    contributed is starting (the job waits for it, as at any start) and is left to the operator.
-    ``rows`` and ``open_rounds`` read at ``now_ns``, on the data plane's clock (CLOCK_MONOTONIC).
-    Nothing before ``since_ns`` counts (the daemon's start: members wait through a restart)."""
+    contributed is starting (the job waits for it, as at any start) and is left to the operator;
+    so are the members in ``starting`` (a bitmap: those a restart under way waits for,
+    ``Restart.waiting_for``). ``rows`` and ``open_rounds`` read at ``now_ns``, on the data plane's
+    clock (CLOCK_MONOTONIC). Nothing before ``since_ns`` counts (the daemon's start: members wait
+    through a restart)."""
     if rules.silent_after_s <= 0:
         return []
     limit = rules.threshold_s(step_s)
@@ -65,12 +68,44 @@ def silent_members(rows: list[dict], open_rounds: list[tuple[int, int, int]], no
         rank = int(r["rank"])
         if not waited_for >> rank & 1:
             continue
-        if r["last_round"] is None:    # not started yet (imports, compilation): the job waits
+        if r["last_round"] is None or starting >> rank & 1:   # not (re)started yet: the job waits
             continue
         silent = (now_ns - max(r["last_ns"], since_ns)) / 1e9
         if silent >= limit:
             out.append(Silent(rank, silent, limit, r["last_round"], newest))
     return out
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Members of a job restarting together (a training script run again, torchrun restarting the
+    group): the round each of them starts at, the job's newest round when the first rejoined, and
+    the ranks that have rejoined."""
+    round: int
+    top: int | None
+    ranks: frozenset[int]
+
+    def under_way(self, newest: dict[int, int]) -> bool:
+        """Whether members may still join it: every member not in it has sent nothing from its round
+        on (``newest``: each rank's newest round), so they have not been running meanwhile, only
+        not restarted yet. A survivor that goes on ends it: a member restarting later starts after
+        the survivors' rounds."""
+        return all(v < self.round for r, v in newest.items() if r not in self.ranks)
+
+    def waiting_for(self, world: int) -> int:
+        """The members it waits for (not rejoined yet), as a bitmap: starting, as at a job's start."""
+        return ((1 << world) - 1) & ~sum(1 << r for r in self.ranks)
+
+
+def restart_of(current: Restart | None, rank: int, newest: dict[int, int], top: int | None) -> Restart:
+    """The restart a member rejoining (its previous self joined before) belongs to: the one under
+    way, if ``rank`` has not rejoined it yet; else a new one from the round after the job's newest
+    (``top``). So members that rejoin one by one, the first already sending, start at one round,
+    as their calls line up: each starting after the newest round sent would put every member a
+    round past the last, and each round would wait for members that never send it."""
+    if current is not None and rank not in current.ranks and current.under_way(newest):
+        return Restart(current.round, current.top, current.ranks | {rank})
+    return Restart(0 if top is None else top + 1, top, frozenset({rank}))
 
 
 def keeps_pace(rows: list[dict], rank: int, since_round: int, awaited: int, rules: DepartureRules,

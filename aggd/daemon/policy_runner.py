@@ -178,7 +178,8 @@ class PolicyRunner:
         open_rounds = svc.open_rounds(job)
         if open_rounds is None:
             return
-        for s in silent_members(rows, open_rounds, now_ns, job.awaited, rules, step_s, self._since_ns):
+        for s in silent_members(rows, open_rounds, now_ns, job.awaited, rules, step_s, self._since_ns,
+                                starting=svc.restart_waits_for(job)):
             try:
                 svc.depart(job, s.rank, s.reason())
             except Exception as exc:  # refused (the last awaited member, a data plane that cannot)

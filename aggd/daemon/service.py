@@ -37,6 +37,7 @@ from aggd_client.protocol import Header
 
 from aggd.core import hotswap
 from aggd.core import strategy as strat
+from aggd.core.departures import Restart, restart_of
 
 from aggd.dataplane.xdp import loader as xdp_loader
 from aggd.dataplane.xdp import ops as xdp_ops
@@ -160,9 +161,10 @@ class Service:
         self.reset_kernel_state = reset_kernel_state
         self._interface_kind: str | None = None   # "veth"...: the XDP interface's, once started
         self.lock = threading.RLock()
-        #: job id -> (the job's newest round, the ranks that rejoined since it was that): when every
-        #: member has rejoined and no round came in between, the whole group restarted
-        self._rejoins: dict[int, tuple[int | None, set[int]]] = {}
+        #: job id -> its members' latest restart (``aggd.core.departures.Restart``): the round a
+        #: rejoining member starts at; when every member has rejoined and no round came in between,
+        #: the whole group restarted
+        self._restarts: dict[int, Restart] = {}
         #: (job id, rank) -> (the round its last JOIN was answered with, the member's newest round
         #: then): a JOIN from the same address before the member sent anything newer repeats one
         #: whose answer was lost, and gets the same answer (it is no restart)
@@ -452,10 +454,12 @@ class Service:
     def _join_round(self, outcome, rank: int) -> int:
         """The round an accepted member starts at: 0 for a member joining for the first time (the
         others wait for it in round 0); for one declared gone, or restarted (it had joined before),
-        the round after the newest any member sent: it has nothing for the rounds in progress,
-        which stop waiting for it once it is declared gone (``aggd.core.departures``)."""
+        its restart's round (``aggd.core.departures.restart_of``): the round after the newest any
+        member sent when the first of the members restarting together rejoined. It has nothing for
+        the rounds in progress, which stop waiting for it once it is declared gone."""
         job = outcome.job
-        newest = self._rounds(job)[1].get(rank)
+        rounds = self._rounds(job)[1]
+        newest = rounds.get(rank)
         before = self._answered_joins.get((job.id, rank))
         self._join_repeated = before is not None and not outcome.changed and before[1] == newest
         if self._join_repeated:
@@ -463,10 +467,19 @@ class Service:
         if rank not in job.gone and not outcome.rejoined:
             first = 0
         else:
-            top = max_round(self._holding(job), job)
-            first = 0 if top is None else top + 1
+            restart = self._restarts[job.id] = restart_of(self._restarts.get(job.id), rank, rounds,
+                                                          max_round(self._holding(job), job))
+            first = restart.round
         self._answered_joins[(job.id, rank)] = (first, newest)
         return first
+
+    def restart_waits_for(self, job: Job) -> int:
+        """The members a restart under way waits for, as a bitmap (0: none): they have not rejoined
+        yet, and are starting, as at the job's start, not silent (``silent_members``)."""
+        restart = self._restarts.get(job.id)
+        if restart is None or not restart.under_way(self._rounds(job)[1]):
+            return 0
+        return restart.waiting_for(job.world)
 
     def _on_join(self, data: memoryview, src: tuple[str, int]) -> bytes | None:
         with self.lock:
@@ -482,7 +495,7 @@ class Service:
                     plane.set_member(job.id, rank, src, job.members[rank].tag)
                 log.info("job %s: rank %d joined from %s:%d", job.name, rank, src[0], src[1])
                 if rank in job.gone:       # back: awaited once it keeps pace (the policy runner)
-                    job.gone[rank]["round"] = self._join_round(outcome, rank)
+                    job.gone[rank]["round"] = self._answered_joins[(job.id, rank)][0]
                 self._save()
             if outcome is not None and outcome.code == proto.NackCode.NONE and outcome.rejoined \
                     and not self._join_repeated:
@@ -497,13 +510,10 @@ class Service:
         data plane, and members declared gone meanwhile are awaited again, so the group starts
         afresh at the round the JOIN_ACKs gave (docs/protocol.md, "Members declared gone")."""
         top = max_round(self._holding(job), job)
-        seen = self._rejoins.get(job.id)
-        if seen is None or seen[0] != top:
-            seen = self._rejoins[job.id] = (top, set())
-        seen[1].add(rank)
-        if len(seen[1]) < job.world:
+        restart = self._restarts.get(job.id)
+        if restart is None or len(restart.ranks) < job.world or restart.top != top:
             return
-        del self._rejoins[job.id]
+        del self._restarts[job.id]
         for plane in self.planes:
             plane.clear_rounds(job.id)
         back = sorted(job.gone)
@@ -678,7 +688,7 @@ class Service:
         self.upstream.drop(j.id)
         self.shard_reports.forget(j.id)
         # its members' JOIN history: a job created later may get the same id
-        self._rejoins.pop(j.id, None)
+        self._restarts.pop(j.id, None)
         for key in [k for k in self._answered_joins if k[0] == j.id]:
             del self._answered_joins[key]
         for plane in self.planes:

@@ -10,9 +10,6 @@ restarted at once rejoins where the job is (the JOIN answer's round), is declare
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -21,6 +18,7 @@ from click.testing import CliRunner
 
 from aggd.cli.main import main as aggctl
 from aggd.training.labtrain import RunParams, run
+from tests.harness import readme_worker
 
 pytestmark = pytest.mark.root
 
@@ -89,22 +87,6 @@ def test_the_operator_sees_why_and_a_restarted_worker_is_awaited_again(lab_daemo
     assert seen["json"]["workers"][3]["gone"]["round"] > KILL_AT
 
 
-#: The README's numpy worker, with every client default: join, then allreduce ``rounds`` times,
-#: printing each round's first value.
-README_WORKER = textwrap.dedent("""
-    import sys, time
-    import numpy as np
-    from aggd_client import join
-    server, bind, job, token, rank, rounds = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), int(sys.argv[6])
-    client = join((server, 47000), job, rank=rank, token=token, bind=(bind, 40000))
-    for r in range(rounds):
-        out = client.allreduce(np.full(100_000, rank + 1.0, np.float32))
-        print(r, float(out[0]), flush=True)
-        time.sleep(0.01)
-    client.close()
-""")
-
-
 def test_the_readmes_client_defaults_outlast_a_dead_workers_declaration(lab_daemon):
     """With the client's defaults (the README's code), the survivors of a SIGKILLed worker go on
     once the daemon has declared it gone (``silent_after``, 5 s): a call's ``give_up_after`` (30 s)
@@ -112,9 +94,7 @@ def test_the_readmes_client_defaults_outlast_a_dead_workers_declaration(lab_daem
     daemon declared the dead one gone."""
     lab, d = lab_daemon(3)
     job = d.call("jobs.create", name="readme", world=3)
-    procs = [lab.run(lab.worker_ns(w), [sys.executable, "-c", README_WORKER, lab.agg_ip, lab.worker_ip(w),
-                                        "readme", job["token"], str(w), "400"],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for w in range(3)]
+    procs = [readme_worker.start(lab, w, "readme", job["token"], 400) for w in range(3)]
     try:
         for line in procs[2].stdout:          # the victim: killed after it did 50 rounds
             if int(line.split()[0]) >= 50:

@@ -3,7 +3,7 @@ nothing as long), who is not (a paused job, a quorum, a member that only just sp
 gone member is awaited again."""
 from __future__ import annotations
 
-from aggd.core.departures import DepartureRules, keeps_pace, silent_members, skipped_round_open
+from aggd.core.departures import DepartureRules, Restart, keeps_pace, restart_of, silent_members, skipped_round_open
 
 S = 1_000_000_000
 RULES = DepartureRules(silent_after_s=5.0, silent_steps=20.0, readmit_rounds=2)
@@ -45,6 +45,32 @@ def test_a_paused_job_a_member_just_heard_and_a_gone_member_are_left_alone():
 def test_a_member_that_never_sent_is_starting():
     rows = [row(0, 0, 100), row(1, None, 0)]
     assert silent_members(rows, [(0, 0b01, 100 * S)], 200 * S, 0b11, RULES) == []
+
+
+def test_members_a_restart_waits_for_are_starting():
+    """A script run again on a job that ran: rank 0 rejoined and opened round 8; ranks 1 and 2,
+    silent since the last run, have not rejoined yet and are left alone however long it takes."""
+    rows = [row(0, 8, 200), row(1, 7, 100), row(2, 7, 100)]
+    assert [s.rank for s in silent_members(rows, [(8, 0b001, 200 * S)], 300 * S, 0b111, RULES)] == [1, 2]
+    assert silent_members(rows, [(8, 0b001, 200 * S)], 300 * S, 0b111, RULES, starting=0b110) == []
+    assert [s.rank for s in silent_members(rows, [(8, 0b001, 200 * S)], 300 * S, 0b111, RULES,
+                                           starting=0b100)] == [1]
+
+
+def test_members_restarting_one_by_one_start_at_one_round():
+    """Each member rejoining gets the round the first of them got, even once that one has sent it,
+    and the restart waits for the others; a survivor that goes on (or a rank rejoining twice) ends it."""
+    first = restart_of(None, 0, {0: 7, 1: 7, 2: 7}, top=7)
+    assert first == Restart(8, 7, frozenset({0})) and first.waiting_for(3) == 0b110
+    # rank 0 has sent round 8 already (the job's newest is 8 now): rank 1 still starts at 8
+    second = restart_of(first, 1, {0: 8, 1: 7, 2: 7}, top=8)
+    assert second == Restart(8, 7, frozenset({0, 1})) and second.under_way({0: 9, 1: 8, 2: 7})
+    assert second.waiting_for(3) == 0b100
+    # one worker restarted alone while the others ran on: the next restart starts after their rounds
+    assert not first.under_way({0: 8, 1: 8, 2: 7})
+    assert restart_of(first, 2, {0: 8, 1: 8, 2: 7}, top=8) == Restart(9, 8, frozenset({2}))
+    assert restart_of(second, 1, {0: 8, 1: 8, 2: 7}, top=8) == Restart(9, 8, frozenset({1}))
+    assert restart_of(None, 0, {}, top=None) == Restart(0, None, frozenset({0}))
 
 
 def test_awaited_again_once_it_keeps_pace():
