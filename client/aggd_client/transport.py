@@ -7,6 +7,7 @@ reads. It knows nothing of rounds or chunks: it moves runs of back-to-back recor
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import ipaddress
 import logging
@@ -77,6 +78,32 @@ def grow_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
                 pass
 
 
+#: SO_ATTACH_FILTER, and classic BPF's offset of the network header (linux/filter.h).
+SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+SKF_NET_OFF = -0x100000
+
+
+def accept_only_from(sock: socket.socket, source_ip: str) -> None:
+    """Have the kernel drop every datagram to ``sock`` whose IPv4 source is not ``source_ip`` (a
+    classic BPF socket filter: no cost on the receive path). A result group is only an address and
+    port: another aggregator on the same network that gives one of its jobs the same group and
+    result port (each daemon numbers its jobs from its own `group_base`, the same by default)
+    reaches this socket too, with results of the same job id, and its sums would be taken for
+    this job's. Every data plane answers from the address its workers send to."""
+    ip = struct.unpack("!I", socket.inet_aton(source_ip))[0]
+
+    def insn(code: int, jt: int, jf: int, k: int) -> bytes:
+        return struct.pack("HBBI", code, jt, jf, k & 0xFFFFFFFF)
+
+    prog = b"".join((insn(0x20, 0, 0, SKF_NET_OFF + 12),   # ld [network header + 12]: the source
+                     insn(0x15, 0, 1, ip),                  # jeq #source_ip
+                     insn(0x06, 0, 0, 0xFFFFFFFF),          # ret: the whole datagram
+                     insn(0x06, 0, 0, 0)))                  # ret 0: dropped
+    code = ctypes.create_string_buffer(prog, len(prog))
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER,
+                    struct.pack("HP", len(prog) // 8, ctypes.addressof(code)))   # struct sock_fprog
+
+
 class UdpTransport:
     """Sockets, sends and batched receives of ``AggClient`` (see the module's docstring)."""
 
@@ -93,6 +120,7 @@ class UdpTransport:
         self._selector = selectors.DefaultSelector()
         try:
             self._sock.bind((bind[0], int(bind[1])))
+            accept_only_from(self._sock, self._server[0])
             grow_buffers(self._sock)
             host, port = self._sock.getsockname()[:2]
             if host == "0.0.0.0":
@@ -149,6 +177,7 @@ class UdpTransport:
             mreq = struct.pack("4s4s", socket.inet_aton(str(ip)), socket.inet_aton(local))
             s.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
             s.setsockopt(socket.IPPROTO_IP, IP_MULTICAST_ALL, 0)
+            accept_only_from(s, self._server[0])
             grow_buffers(s)
         except BaseException:
             s.close()
