@@ -470,6 +470,8 @@ class Service:
             restart = self._restarts[job.id] = restart_of(self._restarts.get(job.id), rank, rounds,
                                                           max_round(self._holding(job), job))
             first = restart.round
+            if job.upstream is not None and restart.ranks == {rank}:
+                self.upstream.relink(job.id, f"its workers restart (rank {rank} rejoined)")
         self._answered_joins[(job.id, rank)] = (first, newest)
         return first
 

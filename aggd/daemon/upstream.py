@@ -71,6 +71,17 @@ class UpstreamLinks:
         elif link.upstream is not None:
             self._install(link)
 
+    def relink(self, job: int, why: str) -> None:
+        """Join the upper job again while the data planes go on with the link they have: the upper
+        daemon takes the rack as a restarted member (docs/protocol.md "Members declared gone"). A
+        rack whose workers restart does, so the upper job waits for the other racks' workers as
+        restarting too, however long since their last round, instead of declaring those racks
+        gone and releasing rounds without them."""
+        link = self.links.get(job)
+        if link is not None and link.state == "linked":
+            log.info("job %d: joining its upper job again: %s", job, why)
+            link.state, link.reason, link.since, link.next_join = "joining", why, time.time(), 0.0
+
     def drop(self, job: int) -> None:
         self.links.pop(job, None)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -18,15 +19,17 @@ from tests.harness.lab_runs import assert_all_right
 pytestmark = pytest.mark.root
 
 SIZES = [1, 256, 257, 9_000, 70_001]
+SILENT_AFTER = 2.0     #: [policy] silent_after where a test waits past it
 
 
-def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4, top_strategy: str = "sync"):
+def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4, top_strategy: str = "sync", policy=None):
     """Two racks of ``per_rack`` lab workers behind a spine bridge (``Lab(racks=2)``): the upper job
     "top" on the spine's daemon (under ``top_strategy``), rack jobs "rack0" and "rack1" (made
     through aggctl) on the racks' daemons; rack 1's job has 4 of its 16 slots in the kernel, the
     rest in user space."""
     lab = make_lab(2 * per_rack, aggregators=3, racks=2, loss_percent=loss)
-    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"})
+    daemons = [make_daemon(lab, dataplane={"netns": lab.agg_ns_of(i)}, jobs={"group_base": f"239.77.{i}.0"},
+                           **({"policy": policy} if policy else {}))
                for i in range(3)]
     top = daemons[lab.spine_aggregator].call("jobs.create", name="top", world=2, strategy=top_strategy)
     racks = []
@@ -41,11 +44,13 @@ def tree(make_lab, make_daemon, loss: float = 0.0, per_rack: int = 4, top_strate
     return lab, daemons, top, racks
 
 
-def run_racks(lab, racks, extra, timeout=300):
-    """Each rack's workers join their rack's job and check every sum against all workers' tensors."""
+def run_racks(lab, racks, extra, timeout=300, delays=(0.0, 0.0)):
+    """Each rack's workers join their rack's job (rack r's ``delays[r]`` seconds after the start)
+    and check every sum against all workers' tensors."""
     runs: dict[int, list] = {}
 
     def rack(r):
+        time.sleep(delays[r])
         workers = lab.rack_workers(r)
         runs[r] = run_workers(lab, LabJob(job=racks[r]["id"], workers=workers, name=f"rack{r}",
                                           token=racks[r]["token"], aggregator=r, tensor_rank_base=workers[0]),
@@ -90,6 +95,25 @@ def test_two_racks_sum_through_a_spine_aggregator(make_lab, make_daemon):
     assert upper["paths"]["kernel"]["counters"]["released"] == chunks       # the racks' sums, in XDP
     sent = upper["paths"]["kernel"]["counters"]
     assert sent["rx_packets"] - sent["retransmits"] == 2 * chunks    # one a chunk a rack, re-sends aside
+
+
+def test_racks_run_again_on_jobs_that_ran_wait_for_each_other(make_lab, make_daemon):
+    """The workers of both racks run again on the rack jobs that ran, rack 1's first and rack 0's
+    past the daemons' silence limit later. Each rack's workers restarting make it join the upper
+    job again as a restarted member, so the upper job waits for the other rack as restarting,
+    instead of declaring it gone and releasing rounds with one rack's sum (every sum right, and
+    nobody declared gone at either level)."""
+    # a silence limit of 2 s whatever the job's step: rack 0 comes back 3 s after it
+    lab, daemons, top, racks = tree(make_lab, make_daemon, policy={"silent_after": SILENT_AFTER, "silent_steps": 0})
+    args = ["--sizes", "362,2048", "--rounds", "3", "--interleave", "--give-up-after", "30"]
+    assert_all_right(run_racks(lab, racks, args))
+    assert_all_right(run_racks(lab, racks, args, delays=(SILENT_AFTER + 3.0, 0.0)))
+    spine = daemons[lab.spine_aggregator]
+    assert "declared gone" not in spine.log() + daemons[0].log() + daemons[1].log()
+    assert all(not w["gone"] for w in spine.call("workers", job="top")["workers"])
+    for r in range(2):
+        assert "joining its upper job again" in daemons[r].log()
+        assert daemons[r].call("jobs.show", job=f"rack{r}")["upstream"]["link"]["state"] == "linked"
 
 
 def test_loss_on_every_link_is_recovered_at_both_levels(make_lab, make_daemon):
