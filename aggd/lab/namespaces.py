@@ -602,13 +602,13 @@ class Lab:
         """What exists right now: one Node per namespace, the loss setting and the XDP_PASS id."""
         nodes = [self._node("switch", self.switch_ns, BRIDGE, None)]
         for i in range(self.aggregators):
-            node = self._node("aggregator" if i == 0 else f"aggregator {i}", self.agg_ns_of(i),
-                              AGG_IFNAME, self.agg_ip_of(i))
+            node = self._node(("aggregator" if i == 0 else f"aggregator {i}") + self._place(aggregator=i),
+                              self.agg_ns_of(i), AGG_IFNAME, self.agg_ip_of(i))
             if netns_exists(self.switch_ns):
                 node.port_state, node.rate_mbit = self._port(i)
             nodes.append(node)
         for i in range(self.workers):
-            nodes.append(self._node(f"worker {i}", self.worker_ns(i), WORKER_IFNAME,
+            nodes.append(self._node(f"worker {i}" + self._place(worker=i), self.worker_ns(i), WORKER_IFNAME,
                                     self.worker_ip(i)))
         xdp = xdp_prog_id(self.switch_ns, "sw-agg") if netns_exists(self.switch_ns) else None
         return {
@@ -621,6 +621,14 @@ class Lab:
             "sw_agg_xdp_prog_id": xdp,
             "nodes": [asdict(n) for n in nodes],
         }
+
+    def _place(self, aggregator: int | None = None, worker: int | None = None) -> str:
+        """Where a node sits in a lab with racks, as its role says it: " (rack R)" or " (spine)"."""
+        if not self.racks:
+            return ""
+        if worker is not None:
+            return f" (rack {self.rack_of(worker)})"
+        return f" (rack {aggregator})" if aggregator < self.racks else " (spine)"
 
     def _port(self, i: int) -> tuple[str, float | None]:
         """The bridge's port to aggregator ``i``: its state and its token-bucket rate (Mbit/s)."""

@@ -304,6 +304,10 @@ def test_two_racks_behind_a_spine():
         assert master["sw-w0"] == master["sw-agg"] == master["up-r0"] == "rack0"
         assert master["sw-w3"] == master["sw-agg1"] == master["up-r1"] == "rack1"
         assert master["sw-agg2"] == master["sp-r0"] == master["sp-r1"] == "br0"
+        roles = [n["role"] for n in json.loads(runner.invoke(aggctl, ["lab", "status", "--name", name,
+                                                                        "--json"]).output)["nodes"]]
+        assert roles[1:] == ["aggregator (rack 0)", "aggregator 1 (rack 1)", "aggregator 2 (spine)",
+                             "worker 0 (rack 0)", "worker 1 (rack 0)", "worker 2 (rack 1)", "worker 3 (rack 1)"]
         # a slower link, then one that is gone, and back
         assert runner.invoke(aggctl, ["lab", "link", "--name", name, "-a", "1", "--rate", "50"]).exit_code == 0
         assert "tbf" in lab.check_output(lab.switch_ns, ["tc", "qdisc", "show", "dev", "sw-agg1"])
