@@ -3,9 +3,14 @@
 calls; tests feed it reference sequences.
 
 An observation is, per aggregator, the values its part held and the seconds the part took from the
-call to its last result. The policy keeps an exponentially weighted service rate per aggregator
-(values a second) and measures the map in force by the time each part is expected to take, its
-share over its rate. When the slowest part is expected to take more than ``1 + tolerance`` times
+call to its last result. A part takes a fixed cost (the round trip, the call's own work) plus its
+values over the aggregator's service rate, so the policy fits ``seconds = fixed + values / rate``
+per aggregator over exponentially weighted observations, and takes the rate from the slope once
+its parts' sizes spread enough to show one (values over seconds before that). Values over seconds
+alone counts the fixed cost against the aggregator with the smaller part: with small tensors its
+rate looked lower the less it had, and the map ran away to 978:22 between two equal hosts. The
+policy measures the map in force by the time each part is expected to take, its share over its
+rate. When the slowest part is expected to take more than ``1 + tolerance`` times
 the fastest for ``patience`` checks running (hysteresis: one noisy round moves nothing), it proposes
 weights proportional to the rates, in whole thousandths, no share below ``floor`` (a slow
 aggregator keeps a trickle, so its rate stays measured). A drained aggregator (weight 0) stays
@@ -19,6 +24,8 @@ from typing import Sequence
 from .shard_map import ShardMap
 
 RESOLUTION = 1000   #: weights are whole parts of this
+#: The parts' sizes must spread by this much of their mean (a standard deviation) for a slope.
+SPREAD = 0.1
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,15 @@ class RebalancePolicy:
             raise ValueError("alpha in (0, 1], tolerance > 0, patience >= 1, floor in [0, 1/aggregators)")
         self.k, self.alpha, self.tolerance, self.patience, self.floor = aggregators, alpha, tolerance, patience, floor
         self.rates: list[float | None] = [None] * aggregators
+        #: per aggregator, the weighted sums of the fit: weight, values, seconds, values^2, values x seconds
+        self._sums: list[list[float]] = [[0.0] * 5 for _ in range(aggregators)]
         self.streak = 0
 
     def grow(self) -> None:
         """One more aggregator (scale out): its rate is not known yet."""
         self.k += 1
         self.rates.append(None)
+        self._sums.append([0.0] * 5)
         self.streak = 0
 
     def observe(self, values: Sequence[int], seconds: Sequence[float]) -> None:
@@ -53,9 +63,24 @@ class RebalancePolicy:
         for i, (n, t) in enumerate(zip(values, seconds)):
             if n <= 0 or not t > 0:
                 continue
-            rate = n / t
-            old = self.rates[i]
-            self.rates[i] = rate if old is None else (1 - self.alpha) * old + self.alpha * rate
+            sums = self._sums[i]
+            for j, x in enumerate((1.0, n, t, n * n, n * t)):
+                sums[j] = (1 - self.alpha) * sums[j] + self.alpha * x
+            self.rates[i] = self._rate(sums)
+
+    @staticmethod
+    def _rate(sums: list[float]) -> float:
+        """The service rate the weighted observations give: one over the fitted slope of seconds
+        against values when the values spread by at least SPREAD of their mean and the slope is
+        positive; else values over seconds."""
+        w, sx, sy, sxx, sxy = sums
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
+        if var_x > (SPREAD * mean_x) ** 2:
+            slope = (sxy / w - mean_x * mean_y) / var_x
+            if slope > 0:
+                return 1.0 / slope
+        return sx / sy
 
     def decide(self, current: ShardMap) -> Decision:
         if len(current.weights) != self.k:

@@ -72,9 +72,10 @@ def test_smoothing_and_checks():
     p = RebalancePolicy(2, alpha=0.5)
     observe(p, (100, 100))
     observe(p, (300, 100))
-    assert p.rates == [200.0, 100.0]
+    # one size of part: values over seconds of the weighted observations, 750 / (2.5 + 5 / 3)
+    assert p.rates == pytest.approx([180.0, 100.0])
     p.observe([0, 1000], [0.0, 10.0])                      # no part on aggregator 0: its rate stays
-    assert p.rates == [200.0, 100.0]
+    assert p.rates == pytest.approx([180.0, 100.0])
     with pytest.raises(ValueError, match="one observation an aggregator"):
         p.observe([1], [1.0])
     with pytest.raises(ValueError, match="3 weights for 2"):
@@ -139,3 +140,31 @@ def test_the_leader_drains_an_aggregator_by_its_weights():
         assert out[0] == out[1] and out[0][:4] == [(1, 1)] * 4 and out[0][4:] == [(1, 0)] * 4, out
         drained = aggs[1].job_stats(5).counters["released"]
         assert drained == 4 * 5   # 5 chunks a call on aggregator 1 in calls 0-3, none after
+
+
+def test_a_fixed_cost_a_call_does_not_run_the_map_away():
+    """Two equal aggregators (1 ms a call plus a million values a second) and small tensors of
+    mixed sizes, cut by the map in force: values over seconds counted the fixed cost against the
+    one with the smaller part, whose rate fell the less it had (a user saw 978:22). The fitted
+    slope gives both the same rate, and the map stays even."""
+    p = RebalancePolicy(2)
+    current = ShardMap((1, 1))
+    for call in range(400):
+        n = (362, 2048, 5000, 1024)[call % 4]
+        parts = [round(n * w / sum(current.weights)) for w in current.weights]
+        p.observe(parts, [0.001 + v / 1e6 if v else 0.0 for v in parts])
+        if call % 4 == 3:
+            decided = p.decide(current)
+            current = decided.shard_map or current
+    assert current.version == 0 and p.rates == pytest.approx([1e6, 1e6], rel=1e-6)
+
+
+def test_the_slope_sees_through_unequal_fixed_costs():
+    """Aggregator 1 is twice as fast but 5 ms further away: its parts' rate is its bandwidth, and
+    the map gives it two thirds."""
+    p = RebalancePolicy(2, patience=1)
+    for call in range(40):
+        n = (2000, 20000)[call % 2]
+        p.observe([n, n], [n / 1e6, 0.005 + n / 2e6])
+    assert p.rates == pytest.approx([1e6, 2e6])
+    assert p.decide(ShardMap((1, 1))).shard_map.weights == (333, 667)
