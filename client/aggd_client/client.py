@@ -216,6 +216,7 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         self._server = (socket.gethostbyname(server[0]), int(server[1]))
         self._job, self._rank, self._world = int(job), int(rank), int(world)
         self._span = int(world) if span is None else int(span)   # what every round is quantised for
+        self._short_sums: int | None = None   # the fewest contributions a sync or ssp result held (ResultHandler)
         self._tag = int(tag)
         self._headroom = None if headroom is None else int(headroom)
         self._elements = int(elements)

@@ -301,6 +301,24 @@ class ResultHandler:
                     int(h["strategy_version"][j]))
         return int(chunks.size), acked
 
+    def _note_short_sums(self, rnd: "_Round") -> None:
+        """Log once when the rounds of a strategy that waits for every member (sync, ssp) start to
+        hold fewer than the job's members (the daemon declared some gone: the rounds go on without
+        them, and a mean divides by fewer), and once when they are whole again: a short sum raises
+        nothing, so without this a user sees only its effect on training."""
+        fewest = int(rnd.n_contrib.min()) if rnd.n_contrib.size else self._span
+        waits = rnd.info is not None and rnd.info.kind in (StrategyKind.SYNC, StrategyKind.SSP)
+        short = fewest if waits and fewest < self._span else None
+        if short == self._short_sums:
+            return
+        if short is not None:
+            log.warning("job %d, rank %d: round %d summed %d of %d members' contributions (the daemon "
+                        "declared the others gone; `aggctl workers` says why)%s", self._job, self._rank,
+                        rnd.number, short, self._span, "; the mean divides by that many" if rnd.mean else "")
+        else:
+            log.info("job %d, rank %d: round %d summed every member again", self._job, self._rank, rnd.number)
+        self._short_sums = short
+
     def _counts(self, rnd: "_Round", chunks: np.ndarray) -> np.ndarray:
         """The count a result of ``rnd`` carries for each of ``chunks`` (the last one's is shorter)."""
         return np.where(chunks == rnd.n_chunks - 1, rnd.last_count, self._elements)
@@ -330,6 +348,8 @@ class ResultHandler:
                           number)
             self._strategy, self._strategy_round = info, number
         if rnd.complete:
+            if not rnd.realigned:          # once a round
+                self._note_short_sums(rnd)
             rnd.realign_residuals()
             now = time.monotonic()
             for s in rnd.sends:  # their remaining answers are waited for give_up_after from now

@@ -106,6 +106,9 @@ def test_the_readmes_client_defaults_outlast_a_dead_workers_declaration(lab_daem
             assert p.returncode == 0, stderr[-3000:]
             rounds = [line.split() for line in stdout.splitlines()]
             assert len(rounds) == 400 and float(rounds[-1][1]) == 1.0 + 2.0, rounds[-3:]   # the two survivors
+            # told once (the client's log, on stderr without a handler) that sums hold fewer
+            assert stderr.count("summed 2 of 3 members' contributions (the daemon declared the others gone") == 1, \
+                stderr[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
