@@ -653,6 +653,8 @@ int aggd_xdp(struct xdp_md *ctx)
 	}
 	if (type == AGGD_MSG_TYPE_JOIN || type == AGGD_MSG_TYPE_JOIN_ACK || type == AGGD_MSG_TYPE_SHARDS)
 		return XDP_PASS; /* membership and shard maps are the daemon's business */
+	if (type == AGGD_MSG_TYPE_NACK && rack_of(ip, udp, h) >= 0)
+		return XDP_PASS; /* an upper aggregator refusing a rack job's sum: the daemon joins it again */
 	if (type != AGGD_MSG_TYPE_CONTRIB && type != AGGD_MSG_TYPE_REREAD)
 		return count_drop(NO_JOB, AGGD_DROP_REASON_BAD_TYPE);
 	__u32 payload_len = udp_len - sizeof(*udp) - sizeof(*h);

@@ -235,6 +235,7 @@ class Service:
                                           extra_binds=((self.address, dpc.userspace_port),),
                                           handlers={int(proto.MsgType.JOIN): self._on_join,
                                                     int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack,
+                                                    int(proto.MsgType.NACK): self.upstream.on_nack,
                                                     int(proto.MsgType.SHARDS): self._on_shards},
                                           keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
         self._restore()

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from aggd_client.membership import JobInfo, decode_join_ack, encode_join
-from aggd_client.protocol import NackCode
+from aggd_client.protocol import HEADER_SIZE, Header, MsgType, NackCode
 from aggd_client.errors import ProtocolError
 
 from aggd.core.model import Upstream
@@ -165,6 +165,26 @@ class UpstreamLinks:
             if link.state == "linked":
                 log.info("job %s: linked to job %s (%d) at %s:%d as rank %d", job.name, info.name, info.job,
                          link.spec.server[0], info.port, link.spec.rank)
+        return None
+
+    def on_nack(self, data: memoryview, src: tuple[str, int]) -> None:
+        """A NACK from an upper aggregator (the XDP program passes up only those from a linked
+        one): it refuses the rack's sums as from a stranger (unknown job, not a member) when its
+        job was deleted and created again, or restarted without its state. The link still says
+        linked; join again, as the link's JOIN would be answered now."""
+        try:
+            hdr = Header.unpack(bytes(data[:HEADER_SIZE]))
+        except (ProtocolError, ValueError):
+            return None
+        if hdr.type != MsgType.NACK or hdr.code not in (NackCode.UNKNOWN_JOB, NackCode.NOT_MEMBER):
+            return None
+        svc = self.service
+        with svc.lock:
+            for link in self.links.values():
+                if (link.state == "linked" and link.upstream is not None and link.upstream.addr[0] == src[0]
+                        and link.upstream.job == hdr.job and link.spec.rank == hdr.rank):
+                    self.relink(link.job, f"the upper aggregator refused its sums "
+                                          f"({NackCode(hdr.code).name.lower()}: its job created again?)")
         return None
 
     def _install(self, link: Link) -> None:

@@ -118,3 +118,27 @@ def test_an_upper_result_to_the_rack_group_is_relayed_by_the_program(dp):
     # a member that lost it gets it from the bank
     again = contribute(p, 1, Flag.RETRANSMIT)
     assert again.dest == "sender" and again.out[40:] == values.tobytes()
+
+
+def test_a_nack_from_the_linked_upper_aggregator_is_passed_to_the_daemon(dp):
+    """An upper aggregator that refuses a rack's sum (its job deleted and created again) NACKs it:
+    the program passes such a NACK up (the daemon joins the upper job again); a NACK from anyone
+    else, or for another job, it drops as bad_type as before."""
+    from aggd_client.protocol import DropReason, NackCode
+    pair(dp)
+
+    def nack(src, job=UPPER_JOB):
+        msg = Header(type=MsgType.NACK, job=job, rank=0, round=0, chunk=0, code=NackCode.NOT_MEMBER).pack()
+        udp_len = 8 + len(msg)
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0, 64, 17, 0, socket.inet_aton(src[0]),
+                         socket.inet_aton("10.77.0.1"))
+        ip = ip[:10] + struct.pack("!H", ip_checksum(ip)) + ip[12:]
+        eth = mac_bytes("ff:ff:ff:ff:ff:ff") + mac_bytes("02:00:00:00:09:01") + b"\x08\x00"
+        return prog_test_run(dp.prog_fd, eth + ip + struct.pack("!HHHH", src[1], 47000, udp_len, 0) + msg).verdict
+
+    bad_type = DropReason.BAD_TYPE.name.lower()
+    before = dp.job_stats(None).drops[bad_type]
+    assert nack(UPPER) == XDP_PASS
+    assert dp.job_stats(None).drops[bad_type] == before
+    assert nack(worker_addr(0, 0)) != XDP_PASS and nack(UPPER, job=UPPER_JOB + 1) != XDP_PASS
+    assert dp.job_stats(None).drops[bad_type] == before + 2

@@ -116,6 +116,34 @@ def test_racks_run_again_on_jobs_that_ran_wait_for_each_other(make_lab, make_dae
         assert daemons[r].call("jobs.show", job=f"rack{r}")["upstream"]["link"]["state"] == "linked"
 
 
+def test_racks_join_an_upper_job_created_again_while_they_run(make_lab, make_daemon):
+    """The upper job is deleted and created again (its token given again) while the racks' workers
+    run: the racks' links still hold the old job's tag, and the upper daemon refuses their sums as
+    from strangers (NACK unknown job, then not a member). The XDP program passes a linked upper aggregator's NACK
+    up, the rack daemons join again, and every sum is right (the workers' retransmissions send
+    the rounds in flight up again)."""
+    lab, daemons, top, racks = tree(make_lab, make_daemon)
+    spine = daemons[lab.spine_aggregator]
+    runs = []
+    t = threading.Thread(target=lambda: runs.extend(run_racks(
+        lab, racks, ["--sizes", "362,2048", "--rounds", "60", "--interleave", "--give-up-after", "30"])))
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and \
+                spine.call("jobs.show", job="top")["paths"]["kernel"]["counters"]["released"] < 20:
+            time.sleep(0.05)
+        spine.call("jobs.delete", job="top")
+        spine.call("jobs.create", name="top", world=2, token=top["token"])
+    finally:
+        t.join()
+    assert_all_right(runs)
+    for r in range(2):
+        assert "the upper aggregator refused its sums (" in daemons[r].log(), daemons[r].log()[-2000:]
+        assert daemons[r].call("jobs.show", job=f"rack{r}")["upstream"]["link"]["state"] == "linked"
+    assert spine.call("jobs.show", job="top")["joined"] == 2
+
+
 def test_loss_on_every_link_is_recovered_at_both_levels(make_lab, make_daemon):
     """2% of packets lost on every bridge (a worker's contribution, a rack's forwarded sum, the
     upper result, the relayed one; crossing the spine is two bridges). Every sum still right."""
