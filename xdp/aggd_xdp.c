@@ -576,7 +576,7 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 			b->flags |= flags_in & (AGGD_FLAG_OVERFLOW | AGGD_FLAG_CARRIED);
 			b->state = BANK_RELEASED;
 			fresh = 1;
-		} /* else: a round relayed before, whose upper result this is again: sent on as it came */
+		}
 		bitmap = b->bitmap;
 		n_out = b->n_contrib;
 		exp_out = b->exponent;
@@ -586,6 +586,15 @@ static __always_inline int relay(struct xdp_md *ctx, void *data, void *data_end,
 		param = b->param;
 	}
 	bpf_spin_unlock(&s->lock);
+	if (found >= 0 && !fresh) {
+		/* An upper result of a round relayed before (the answer to a re-send; under async a newer
+		 * running sum, or the round's release once a running sum was relayed) goes on as it came:
+		 * its values with its own exponent, n_contrib and flags, which the bank's would mislabel. */
+		n_out = n_in;
+		exp_out = exp_in;
+		flags_out = (flags_out & ~(AGGD_FLAG_OVERFLOW | AGGD_FLAG_CARRIED)) |
+			    (flags_in & (AGGD_FLAG_OVERFLOW | AGGD_FLAG_CARRIED));
+	}
 
 	if (found < 0)
 		return drop_in(jst, AGGD_DROP_REASON_STALE);

@@ -1241,20 +1241,26 @@ class AggregatorModel:
         return Verdict("tx", reason, out, "sender", (_addr(src),), bucket)
 
     def _result(self, job: JobState, bank: Bank, hdr: Header, extra_flags: int = 0,
-                payload: bytes | None = None) -> bytes:
+                payload: bytes | None = None, as_came: Header | None = None) -> bytes:
         """A result of ``bank`` answering ``hdr``; ``payload``: its values as given (int32 bytes),
-        not the bank's narrowed."""
+        not the bank's narrowed; ``as_came``: an upper result whose exponent, n_contrib and
+        overflow/carried flags go with that payload instead of the bank's."""
         if payload is None:
             values, overflow = self.arith.narrow(bank.values, job.cfg.result_dtype)
             payload = values.tobytes()
             if overflow or (job.cfg.precision == Precision.INT8 and bank.n_contrib > INT8_MAX_CONTRIBUTIONS):
                 extra_flags |= Flag.OVERFLOW
-        if (bank.flags | extra_flags) & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
+        flags, exponent, n_contrib = bank.flags | extra_flags, bank.exponent, bank.n_contrib
+        if as_came is not None:
+            upper = Flag.OVERFLOW | Flag.CARRIED
+            flags = flags & ~upper | as_came.flags & upper
+            exponent, n_contrib = as_came.exponent, as_came.n_contrib
+        if flags & Flag.OVERFLOW:   # (a rack's bank may hold the upper's flag)
             job.count("overflows")
         out = Header(type=MsgType.RESULT, job=hdr.job, rank=RESULT_RANK, round=bank.key[0],
                      chunk=bank.key[1], count=bank.count, strategy_version=bank.version,
-                     exponent=bank.exponent, flags=bank.flags | extra_flags | self.served_flags,
-                     contributors=bank.bitmap, n_contrib=bank.n_contrib, strategy=bank.kind,
+                     exponent=exponent, flags=flags | self.served_flags,
+                     contributors=bank.bitmap, n_contrib=n_contrib, strategy=bank.kind,
                      param=bank.param, code=job.cfg.precision)
         return out.pack() + payload
 
@@ -1287,10 +1293,15 @@ class AggregatorModel:
             bank.flags |= hdr.flags & (Flag.OVERFLOW | Flag.CARRIED)
             self._release(job, bank, "complete")
         job.count("relayed")
-        # the upper result again (the answer to a re-send): its values go on as they came
-        again = None if fresh else bytes(data[HEADER_SIZE:HEADER_SIZE + 4 * len(bank.values)]).ljust(
-            4 * len(bank.values), b"\0")
-        return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job), payload=again))
+        if fresh:
+            return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job)))
+        # an upper result of a round relayed before (the answer to a re-send; under async a newer
+        # running sum, or the round's release once a running sum was relayed) goes on as it came:
+        # its values with its own exponent, n_contrib and overflow/carried flags, which the bank's
+        # (the first result's) would mislabel
+        again = bytes(data[HEADER_SIZE:HEADER_SIZE + 4 * len(bank.values)]).ljust(4 * len(bank.values), b"\0")
+        return self._to_group(job, self._result(job, bank, replace(hdr, job=job.cfg.job), payload=again,
+                                                as_came=hdr))
 
     def _to_group(self, job: JobState, out: bytes) -> Verdict:
         cfg = job.cfg

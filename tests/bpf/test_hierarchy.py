@@ -142,3 +142,16 @@ def test_a_nack_from_the_linked_upper_aggregator_is_passed_to_the_daemon(dp):
     assert dp.job_stats(None).drops[bad_type] == before
     assert nack(worker_addr(0, 0)) != XDP_PASS and nack(UPPER, job=UPPER_JOB + 1) != XDP_PASS
     assert dp.job_stats(None).drops[bad_type] == before + 2
+
+
+def test_a_later_upper_result_of_a_relayed_round_goes_on_labelled_as_it_came(dp):
+    """An async upper job's running sum, then the round's release with another exponent and
+    n_contrib: the program relays the second with its own labels, as the model does."""
+    p = pair(dp)
+    contribute(p, 0)
+    contribute(p, 1)
+    for exponent, n_contrib, scale in ((3, 2, 1), (2, 4, 3)):
+        values = np.arange(ELEMENTS, dtype=PAYLOAD_DTYPE) * scale
+        v = p.process(Header(type=MsgType.RESULT, job=UPPER_JOB, rank=0xFFFF, round=0, chunk=0, count=ELEMENTS,
+                             exponent=exponent, n_contrib=n_contrib).pack() + values.tobytes(), UPPER)
+        assert (v.header.exponent, v.header.n_contrib) == (exponent, n_contrib) and v.out[40:] == values.tobytes()

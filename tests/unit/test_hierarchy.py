@@ -110,6 +110,32 @@ def test_the_upper_result_is_kept_and_relayed_and_strangers_results_refused():
     assert again.dest == "sender" and again.out[40:] == values.tobytes() and again.header.flags & Flag.REREAD
 
 
+def test_a_later_upper_result_of_a_relayed_round_goes_on_labelled_as_it_came():
+    """Under an async upper job the rack relays the running sum first (its own rack's, n_contrib 2
+    at exponent 3), then the round's release (both racks', n_contrib 4 at exponent 2): the second
+    goes to the members with its own values, exponent and n_contrib. It went with the first's
+    exponent and n_contrib, so a member that had not taken the first read the whole sum at the
+    wrong scale, as a partial one (a flaky test of racks under an async upper job)."""
+    m = AggregatorModel(E, userspace=True)
+    m.add_job(rack_config(0, 2, slots=4))
+    m.set_upstream(RACK_JOB, link(0))
+    forward_round(m, 2)
+
+    def upper(values, exponent, n_contrib, flags=0):
+        return Header(type=MsgType.RESULT, job=UPPER_JOB, rank=0xFFFF, round=0, chunk=0, count=E, exponent=exponent,
+                      n_contrib=n_contrib, flags=flags).pack() + values.tobytes()
+
+    partial, whole = np.arange(E, dtype=PAYLOAD_DTYPE), np.arange(E, dtype=PAYLOAD_DTYPE) * 3
+    first = m.process(upper(partial, 3, 2), UPPER)
+    assert (first.header.exponent, first.header.n_contrib) == (3, 2) and first.out[40:] == partial.tobytes()
+    second = m.process(upper(whole, 2, 4, Flag.CARRIED), UPPER)
+    assert second.dest == "group" and second.out[40:] == whole.tobytes()
+    assert (second.header.exponent, second.header.n_contrib) == (2, 4) and second.header.flags & Flag.CARRIED
+    # the bank keeps the first: a member's re-read gets what the others took
+    again = forward_round(m, 2, flags=Flag.RETRANSMIT)
+    assert again.out[40:] == partial.tobytes() and (again.header.exponent, again.header.n_contrib) == (3, 2)
+
+
 def test_a_partial_sum_that_overflows_is_flagged_to_the_members():
     m = AggregatorModel(E, userspace=True)
     m.add_job(rack_config(0, 2, slots=4))
