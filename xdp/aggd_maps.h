@@ -190,11 +190,12 @@ AGGD_MAP("array", struct job_cfg, jobs, AGGD_MAX_JOBS);
 AGGD_MAP("array", struct member, members, AGGD_MAX_JOBS * AGGD_MAX_MEMBERS);
 AGGD_MAP("array", struct slot, slots, TOTAL_SLOTS);
 AGGD_MAP("percpu_array", struct job_stats, stats, AGGD_MAX_JOBS + 1);
-/* Per member: how late its contributions arrive, for the straggler detector and the lag metrics.
- * lag = arrival - the round's first contribution (0 for the first arriver), summed in ns. */
+/* Per member: how late it starts its rounds, for the straggler detector and the lag metrics.
+ * lag = arrival of its step-0 chunk 0 - the round's first contribution (0 for the first arriver),
+ * summed in ns; its other chunks follow the others' answers and come in step. */
 struct member_stats {
 	__u64 contributions;  /* own contributions added (carried ones included) */
-	__u64 lag_ns_sum;     /* sum of lags of those contributions */
+	__u64 lag_ns_sum;     /* sum of lags of its calls' starts (step-0 chunk 0, not carried) */
 	__u64 last_round;     /* highest round contributed, plus one (0: none) */
 	__u64 last_ns;        /* time of the last contribution */
 	__u64 late;           /* contributions that arrived after their round was released */

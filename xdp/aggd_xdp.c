@@ -1099,7 +1099,12 @@ int aggd_xdp(struct xdp_md *ctx)
 	__u64 lag_ns = 0;
 	if (add >= 0) {
 		struct bank *b = &s->bank[add & (NBANKS - 1)];
-		lag_ns = now - b->t_first;
+		/* The lag of the start of the member's call only (its step-0 chunk 0): what a late member
+		 * costs the others a round. Its later chunks follow the others' answers, which wait for it,
+		 * so they come in step and would water the lag down by the chunks a call. A multiplier, not
+		 * a branch: the verifier would walk the copying loops below once for each side. */
+		__u64 call_start = ((__u64)(chunk | step) - 1) >> 63;
+		lag_ns = (now - b->t_first) * call_start;
 		if (!sc->add_carried) {
 			if (b->holding) { /* the round proper starts: order, admission, deadline, count */
 				b->holding = 0;

@@ -719,7 +719,9 @@ class JobState:
     def count_member(self, rank: int, round_: int, now: int, lag_ns: int, late: bool) -> None:
         """A contribution of ``rank`` added (its own, or a late one carried): the per-member
         counters the XDP program keeps in ``member_stats`` (the straggler detector's and the
-        departure rules' input)."""
+        departure rules' input). ``lag_ns``: its arrival after its round's first, for the start of
+        the member's call (its step-0 contribution to chunk 0), 0 for the others: the later chunks
+        of a late member's call follow the others' answers, which wait for it, and come in step."""
         m = self.members[rank]
         m[M_CONTRIBUTIONS] += 1
         m[M_LAG_NS] += np.uint64(lag_ns % (1 << 64))
@@ -1085,7 +1087,9 @@ class AggregatorModel:
                     fresh: bool, now: int) -> Verdict:
         """Rule 1 after the duplicate test: the member's own contribution to an open round."""
         self._add(job, bank, hdr, values, fresh)
-        job.count_member(hdr.rank, hdr.round, now, now - bank.t_first, late=False)
+        # lag: the start of the member's call only (its step-0 chunk 0; JobState.count_member)
+        job.count_member(hdr.rank, hdr.round, now, now - bank.t_first if hdr.chunk == 0 and hdr.step == 0 else 0,
+                         late=False)
         if bank.holding:           # the round proper starts: its order, admission, deadline and count
             bank.holding, bank.t_first, bank.count = False, now, hdr.count
         if hdr.step == 0:          # a later step must not stand in for the member's own (step 0)

@@ -1,14 +1,17 @@
 """Straggler detection from the data plane's per-member counters. Pure logic, no I/O.
 
 The XDP program keeps, per member of a job, a few cumulative counters in a per-CPU map
-(``XdpDataPlane.member_stats``): ``contributions`` added, ``lag_ns_sum`` (each contribution's arrival
-minus its round's first arrival, summed), ``late`` (contributions that came after their round was
+(``XdpDataPlane.member_stats``): ``contributions`` added, ``lag_ns_sum`` (the arrival of each call's start,
+its step-0 chunk 0, minus its round's first arrival, summed), ``late`` (contributions that came after their round was
 released: carried under ``quorum``), ``last_round`` and ``last_ns``. The kernel does the per-packet
 work; the daemon reads the counters every few hundred milliseconds and hands the snapshots to a
 :class:`Detector`, which turns the differences between successive snapshots into, per member:
 
-* ``lag_ms``: how late its contributions arrive after the first one of their round (EWMA over
-  intervals of the mean lag per on-time contribution);
+* ``lag_ms``: how late it starts its rounds: the arrival of its first chunk (chunk 0, step 0)
+  after the round's first, per round (EWMA over intervals). The data plane sums only that chunk's
+  lag: a late member's other chunks follow the others' answers, which wait for it, so they come in
+  step, and a mean over every contribution watered the lag down by the chunks a call (a 3x slow
+  member of a job with 30 chunks a call looked 1.1x slow);
 * ``slowdown``: how much longer its steps take than the median member's (1.0 = even; EWMA). Two
   views of the same thing, whichever the strategy in force lets the data plane see:
 
@@ -172,7 +175,9 @@ class Detector:
         self.intervals += 1
         dt = snap.t - base.t
         period = dt / rounds * 1e9  # ns a round
-        lags = [dl[i] / (dc[i] - dlate[i]) if dc[i] - dlate[i] > 0 else None for i in range(self.world)]
+        # lag a round: the data plane sums the lag of the start of each call (a member's chunk 0),
+        # what a late member costs the others in each round, however many chunks and calls a step
+        lags = [dl[i] / rounds if dc[i] - dlate[i] > 0 else None for i in range(self.world)]
         known = [x for x in lags if x is not None]
         med_lag = median(known) if known else 0.0
         top_lag = max(known) if known else 0.0

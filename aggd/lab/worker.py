@@ -259,6 +259,10 @@ def main(argv=None) -> int:
     ap.add_argument("--give-up-after", type=float, default=10.0)
     ap.add_argument("--slow", metavar="RANK:SECONDS", type=lambda t: (int(t.split(":")[0]), float(t.split(":")[1])),
                     help="that member waits this long before each call (a slow member's compute)")
+    ap.add_argument("--compute", type=float, default=0.0, metavar="SECONDS",
+                    help="every member waits this long before each call (a step's compute)")
+    ap.add_argument("--step-calls", type=int, default=1, metavar="N",
+                    help="a step makes N calls (DDP's buckets): --compute and --slow wait before the first only")
     ap.add_argument("--pattern", choices=list(PATTERNS), default="random",
                     help="random: normal values, worker r's times 1 + r; near: times 1 + (r mod 8) / 8 (within "
                          "a factor of two); integers: exactly representable sums, identical whatever path "
@@ -370,8 +374,9 @@ def main(argv=None) -> int:
                     host0 = hostcpu.snapshot()
                 for request in requests.get(i, ()) if args.rank == 0 else ():
                     request()
-                if args.slow is not None and args.slow[0] == args.rank:
-                    time.sleep(args.slow[1])
+                compute = args.compute + (args.slow[1] if args.slow is not None and args.slow[0] == args.rank else 0.0)
+                if compute and n % args.step_calls == 0:    # a step's compute, before its first call
+                    time.sleep(compute)
                 t0, c0 = time.perf_counter(), time.process_time()
                 if args.reuse and args.gloo is None:
                     # one result buffer for every round, as gloo reduces into one buffer

@@ -112,9 +112,10 @@ SHARD_MAP_CHANGES = counter("aggd_shard_map_changes", "New shard map versions re
 
 # -- workers (ranks) ------------------------------------------------------------------------------
 WORKER_CONTRIBUTIONS = counter("aggd_worker_contributions", "Contributions of the rank added to a sum", W)
-WORKER_ARRIVAL_LAG = counter("aggd_worker_arrival_lag_seconds", "Sum over the rank's contributions of (its "
-                                                                "arrival - its round's first arrival); with "
-                                                                "aggd_worker_contributions_total, the mean lag", W)
+WORKER_ARRIVAL_LAG = counter("aggd_worker_arrival_lag_seconds", "Sum over the rank's rounds of (the arrival of "
+                                                                "its call's start, chunk 0 - the round's first "
+                                                                "arrival); with aggd_job_rounds_total, the mean "
+                                                                "lag a round", W)
 WORKER_LATE = counter("aggd_worker_late_contributions", "Contributions of the rank that arrived after their "
                                                         "round was released", W)
 WORKER_OFFENCES = counter("aggd_worker_offences", "Contributions of the rank dropped beyond the job's per-member "
@@ -125,8 +126,8 @@ WORKER_SCORE = gauge("aggd_worker_score", "A robust job's member: its score in t
 WORKER_ROUNDS_BEHIND = gauge("aggd_worker_rounds_behind", "The job's newest round minus the rank's newest", W)
 WORKER_BLOCKING = gauge("aggd_worker_blocking_seconds", "How long the ranks ahead of this one have been waiting "
                                                         "for it under a barrier (0: nobody waits)", W)
-WORKER_LAG = gauge("aggd_worker_lag_seconds", "How late the rank's contributions arrive after the first of "
-                                              "their round (the straggler detector's moving average)", W)
+WORKER_LAG = gauge("aggd_worker_lag_seconds", "How late the rank starts its rounds: its chunk 0 after the "
+                                              "round's first arrival (the straggler detector's moving average)", W)
 WORKER_SLOWDOWN = gauge("aggd_worker_slowdown_ratio", "How many times longer the rank's steps take than the "
                                                       "median member's (1: even)", W)
 WORKER_STRAGGLER = gauge("aggd_worker_straggler", "1 while the straggler detector flags the rank", W)

@@ -43,7 +43,8 @@ def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | 
             n = steps_per_round(m, open_round) if steps_per_round else 1
             for s in range(n):
                 t_s = at if n == 1 else first + (a - first) * s / (n - 1)
-                events.append((t_s, m, CHUNKS, int(CHUNKS * (t_s - first) * 1e9), 0, open_round))
+                # the data plane sums the lag of a call's start only: its step-0 chunk 0
+                events.append((t_s, m, CHUNKS, int((t_s - first) * 1e9) if s == 0 else 0, 0, open_round))
             target[m] = open_round + 1
             heapq.heappush(heap, (a + 0.001 + step(m, open_round + 1) * (1 + jitter * rng.random()), m))
         open_round, first, members = open_round + 1, None, []

@@ -157,8 +157,9 @@ def view(prev: Samples, cur: Samples, dt: float, job: str | None = None) -> dict
         if key[0] not in names:
             continue
         c, s = contrib.get(key), lag_sum.get(key)
+        per_round = rounds.get((key[0],))     # the lag is summed once a round: each call's start
         w = {"job": key[0], "rank": int(key[1]), "contributions_per_second": c,
-             "mean_arrival_lag_seconds": s / c if c and s is not None else None}
+             "mean_arrival_lag_seconds": s / per_round if per_round and s is not None else None}
         for f, values in gauges.items():
             v = values.get(key)
             w[f] = None if v is None else (bool(v) if f == "straggler" else int(v) if f == "rounds_behind" else v)

@@ -567,7 +567,8 @@ def run(stage, stage32, stage16, stage8, sizes, names, nows, start, n, job, worl
         counters[C_CONTRIBUTIONS] += np.uint64(1)
         counters[C_ELEMENTS] += np.uint64(count)
         members[rank, M_CONTRIBUTIONS] += np.uint64(1)              # JobState.count_member
-        members[rank, M_LAG_NS] += now - bu[s, b, U_TFIRST]
+        if chunk == 0 and step == 0:                               # the start of its call
+            members[rank, M_LAG_NS] += now - bu[s, b, U_TFIRST]
         if np.uint64(round_ + 1) > members[rank, M_LAST_ROUND]:
             members[rank, M_LAST_ROUND] = np.uint64(round_ + 1)
         members[rank, M_LAST_NS] = now
