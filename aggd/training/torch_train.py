@@ -245,4 +245,11 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's finalization (everything is written and destroyed): under
+    # --comm gloo, gloo's worker thread may still be freeing DDP's last allreduce, which takes the
+    # GIL, and during finalization that aborted the process ("terminate called without an active
+    # exception", PyTorch's: docs/pytorch.md, "Exit")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

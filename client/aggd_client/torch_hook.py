@@ -24,7 +24,10 @@ Threads: the hook returns at once with a ``torch.futures.Future``; a background 
 state, the only user of the ``AggClient``, which is not thread-safe) reduces the buckets in the
 order DDP launches them, which is the same on every rank, and completes the futures. Backward
 computation of later buckets overlaps the reduction of earlier ones. ``threaded=False`` reduces
-inside the hook instead.
+inside the hook instead. ``close()`` stops the thread; a script that ends without it has it stopped
+by an ``atexit`` handler before the interpreter finalizes (``aggd_client.torch.shutdown``: a
+daemon thread completing a future while the interpreter finalized aborted the process,
+"terminate called without an active exception").
 
 Error feedback: when the client's job is narrow (``precision`` 8 or 16) each bucket's rounding
 residual is kept and added to its next reduction, and every ``reset_every`` (16) reductions of a
@@ -50,6 +53,7 @@ import numpy as np
 
 from .feedback import DEFAULT_RESET_EVERY, ErrorFeedback
 from .protocol.definition import Precision
+from .torch import shutdown
 from .torch.convert import from_numpy, to_numpy as _to_numpy
 
 __all__ = ["AggdHookState", "aggd_hook", "register", "reduce_tensor"]
@@ -94,6 +98,7 @@ class AggdHookState:
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._exiting = False
 
     def _reduce(self, index: int, tensor):
         res, answered, asked = reduce_tensor(self.client, tensor, self.op, self.feedback,
@@ -128,6 +133,7 @@ class AggdHookState:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="aggd-ddp-hook", daemon=True)
                 self._thread.start()
+                shutdown.track(self)
         self._queue.put((index, tensor, fut))
         # DDP reads the future in C++: a failure set on it would be taken for its tensor ("Unable
         # to cast ... to Tensor"); the continuation's is an error it raises from backward()
@@ -136,13 +142,20 @@ class AggdHookState:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._exiting:
                 return
             index, tensor, fut = item
             try:
-                fut.set_result(self._reduce(index, tensor))
+                res = self._reduce(index, tensor)
             except Exception as exc:  # the future carries it to DDP, which raises in backward
+                if self._exiting:
+                    return
                 fut.set_exception(exc)
+            else:
+                # set_result runs C++ with the GIL released; at exit that aborted (torch.shutdown)
+                if self._exiting:
+                    return
+                fut.set_result(res)
 
     def close(self) -> None:
         """Stop the reduction thread (the client stays open: the caller owns it)."""
@@ -150,6 +163,17 @@ class AggdHookState:
             self._queue.put(None)
             self._thread.join(timeout=10)
             self._thread = None
+        shutdown.untrack(self)
+
+    def stop_for_exit(self, timeout: float) -> None:
+        """The process is exiting (``aggd_client.torch.shutdown``'s atexit handler): queued buckets
+        are dropped, the one under way completes no future, and the thread is joined."""
+        self._exiting = True
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+        shutdown.untrack(self)
 
 
 def aggd_hook(state: AggdHookState, bucket):

@@ -17,6 +17,10 @@ Failures: a round that fails (the aggregator refuses or does not answer for ``gi
 the group's ``timeout`` passes since it was submitted) completes its future with the error; the
 client's rounds are then out of step with the other ranks', so every later allreduce fails at once
 with an error naming the first one. Nothing hangs past the timeout.
+
+Exit: the thread is a daemon thread, stopped by ``close`` (``destroy_process_group``) or, when the
+script ends without it, by an ``atexit`` handler before the interpreter finalizes (``shutdown``:
+completing a future while the interpreter finalizes aborted the process).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import time
 
 import numpy as np
 
+from . import shutdown
 from .convert import stage_in, stage_out
 
 __all__ = ["AggdBackendError", "Reducer", "last_round_info"]
@@ -48,6 +53,10 @@ class AggdBackendError(RuntimeError):
     """An aggd allreduce failed (the message says why, and which round)."""
 
 
+class _Exiting(Exception):
+    """The process is exiting (``shutdown``): the thread leaves without touching torch again."""
+
+
 class Reducer:
     def __init__(self, client, timeout: float, *, accept_newer: bool = False, name: str = "aggd",
                  feedback=None):
@@ -62,7 +71,9 @@ class Reducer:
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-reducer", daemon=True)
         self._closed = False
+        self._exiting = False
         self._thread.start()
+        shutdown.track(self)
 
     def submit(self, tensors: list, op: str):
         """A future (value: ``tensors``, reduced in place) for the allreduce of ``tensors``."""
@@ -78,16 +89,23 @@ class Reducer:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is None:
+            if item is None or self._exiting:
                 return
             tensors, op, fut, deadline = item
             try:
                 self._reduce(tensors, op, deadline)
+            except _Exiting:
+                return
             except BaseException as exc:  # noqa: BLE001 - the future carries it to wait()
                 if self.broken is None:
                     self.broken = exc
+                if self._exiting:
+                    return
                 fut.set_exception(exc)
             else:
+                # set_result runs C++ with the GIL released; at exit that aborted (shutdown)
+                if self._exiting:
+                    return
                 fut.set_result(tensors)
 
     def _reduce(self, tensors: list, op: str, deadline: float) -> None:
@@ -134,6 +152,8 @@ class Reducer:
                 f"{self.name}: round {asked} was answered by round {handle.round} (under {handle.strategy} a "
                 f"straggler gets the newest result, which may hold another tensor); set AGGD_ACCEPT_NEWER=1 "
                 f"when every allreduce reduces the same tensor, or use a strategy that waits (sync, ssp, wbsp)")
+        if self._exiting:   # torch's copy releases the GIL too
+            raise _Exiting()
         stage_out(tensors, out, dtype)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -144,5 +164,15 @@ class Reducer:
         self._closed = True
         self._queue.put(None)
         self._thread.join(timeout)
+        shutdown.untrack(self)
         if self.broken is None and not self._thread.is_alive():
             self.client.close()
+
+    def stop_for_exit(self, timeout: float) -> None:
+        """The process is exiting (``shutdown``'s atexit handler): the queued allreduces are
+        dropped, the one under way completes no future, and the thread is joined (``timeout``)."""
+        self._exiting = True
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        shutdown.untrack(self)
