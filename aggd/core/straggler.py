@@ -148,10 +148,13 @@ class Detector:
     def workers(self) -> tuple[WorkerState, ...]:
         return tuple(self._state)
 
-    def update_rows(self, t: float, rows: Sequence[Mapping]) -> Observation | None:
-        return self.update(Snapshot.from_rows(t, rows))
+    def update_rows(self, t: float, rows: Sequence[Mapping], absent: int = 0) -> Observation | None:
+        return self.update(Snapshot.from_rows(t, rows), absent)
 
-    def update(self, snap: Snapshot) -> Observation | None:
+    def update(self, snap: Snapshot, absent: int = 0) -> Observation | None:
+        """``absent``: a bitmap of the members declared gone. Rounds do not wait for them, so they
+        slow nobody: never flagged, left out of the medians (a dead worker stayed a straggler, and
+        the policy switched the job to a quorum for it)."""
         if len(snap.contributions) != self.world:
             raise ValueError(f"snapshot has {len(snap.contributions)} members, the job {self.world}")
         base = self._base
@@ -165,11 +168,12 @@ class Detector:
         dlate = [a - b for a, b in zip(snap.late, base.late)]
         if min(dc) < 0 or min(dl) < 0 or min(dlate) < 0:
             self.reset()  # the counters restarted: the job was re-created or the maps reset
-            return self.update(snap)
+            return self.update(snap, absent)
         r0, r1 = base.round, snap.round
         rounds = 0 if r1 is None else r1 - (r0 if r0 is not None else -1)
         cfg = self.config
-        if rounds < cfg.min_rounds or median(dc) < cfg.min_contributions or snap.t <= base.t:
+        present = [i for i in range(self.world) if not absent >> i & 1] or list(range(self.world))
+        if rounds < cfg.min_rounds or median(dc[i] for i in present) < cfg.min_contributions or snap.t <= base.t:
             return None  # not enough evidence yet: let the interval grow
         self._base = snap
         self.intervals += 1
@@ -178,10 +182,10 @@ class Detector:
         # lag a round: the data plane sums the lag of the start of each call (a member's chunk 0),
         # what a late member costs the others in each round, however many chunks and calls a step
         lags = [dl[i] / rounds if dc[i] - dlate[i] > 0 else None for i in range(self.world)]
-        known = [x for x in lags if x is not None]
+        known = [lags[i] for i in present if lags[i] is not None]
         med_lag = median(known) if known else 0.0
         top_lag = max(known) if known else 0.0
-        med_c = median(dc)
+        med_c = median(dc[i] for i in present)
         per_round = med_c / rounds  # contributions a member makes in one round (chunks, steps)
         floor = cfg.min_lag_ms * 1e6
         a = cfg.alpha
@@ -196,7 +200,7 @@ class Detector:
             # between members' sends of one round, so one round's worth of difference is forgiven.
             if dc[i] + per_round < med_c:
                 raw = max(raw, med_c / (dc[i] + per_round))
-            raw = min(max(raw, 1.0), cfg.max_slowdown)
+            raw = 1.0 if absent >> i & 1 else min(max(raw, 1.0), cfg.max_slowdown)
             slowdown = raw if self.intervals == 1 else a * raw + (1 - a) * w.slowdown
             lag_ms = w.lag_ms
             if lags[i] is not None:
@@ -204,6 +208,8 @@ class Detector:
             wait = w.wait_s
             if lags[i] is not None:
                 wait += rounds * max(0.0, top_lag - lags[i]) / 1e9
+            if absent >> i & 1:
+                slowdown = 1.0
             out.append(WorkerState(i, lag_ms, slowdown, wait, snap.contributions[i], snap.late[i],
                                    snap.last_round[i], slowdown >= cfg.slow_factor))
         self._state = out

@@ -111,7 +111,8 @@ class PolicyRunner:
                 rows = svc.member_stats(job)
                 if rows is None:
                     continue
-                obs = det.update_rows(now, rows)
+                gone = sum(1 << r for r in job.gone if r < job.world)   # slow nobody: rounds do not wait
+                obs = det.update_rows(now, rows, absent=gone)
                 self._watch_members(job, rows, det, now)
                 pol = self.policies.get(job.id)
                 current = str(job.strategy)

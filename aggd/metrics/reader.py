@@ -145,7 +145,7 @@ def blocks_after(state: StrategyState) -> int | None:
 
 
 def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dict | None = None,
-                scores: dict | None = None) -> list[WorkerLag]:
+                scores: dict | None = None, gone: tuple[int, ...] = ()) -> list[WorkerLag]:
     """WorkerLag per rank from ``member_stats`` rows ({rank, contributions, lag_ns_sum, late,
     last_round (None: none yet), last_ns (the data plane's clock, as ``now_ns``)}), the
     detector's view of each rank (rank -> object with lag_ms, slowdown, flagged, wait_s) and a
@@ -154,7 +154,8 @@ def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dic
     A rank is *blocking* when the strategy makes the ranks ahead of it wait for it (it is more than
     ``blocks`` rounds behind the newest); it has blocked since the oldest of their last
     contributions. The detector judges intervals in which the job advanced, so it cannot see a
-    rank that stopped altogether: this can."""
+    rank that stopped altogether: this can. A rank declared gone (``gone``) blocks nobody: rounds
+    no longer wait for it."""
     tops = [r["last_round"] for r in rows if r["last_round"] is not None]
     top = max(tops) if tops else None
     detected = detected or {}
@@ -163,7 +164,7 @@ def worker_rows(rows: list[dict], now_ns: int, blocks: int | None, detected: dic
         mine = r["last_round"]
         behind = 0 if top is None else top - (mine if mine is not None else -1)
         blocked = 0.0
-        if blocks is not None and behind > blocks:
+        if blocks is not None and behind > blocks and r["rank"] not in gone:
             waiting = [x["last_ns"] for x in rows if x["last_round"] is not None
                        and (mine is None or x["last_round"] > mine)]
             blocked = max(0.0, (now_ns - min(waiting)) / 1e9)
@@ -266,7 +267,7 @@ class ServiceReader:
             return []
         top = max((r["last_round"] for r in rows if r["last_round"] is not None), default=None)
         return worker_rows(rows, self.clock(), blocks_after(strategy_in_force(job, top)),
-                           self._detected.get(job.id), self._scores.get(job.id))
+                           self._detected.get(job.id), self._scores.get(job.id), job.gone)
 
     def policy(self, job: JobInfo) -> PolicyState:
         return self._policy.get(job.id, PolicyState())

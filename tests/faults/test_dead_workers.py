@@ -117,3 +117,5 @@ def test_the_readmes_client_defaults_outlast_a_dead_workers_declaration(lab_daem
     # aggctl workers names the dead rank's last round, long after the slots' banks moved on
     dead = d.call("workers", job="readme")["workers"][2]
     assert dead["gone"] and dead["last_round"] is not None and dead["last_round"] >= 50, dead
+    # gone, it slows nobody: no straggler for the detector (the policy switched jobs for it)
+    assert not dead["straggler"] and dead["slowdown"] == 1.0, dead

@@ -253,6 +253,8 @@ def test_blocking_under_a_barrier_only():
     assert [w.rounds_behind for w in sync] == [0, 0, 1]
     assert [w.blocking_seconds for w in sync] == [0.0, 0.0, 10.0]  # since the oldest of the waiting ones
     assert [w.contributions for w in sync] == [10, 20, 30] and sync[2].lag_seconds_sum == 2.0
+    # declared gone (or quarantined): rounds do not wait for it, so it blocks nobody
+    assert m.worker_rows(sample, now, m.blocks_after(m.StrategyState("sync")), gone=(2,))[2].blocking_seconds == 0
     assert all(w.blocking_seconds == 0 for w in m.worker_rows(sample, now, m.blocks_after(m.StrategyState("quorum"))))
     assert all(w.blocking_seconds == 0 for w in m.worker_rows(sample, now, m.blocks_after(m.StrategyState("async"))))
     # ssp:1 lets a rank be one round behind; two is a wait

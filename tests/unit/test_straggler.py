@@ -101,3 +101,20 @@ def test_bad_configuration_is_refused():
             DetectorConfig(**bad)
     with pytest.raises(ValueError):
         Detector(0)
+
+
+def test_a_member_declared_gone_slows_nobody():
+    """A dead worker contributes nothing while the others go on (the daemon declared it gone:
+    rounds do not wait for it). It was flagged a straggler by the rate view, and the policy
+    switched the job to a quorum for it; given as absent it is never flagged, nor counted in the
+    medians."""
+    def snaps():
+        for k in range(6):
+            yield Snapshot(float(k), (40 * k, 40 * k, 40 * k, 40), (0, 0, 0, 0), (0, 0, 0, 0),
+                           (10 * k, 10 * k, 10 * k, 1))
+    det = Detector(4)
+    assert [o for o in map(det.update, snaps()) if o][-1].stragglers == (3,)
+    det = Detector(4)
+    last = [o for o in (det.update(s, absent=0b1000) for s in snaps()) if o][-1]
+    assert last.stragglers == () and last.workers[3].slowdown == 1.0
+    assert all(w.slowdown == 1.0 for w in last.workers)
