@@ -115,6 +115,10 @@ def test_alerts_fire_when_they_should(tmp_path):
               f'aggd_drops_total{{{j}, path="kernel", reason="duplicate"}}': "0+300x60"},
              firing("AggdMalformedPackets", "5m"),
              firing("AggdMalformedPackets", "16m", f'reason="bad_magic", {T}, severity="warning"')),
+        # packets with a member's address but not its tag, for minutes (a forged member)
+        case({f'aggd_drops_total{{{j}, path="kernel", reason="bad_tag"}}': "0+60x60"},
+             firing("AggdForgedMember", "3m"),
+             firing("AggdForgedMember", "12m", f'{j}, reason="bad_tag", severity="warning"')),
         # one overflowed sum; the data plane and the user-space path going away; slots used up;
         # metrics left out
         case({f'aggd_sum_overflows_total{{{j}, path="user"}}': "0 0 0 1 1 1 1 1 1",
