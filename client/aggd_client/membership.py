@@ -223,15 +223,17 @@ def _raise_refusal(server, job, rank, address, code: int, reason: str):
 
 
 def join(server: tuple[str, int], job: int | str, rank: int, token: str, *,
-         bind: tuple[str, int] = ("0.0.0.0", 0), timeout: float = 5.0, **client_options) -> AggClient:
+         bind: tuple[str, int] | None = ("0.0.0.0", 0), timeout: float = 5.0, **client_options) -> AggClient:
     """Join job ``job`` (its name or id) of the daemon at ``server`` as ``rank`` with the job's
     ``token``, and return an :class:`AggClient` set up with the job's parameters (its ``job_info``
-    attribute holds them). The worker's member address is ``bind`` (port 0: one is picked and kept).
+    attribute holds them). The worker's member address is ``bind`` (port 0: one is picked and kept;
+    None: any address, any port).
 
     ``client_options`` go to AggClient (``window``, ``retransmit_timeout``, ``give_up_after``, ``gso``);
     ``gso`` is turned off when the daemon says its data plane cannot take GSO batches.
     """
-    info, address = request_join(server, job, rank, token, bind=bind, timeout=timeout)
+    info, address = request_join(server, job, rank, token, bind=("0.0.0.0", 0) if bind is None else bind,
+                                 timeout=timeout)
     return client_for(server, info, address, rank, **client_options)
 
 

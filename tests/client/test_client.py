@@ -405,3 +405,13 @@ def test_numba_kernels_load_once_a_client_has_reduced_enough_values():
     outs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
             for script in scripts]
     assert [o.stdout.split() for o in outs] == [["ok"], ["True"], ["False"]], outs
+
+
+def test_join_with_bind_none_takes_any_address():
+    """``join(..., bind=None)`` binds any address and port (it raised a TypeError)."""
+    from aggd_client import join
+    from tests.harness.loopback_aggd import LoopbackAggd
+    with LoopbackAggd() as agg:
+        job = agg.create_job("anywhere", 1)
+        with join(agg.address, "anywhere", 0, job.token, bind=None) as client:
+            assert client.allreduce(np.ones(10, np.float32)).tolist() == [1.0] * 10
