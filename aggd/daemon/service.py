@@ -507,15 +507,18 @@ class Service:
             return answer
 
     def _count_rejoin(self, job: Job, rank: int) -> None:
-        """A restarted member rejoined. Once every member has, with no round sent in between (torchrun
-        restarts the whole group after a failure; the members agree on their first round before they
-        send), the rounds their old selves left open can never complete: they are dropped from every
-        data plane, and members declared gone meanwhile are awaited again, so the group starts
-        afresh at the round the JOIN_ACKs gave (docs/protocol.md, "Members declared gone")."""
-        top = max_round(self._holding(job), job)
+        """A restarted member rejoined. Once every member has (torchrun restarts the whole group
+        after a failure; a script is run again), the rounds their old selves left open can never
+        complete: the job's rounds are dropped from every data plane, and members declared gone
+        meanwhile are awaited again, so the group starts afresh at its restart's round
+        (docs/protocol.md, "Members declared gone")."""
         restart = self._restarts.get(job.id)
-        if restart is None or len(restart.ranks) < job.world or restart.top != top:
+        if restart is None or len(restart.ranks) < job.world:
             return
+        # every member restarted: the slots hold only the old workers' rounds, and rounds the
+        # first of the new ones opened meanwhile, which their retransmissions open again. Left,
+        # an old round blocks a chunk the new run sends first with more chunks than the old run's
+        # last tensor (its predecessor, by the new members' skip 0, never opened: busy for good).
         del self._restarts[job.id]
         for plane in self.planes:
             plane.clear_rounds(job.id)
@@ -525,8 +528,7 @@ class Service:
         if back:
             self._set_awaited(job)
         log.info("job %s: every member restarted; the rounds left open are dropped and the job goes on from "
-                 "round %d%s", job.name, 0 if top is None else top + 1,
-                 f" (ranks {back} awaited again)" if back else "")
+                 "round %d%s", job.name, restart.round, f" (ranks {back} awaited again)" if back else "")
 
     # -- reload --------------------------------------------------------------------------------------
     def reload(self, new: Config) -> list[str]:

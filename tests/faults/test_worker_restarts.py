@@ -17,7 +17,9 @@ from tests.harness import readme_worker
 pytestmark = pytest.mark.root
 
 WORLD, ROUNDS = 4, 30
-SIZES = (362, 2048)            #: two DDP-like buckets
+#: two DDP-like buckets: a run ends with the small one and the next starts with the large one, which
+#: has chunks the last rounds left out (their slots' newest rounds are older)
+SIZES = (2048, 362)
 SILENT_AFTER = 5.0             #: the shipped default: the last rank rejoins later than that
 
 
