@@ -92,6 +92,11 @@ class ErrorFeedback:
         e = self._entries.get(key)
         return None if e is None else e.residual
 
+    def forget(self, key) -> None:
+        """Drop ``key``'s residual and call count (its tensor is gone; the next use starts afresh)."""
+        if self._entries.pop(key, None) is not None:
+            self.stats["keys"] = len(self._entries)
+
     def calls(self, key) -> int:
         """Calls of ``key`` since its last reset (or since it was first used)."""
         e = self._entries.get(key)

@@ -262,3 +262,36 @@ def test_staging_concatenates_and_copies_back_in_place(dtype):
     assert b.tolist() == (torch.arange(12).reshape(3, 4).t() * 2).tolist() and b.dtype == d
     with pytest.raises(TypeError, match="share a dtype"):
         stage_in([a.float(), a.double()])
+
+
+def test_a_tensor_at_a_freed_ones_address_does_not_inherit_its_residual():
+    """The backend keys error feedback by the tensors' addresses: a tensor reduced at the address
+    of one freed since (views of one buffer, temporaries the allocator places alike) took the freed
+    one's residual. At 8 bits, a small tensor after a large one at the same address came back off
+    by a step of the large one's scale (4.7 where the sum was 0.01)."""
+    from aggd_client import AggClient
+    from aggd_client.feedback import ErrorFeedback
+    from aggd_client.torch.reducer import Reducer
+    from tests.harness.fake_aggregator import JOB, PrecisionFake
+
+    buf = torch.empty(1000)
+    with PrecisionFake(1, quant.precision_of(8)) as fake:
+        client = AggClient(fake.address, JOB, 0, 1, bind=("127.0.0.1", 0), elements=64, precision=8, seed=3,
+                           give_up_after=10.0)
+        reducer = Reducer(client, 60, feedback=ErrorFeedback(client, reset_every=None))
+        try:
+            rng = np.random.default_rng(0)
+            large = buf.view(1000)
+            large.copy_(torch.from_numpy(rng.standard_normal(1000).astype(np.float32) * 1000))
+            reducer.submit([large], "sum").wait()
+            address = large.data_ptr()
+            del large                                   # the view is freed; the buffer is not
+            small = buf.view(1000)
+            assert small.data_ptr() == address
+            want = rng.standard_normal(1000).astype(np.float32) * 0.01
+            small.copy_(torch.from_numpy(want))
+            reducer.submit([small], "sum").wait()
+            # an 8-bit chunk's step at this scale is under 0.01 / 127 * 2; the large one's ~8
+            assert np.abs(small.numpy() - want).max() < 0.001
+        finally:
+            reducer.close()

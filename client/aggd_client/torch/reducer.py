@@ -24,9 +24,11 @@ completing a future while the interpreter finalizes aborted the process).
 """
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -63,6 +65,11 @@ class Reducer:
         self.client = client
         #: ``feedback.ErrorFeedback`` over ``client`` (None: off), keyed by the tensors' addresses
         self.feedback = feedback
+        #: keys whose tensors were freed (appended by their finalizers, in the freeing thread): their
+        #: residuals are dropped before the next reduction, so a new tensor at a freed one's address
+        #: starts from none (it inherited the old one's residual, and its call count)
+        self._freed: collections.deque = collections.deque()
+        self._watched: set = set()
         self.timeout = float(timeout)
         self.accept_newer = accept_newer
         self.name = name
@@ -122,9 +129,8 @@ class Reducer:
         asked = client.round
         try:
             if self.feedback is not None:
-                key = tuple((t.data_ptr(), t.numel(), str(t.dtype)) for t in tensors)
-                out = self.feedback.allreduce(flat, key[0] if len(key) == 1 else key, op,
-                                              timeout=max(deadline - time.monotonic(), 0.001))
+                key = self._feedback_key(tensors)
+                out = self.feedback.allreduce(flat, key, op, timeout=max(deadline - time.monotonic(), 0.001))
                 handle = self.feedback.last_handle
             else:
                 handle = client.allreduce_async(flat, op)
@@ -155,6 +161,21 @@ class Reducer:
         if self._exiting:   # torch's copy releases the GIL too
             raise _Exiting()
         stage_out(tensors, out, dtype)
+
+    def _feedback_key(self, tensors: list):
+        """The error feedback key of ``tensors`` (their addresses, sizes and dtypes); the residual of
+        a key whose tensor was freed since is dropped first, and a new key is forgotten when its
+        first tensor is freed (the next tensor at that address is another one)."""
+        while self._freed:
+            k = self._freed.popleft()
+            self._watched.discard(k)
+            self.feedback.forget(k)
+        parts = tuple((t.data_ptr(), t.numel(), str(t.dtype)) for t in tensors)
+        key = parts[0] if len(parts) == 1 else parts
+        if key not in self._watched:
+            self._watched.add(key)
+            weakref.finalize(tensors[0], self._freed.append, key)
+        return key
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread after the queued allreduces; close the client (unless a round failed:
