@@ -200,7 +200,7 @@ class Detector:
             # between members' sends of one round, so one round's worth of difference is forgiven.
             if dc[i] + per_round < med_c:
                 raw = max(raw, med_c / (dc[i] + per_round))
-            raw = 1.0 if absent >> i & 1 else min(max(raw, 1.0), cfg.max_slowdown)
+            raw = min(max(raw, 1.0), cfg.max_slowdown)
             slowdown = raw if self.intervals == 1 else a * raw + (1 - a) * w.slowdown
             lag_ms = w.lag_ms
             if lags[i] is not None:
@@ -208,7 +208,7 @@ class Detector:
             wait = w.wait_s
             if lags[i] is not None:
                 wait += rounds * max(0.0, top_lag - lags[i]) / 1e9
-            if absent >> i & 1:
+            if absent >> i & 1:     # whatever its average was
                 slowdown = 1.0
             out.append(WorkerState(i, lag_ms, slowdown, wait, snap.contributions[i], snap.late[i],
                                    snap.last_round[i], slowdown >= cfg.slow_factor))

@@ -111,7 +111,7 @@ class PolicyRunner:
                 rows = svc.member_stats(job)
                 if rows is None:
                     continue
-                gone = sum(1 << r for r in job.gone if r < job.world)   # slow nobody: rounds do not wait
+                gone = ((1 << job.world) - 1) & ~job.awaited     # slow nobody: rounds do not wait for them
                 obs = det.update_rows(now, rows, absent=gone)
                 self._watch_members(job, rows, det, now)
                 pol = self.policies.get(job.id)

@@ -55,6 +55,7 @@ from .feedback import DEFAULT_RESET_EVERY, ErrorFeedback
 from .protocol.definition import Precision
 from .torch import shutdown
 from .torch.convert import from_numpy, to_numpy as _to_numpy
+from .torch.work import raising
 
 __all__ = ["AggdHookState", "aggd_hook", "register", "reduce_tensor"]
 
@@ -121,8 +122,6 @@ class AggdHookState:
 
         fut = torch.futures.Future()
         self.buckets_seen.add(index)
-        from .torch.work import raising
-
         if not self.threaded:
             try:
                 fut.set_result(self._reduce(index, tensor))
