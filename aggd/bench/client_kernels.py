@@ -16,8 +16,8 @@ import time
 import numpy as np
 
 from aggd_client import _fast, quant
-from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, PRECISION_OF_BITS, VERSION, MsgType, StrategyKind,
-                                  packet_dtype, values_per_packet)
+from aggd_client.protocol import (HEADER_SIZE, LANES, MAGIC, PRECISION_OF_BITS, VERSION, ZERO_EXPONENT, MsgType,
+                                  StrategyKind, packet_dtype, values_per_packet)
 from aggd_client.transport import staging_dtype
 
 KERNELS = ("all_finite", "fill", "scatter")
@@ -45,6 +45,7 @@ def _fill_run(x: np.ndarray, bits: int, world: int, elements: int, ring_rows: in
     fq, jq = quant._q_frexp(world, None, prec)
     qmax = quant.q_max(world, None, prec)
     state = np.array([0x9E3779B97F4A7C15], np.uint64)
+    cap, own = np.full(n, ZERO_EXPONENT, np.int32), np.zeros(n, np.int32)  # own scales, as without feedback
 
     def run():
         c0 = 0
@@ -52,10 +53,10 @@ def _fill_run(x: np.ndarray, bits: int, world: int, elements: int, ring_rows: in
             r0 = c0 % R
             k = min(n - c0, R - r0)
             if bits == 32:
-                _fast.fill(x, xb, absmask, pick_b, pick_f, c0, c0, k, V, fq, jq, u8, u8.view(np.int32), r0, 0)
+                _fast.fill(x, xb, absmask, pick_b, pick_f, c0, c0, k, V, fq, jq, u8, u8.view(np.int32), r0, 0, cap, own)
             else:
                 _fast.fill_narrow(x, xb, absmask, pick_b, pick_f, c0, c0, k, V, fq, jq, u8,
-                                  u8.view(LANES[prec].contrib), r0, 0, qmax, state)
+                                  u8.view(LANES[prec].contrib), r0, 0, qmax, state, cap, own)
             c0 += k
     return run, V
 

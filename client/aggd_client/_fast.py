@@ -101,8 +101,10 @@ def _write_header(ring_u8, r, c, cnt, e, flags):  # pragma: no cover - jitted
 
 
 def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i32, r0,
-          flags):  # pragma: no cover - jitted
+          flags, cap, own):  # pragma: no cover - jitted
     """Chunks c0 .. c0+k-1, whose values start at x[xc0 * E], into ring rows r0 .. r0+k-1.
+    Chunk ``c``'s own exponent goes to ``own[c]``, and it is sent at ``min(own[c], cap[c])`` (a
+    shared scale: ``aggd_client.scales``; ZERO_EXPONENT in ``cap`` leaves the own one).
     ``xb`` is ``x``'s bits (uint32 or uint64), ``absmask`` clears their sign; ``pick_b`` and
     ``pick_f`` are one-element views of the same bytes, which turn the largest bits back into a
     float. Loops run over slices: numba then knows the indices are in range and vectorises."""
@@ -114,6 +116,8 @@ def _fill(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_i
         xs = x[s:s + cnt]
         dst = ring_i32[r, _P:_P + E]
         e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
+        own[c0 + i] = e
+        e = min(e, cap[c0 + i])
         if -1000 <= e <= 1000:  # 2**e is a normal float64: scaling by it is exact (as ldexp)
             scale = math.ldexp(1.0, e)
             for j in range(cnt):
@@ -174,12 +178,12 @@ def _round_pairs(xs, dst, cnt, scale, q, key32, ft):  # pragma: no cover - jitte
 
 
 def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8, ring_n, r0, flags, qmax,
-                 state):  # pragma: no cover - jitted
+                 state, cap, own):  # pragma: no cover - jitted
     """``_fill`` for a narrow precision: ``ring_n`` is the ring's rows as the precision's values (int8
     or int16: ``ring_u8`` viewed so, the payload at ``_P8`` or ``_P16``) and each value is rounded
     stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from a counter-based
     generator of a per-chunk key drawn from ``state`` and the value's index: the numpy path's rule
-    with another generator. A 32-bit generator (``_hash32``) whose draw serves two values, 16 bits
+    with another generator. ``cap`` and ``own`` as ``_fill``'s. A 32-bit generator (``_hash32``) whose draw serves two values, 16 bits
     each (``U = (k + 1/2) / 2**16``: a bias below 2**-16 of a step, which error feedback carries).
     Loops run over slices of C-contiguous rows, without a branch inside: numba then vectorises them
     (16M float32 values on this project's lab host: int8 1.1 ns a value, int16 1.3, where splitmix64
@@ -201,6 +205,8 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
         xs = x[s:s + cnt]
         dst = ring_n[r, p:p + E]
         e = _chunk_exponent(xb[s:s + cnt], absmask, pick_b, pick_f, fq, jq)
+        own[c0 + i] = e
+        e = min(e, cap[c0 + i])
         key = _next_random(state)
         if p == _P8 and -126 <= e <= 126:  # 2**e is a normal float32: int8 values in float32
             _round_pairs(xs, dst, cnt, np.float32(math.ldexp(1.0, e)), q32, np.int64(key & _M32), np.float32)
@@ -412,11 +418,13 @@ def _compile() -> None:
     for dt in (np.float32, np.float64):
         x = np.ones(5, dt)
         absmask, pick_b, pick_f = fill_args(dt)
-        fill(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq, u8, i32, 0, True)
+        cap, own = np.full(2, ZERO_EXPONENT, np.int32), np.zeros(2, np.int32)
+        fill(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq, u8, i32, 0, True, cap, own)
         for prec in (Precision.INT16, Precision.INT8):
             narrow_u8 = np.zeros(2, packet_dtype(4, prec)).view(np.uint8).reshape(2, -1)
             fill_narrow(x, x.view(pick_b.dtype), absmask, pick_b, pick_f, 0, 0, 2, 4, fq, jq,
-                        narrow_u8, narrow_u8.view(LANES[prec].contrib), 0, True, 127, np.ones(1, np.uint64))
+                        narrow_u8, narrow_u8.view(LANES[prec].contrib), 0, True, 127, np.ones(1, np.uint64),
+                        cap, own)
         all_finite(x)
         for mean in (False, True):
             for prec in Precision:

@@ -85,10 +85,11 @@ from .errors import AggdError
 from .flow import CongestionWindow, RtoEstimator, default_window
 from .progress import ProgressLoop
 from .protocol import packet_dtype
-from .protocol.definition import (LANES, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, Precision, StrategyKind,
-                                  values_per_packet)
+from .protocol.definition import (LANES, MAX_ELEMENTS, MAX_JOBS, MAX_MEMBERS, ZERO_EXPONENT, Precision,
+                                  StrategyKind, values_per_packet)
 from .results import ResultHandler
-from .rounds import RTO_CAP, RoundScheduler, _Round, _Send
+from .rounds import NOT_OURS, RTO_CAP, RoundScheduler, _Round, _Send
+from .scales import ChunkScales
 from .strategy import ASYNC_OUTSTANDING, WBSP_MAX_STEPS, StrategyInfo
 from .transport import UdpTransport
 # Defined in this module before the client was split by concern; tests import them from here.
@@ -390,9 +391,9 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
                 f"world={self._world}, round={self._next_round}, strategy={self._strategy})")
 
     def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None,
-                  residual: np.ndarray | None = None) -> np.ndarray:
+                  residual: np.ndarray | None = None, scales: ChunkScales | None = None) -> np.ndarray:
         """Sum (``op="sum"``) or average (``op="mean"``) ``array`` over the job's members:
-        ``allreduce_async(array, op, out=out, residual=residual).wait()``.
+        ``allreduce_async(array, op, out=out, residual=residual, scales=scales).wait()``.
 
         Returns a new array of the same shape and dtype (float16, float32 or float64), or ``out``
         filled with the result (reusing a buffer spares the page faults of a new array). Every member
@@ -401,11 +402,11 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         ``quant.error_bound(world, exponent, n_contrib, precision)`` of the exact sum of those
         contributions (divided by the count for a mean), plus the rounding to the output dtype.
         """
-        return self.allreduce_async(array, op, out=out, residual=residual).wait()
+        return self.allreduce_async(array, op, out=out, residual=residual, scales=scales).wait()
 
     def allreduce_async(self, array, op: str = "sum", *, block: bool = True,
-                        out: np.ndarray | None = None,
-                        residual: np.ndarray | None = None) -> "AllreduceHandle":
+                        out: np.ndarray | None = None, residual: np.ndarray | None = None,
+                        scales: ChunkScales | None = None) -> "AllreduceHandle":
         """Start reducing ``array`` and return its handle (``wait()`` gives the result).
 
         The array is read until the handle is done: do not change it before. When the strategy in
@@ -422,6 +423,10 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
         the aggregator's alignment of it to the results' exponents dropped (exact when the
         aggregator floors each contribution on its own: see ``aggd_client.feedback``). Complete once
         the handle is done; each call (each ``wbsp`` step) writes its own.
+
+        ``scales``: the ``scales`` of an earlier call's handle (of a tensor of the same size): each
+        chunk is sent at the smaller of its own exponent and the one the members shared there
+        (``aggd_client.scales``; ignored if that call's chunks were others).
         """
         self._check_open()
         if op not in ("sum", "mean"):
@@ -484,7 +489,8 @@ class AggClient(ProgressLoop, RoundScheduler, ResultHandler, UdpTransport):
             rnd = into
             self.stats["steps"] += 1
         send = _Send(self, rnd, x, rnd.steps, self._strategy.kind,
-                     None if residual is None else residual.reshape(-1))
+                     None if residual is None else residual.reshape(-1),
+                     None if scales is None else scales.cap_for(self._elements, rnd.n_chunks))
         rnd.steps += 1
         rnd.sends.append(send)
         self._sends.append(send)
@@ -533,7 +539,8 @@ class AllreduceHandle:
     blocking. Once done: ``round`` is the newest round whose result answered it (later than the
     round asked for when a ``quorum``/``async`` straggler got a newer result), ``n_contrib`` the
     contributions each chunk's result holds, ``strategy`` the strategy that governed that round.
-    ``step`` is the wbsp step this call was sent as (0 otherwise).
+    ``step`` is the wbsp step this call was sent as (0 otherwise). ``scales``: the chunks' shared
+    and own exponents, for a later call's ``scales=`` (``aggd_client.scales``).
     """
 
     __slots__ = ("_client", "_round", "_send", "step")
@@ -553,6 +560,17 @@ class AllreduceHandle:
     @property
     def strategy(self) -> StrategyInfo | None:
         return self._round.info
+
+    @property
+    def scales(self) -> ChunkScales | None:
+        """Once done: each chunk's result exponent (where our own round answered it) as the shared
+        one, and the exponents this call found for its own values; None for an empty tensor."""
+        s = self._send
+        if s is None:
+            return None
+        r = self._round
+        shared = np.where(r.res_exp == NOT_OURS, ZERO_EXPONENT, r.res_exp).astype(np.int32)
+        return ChunkScales(self._client._elements, shared, s.own_e.copy())
 
     def _ready(self) -> bool:
         r = self._round

@@ -23,20 +23,26 @@ The rule, per key (a tensor's identity: DDP's bucket index, the backend's tensor
   the call returns the result of ``c`` and keeps ``r = r'``;
 * every ``reset_every``-th call of the key (``H``; None or 0: never) then allreduces ``r`` through
   the same client with the same op, adds that result to what it returns, and sets ``r = 0``.
-  The reset round's own rounding (about ``1/Q`` of the residuals) is dropped.
+  The reset round's own rounding (about ``1/Q`` of the residuals) is dropped. With shared scales
+  one more round follows it: the room flags, summed (``scales.room_flags``, ``scales.finer``).
 
 So over calls 1..H of a key (residual 0 before call 1), the sum of what ``allreduce`` returned is
 the sum (or mean) of the members' inputs within the reset round's quantisation error
 (``quant.error_bound`` of its exponents), whatever the precision; without reset the residuals stay
 bounded by about one quantisation step (plus what alignment drops) of the values sent.
 
-One limit: that is exact when every contribution is floored on its own (members of one exponent
-per chunk, the usual case for gradients of one model, or an aggregator that aligns each
-contribution separately). The aggregator (``aggd.core.model``) keeps a running sum and, when a
-coarser contribution arrives after two or more finer ones, floors their partial sum at once; that
-loses up to one more step of the result per such shift, which depends on the arrival order and
-which no member can attribute to itself: it is not fed back (under ``quorum``/``wbsp`` neither is
-the alignment of a contribution carried into a later round).
+Exactness needs every contribution floored on its own, or not at all. The aggregator
+(``aggd.core.model``) keeps a running sum and, when a coarser contribution arrives after two or
+more finer ones, floors their partial sum at once: that drops less than the members' own floors,
+which no member can attribute to itself, and so the job would deliver a little more than its
+gradients, by up to a step of the result a call per chunk. So the members share each chunk's
+scale (``aggd_client.scales``, on by default: ``shared_scales``): every call after a key's first
+sends each chunk at the exponent of that chunk's previous result (a step coarser where that moved)
+unless a member's values outgrew it; and at each reset a round of flags (``ROOM_FLAGS`` per chunk)
+lets the shared exponents grow finer again. Contributions of one exponent are added without a shift: only a key's first call,
+and a call where some member's values outgrew the shared scale, are aligned at all. (Under
+``quorum``/``wbsp`` neither is the alignment of a contribution carried into a later round fed
+back.)
 
 Every member must make the same sequence of calls (the client's rule), and so the reset rounds
 happen at the same call numbers of the same keys on every member: the calls of a key are counted
@@ -53,6 +59,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import scales
+
 __all__ = ["ErrorFeedback", "MAX_KEYS", "DEFAULT_RESET_EVERY"]
 
 #: Keys (residual arrays) kept at most, least recently used dropped beyond.
@@ -62,18 +70,20 @@ DEFAULT_RESET_EVERY = 16
 
 
 class _Entry:
-    __slots__ = ("residual", "calls")
+    __slots__ = ("residual", "calls", "scales")
 
     def __init__(self, size: int):
         self.residual = np.zeros(size, np.float64)
         self.calls = 0
+        self.scales = None  # the chunks' shared exponents (aggd_client.scales), once a call left them
 
 
 class ErrorFeedback:
     """Error feedback and error reset (see the module) over ``client`` (an ``AggClient`` or a
     ``ShardedClient``): ``allreduce(x, key=None, op="sum", out=None)``."""
 
-    def __init__(self, client, reset_every: int | None = DEFAULT_RESET_EVERY, *, max_keys: int = MAX_KEYS):
+    def __init__(self, client, reset_every: int | None = DEFAULT_RESET_EVERY, *, max_keys: int = MAX_KEYS,
+                 shared_scales: bool = True):
         if reset_every is not None and int(reset_every) < 0:
             raise ValueError(f"reset_every must be a number of calls (0 or None: never), not {reset_every!r}")
         if int(max_keys) < 1:
@@ -81,6 +91,7 @@ class ErrorFeedback:
         self.client = client
         self.reset_every = int(reset_every) if reset_every else None
         self.max_keys = int(max_keys)
+        self.shared_scales = bool(shared_scales)
         self._entries: OrderedDict = OrderedDict()
         self.stats = {"calls": 0, "resets": 0, "keys": 0, "evicted": 0}
         #: The handles of the newest call: its round's, and its reset round's (None without).
@@ -132,11 +143,13 @@ class ErrorFeedback:
         corrected = a.reshape(-1).astype(np.float64) + e.residual
         new = np.empty(a.size, np.float64)
         self.last_reset_handle = None
-        h = self.client.allreduce_async(corrected, op, residual=new)
+        h = self.client.allreduce_async(corrected, op, residual=new, scales=e.scales)
         self.last_handle = h
         total = h.wait(timeout)
         # only once the round is through: a failed round leaves the residual as it was
         e.residual = new
+        if self.shared_scales:
+            e.scales = scales.after_call(e.scales, h.scales)
         e.calls += 1
         self.stats["calls"] += 1
         if self.reset_every and e.calls >= self.reset_every:
@@ -146,6 +159,9 @@ class ErrorFeedback:
             e.residual = np.zeros(a.size, np.float64)
             e.calls = 0
             self.stats["resets"] += 1
+            if e.scales is not None:  # the shared exponents may grow finer now (aggd_client.scales)
+                counts = self.client.allreduce_async(scales.room_flags(e.scales).reshape(-1), "sum").wait(timeout)
+                e.scales = scales.finer(e.scales, counts)
         result = total.reshape(a.shape)
         if out is not None:
             with np.errstate(over="ignore"):

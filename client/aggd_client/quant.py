@@ -120,12 +120,19 @@ def _work_dtype(dtype: np.dtype) -> np.dtype:
 
 def _quantise_rows(x: np.ndarray, world: int, out: np.ndarray, terms: int | None = None,
                    precision: Precision | int = Precision.INT32,
-                   rng: np.random.Generator | None = None) -> np.ndarray:
+                   rng: np.random.Generator | None = None, cap: np.ndarray | None = None,
+                   own: np.ndarray | None = None) -> np.ndarray:
     """Quantise finite 2-D ``x`` into ``out`` (the precision's integer type or wider, same shape);
     returns exponents. No validation: the caller checked dtype, shape and finiteness. Narrow
-    precisions round stochastically with ``rng`` (a fresh default generator when None)."""
+    precisions round stochastically with ``rng`` (a fresh default generator when None). ``cap``:
+    per row, an exponent not to exceed (a scale the members share, ``aggd_client.scales``); a
+    coarser one (smaller) still fits. ``own`` receives each row's own exponent."""
     m = np.maximum(x.max(axis=1), -x.min(axis=1))  # no |x| temporary
     e = chunk_exponents(m, world, terms, precision)
+    if own is not None:
+        own[...] = e
+    if cap is not None:
+        e = np.minimum(e, cap).astype(np.int32, copy=False)
     if Precision(precision) == Precision.INT32:
         y = np.ldexp(x.astype(_work_dtype(x.dtype), copy=False), e[:, None])
         np.rint(y, out=y)

@@ -138,7 +138,7 @@ class _Send:
     """One step of a round on its way: the input, a ring of packets, per-chunk send state."""
 
     def __init__(self, c: AggClient, rnd: _Round, x: np.ndarray, step: int, kind: StrategyKind,
-                 residual: np.ndarray | None = None):
+                 residual: np.ndarray | None = None, cap: np.ndarray | None = None):
         self.c, self.rnd, self.x, self.step = c, rnd, x, step
         self.n, self.S, self.E = rnd.n_chunks, c._slots, c._elements
         # headroom for what the result may hold: the job's, fixed, so that a round quantised under one
@@ -194,6 +194,10 @@ class _Send:
         if residual is not None:
             self.keep_q = np.zeros((self.n, self.E), c._lanes.contrib)
             self.keep_e = np.zeros(self.n, np.int32)
+        # per chunk: the exponent not to exceed (a shared scale, ``aggd_client.scales``; ZERO_EXPONENT:
+        # none), and each chunk's own exponent as quantised
+        self.cap = np.full(self.n, ZERO_EXPONENT, np.int32) if cap is None else np.asarray(cap, np.int32)
+        self.own_e = np.full(self.n, ZERO_EXPONENT, np.int32)
 
     @property
     def finished(self) -> bool:
@@ -318,12 +322,13 @@ class _Send:
             absmask, pick_b, pick_f = self.fill_args
             if self.precision == Precision.INT32:
                 _fast.fill(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
-                           self.jq, ring.u8, ring.i32, r0, self.flags if self.flags_dirty else -1)
+                           self.jq, ring.u8, ring.i32, r0, self.flags if self.flags_dirty else -1,
+                           self.cap, self.own_e)
             else:
                 _fast.fill_narrow(xs, xs.view(pick_b.dtype), absmask, pick_b, pick_f, xc0, c0, k, E, self.fq,
                                   self.jq, ring.u8, ring.u8.view(self.c._lanes.contrib), r0,
                                   self.flags if self.flags_dirty else -1, self.qmax,
-                                  self.c._rng_state)
+                                  self.c._rng_state, self.cap, self.own_e)
             return
         src = x[c0 * E:(c0 + k) * E]
         if src.size == k * E:
@@ -334,7 +339,8 @@ class _Send:
         pk = ring.pk[r0:r0 + k]
         h = pk["hdr"]
         h["exponent"] = quant._quantise_rows(block, self.c._world, pk["payload"], self.terms,
-                                             self.precision, self.c._rng)
+                                             self.precision, self.c._rng, self.cap[c0:c0 + k],
+                                             self.own_e[c0:c0 + k])
         h["chunk"] = np.arange(c0, c0 + k, dtype=np.uint32)
         if self.flags_dirty:
             h["flags"] = self.flags

@@ -27,8 +27,9 @@ from .errors import AggdError
 from .membership import client_for, join, request_join
 from .protocol import Header, MsgType
 from .shard_map import ShardMap
+from .scales import ChunkScales, PartScales
 from .shard_policy import RebalancePolicy
-from .protocol.definition import RESULT_WINDOW, StrategyKind
+from .protocol.definition import RESULT_WINDOW, ZERO_EXPONENT, StrategyKind
 from .strategy import StrategyInfo
 
 log = logging.getLogger(__name__)
@@ -199,14 +200,16 @@ class ShardedClient:
         return any(c.must_wait() for i, c in enumerate(self.clients) if i not in self.dead)
 
     def allreduce(self, array, op: str = "sum", *, out: np.ndarray | None = None,
-                  residual: np.ndarray | None = None) -> np.ndarray:
-        return self.allreduce_async(array, op, out=out, residual=residual).wait()
+                  residual: np.ndarray | None = None, scales: PartScales | None = None) -> np.ndarray:
+        return self.allreduce_async(array, op, out=out, residual=residual, scales=scales).wait()
 
     def allreduce_async(self, array, op: str = "sum", *, block: bool = True,
-                        out: np.ndarray | None = None, residual: np.ndarray | None = None) -> "ShardedHandle":
+                        out: np.ndarray | None = None, residual: np.ndarray | None = None,
+                        scales: PartScales | None = None) -> "ShardedHandle":
         """Start one call: each aggregator's partition goes through its client (see the module).
         ``residual``: as ``AggClient.allreduce_async``'s, each partition's part written by its
-        client (a failed-over part's by the replacement's)."""
+        client (a failed-over part's by the replacement's). ``scales``: an earlier call's handle's
+        ``scales``, each part's passed to its client where the parts are cut alike."""
         a = np.asarray(array)
         if residual is not None and (not isinstance(residual, np.ndarray) or residual.size != a.size
                                      or not residual.flags.c_contiguous):
@@ -215,6 +218,9 @@ class ShardedClient:
 
         def part(lo, hi):
             return None if res is None else res[lo:hi]
+
+        def scale(lo, hi):
+            return None if scales is None else scales.part(lo, hi)
         if not block and self.must_wait():
             raise WouldBlock("an aggregator's client cannot start a round yet")
         if self._every and self.calls and self.calls % self._every == 0:
@@ -229,7 +235,7 @@ class ShardedClient:
         m = self.shard_map
         if len(self.clients) == 1:
             return ShardedHandle(self, call, m, None, [(0, 0, a.size, self.clients[0].allreduce_async(
-                a, op, out=out, residual=residual))])
+                a, op, out=out, residual=residual, scales=scale(0, a.size)))])
         flat = np.ascontiguousarray(a).reshape(-1)
         if out is not None and (out.shape != a.shape or out.dtype != a.dtype or not out.flags.c_contiguous):
             raise ValueError(f"out must be C-contiguous with the input's shape {a.shape} and dtype {a.dtype}")
@@ -240,7 +246,8 @@ class ShardedClient:
         for i, c in enumerate(self.clients):
             lo, hi = cuts[i], cuts[i + 1]
             if hi > lo and i not in self.dead:
-                parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi], residual=part(lo, hi))))
+                parts.append((i, lo, hi, c.allreduce_async(flat[lo:hi], op, out=dest[lo:hi], residual=part(lo, hi),
+                                                           scales=scale(lo, hi))))
         settled = []
         for i in sorted(self.dead):  # a failed-over aggregator's part, while the map still has one:
             lo, hi = cuts[i], cuts[i + 1]    # one more round on the replacement, after its own part,
@@ -713,6 +720,18 @@ class ShardedHandle:
         order = sorted(range(len(self._parts)), key=lambda j: self._parts[j][1])   # tensor order
         return np.concatenate([self._settled[j] if j in self._settled else np.asarray(self._parts[j][3].n_contrib)
                                for j in order])
+
+    @property
+    def scales(self) -> PartScales:
+        """Once done: each part's ``AllreduceHandle.scales``, by its value range (``aggd_client.scales``)."""
+        out, E = {}, self._owner.elements
+        for _, lo, hi, h in self._parts:
+            sc = None if h is None else h.scales
+            if sc is None:  # a part taken from another member: every chunk of it without a scale
+                none = np.full(-(-(hi - lo) // E), ZERO_EXPONENT, np.int32)
+                sc = ChunkScales(E, none, none)
+            out[(lo, hi)] = sc
+        return PartScales(out)
 
     @property
     def strategy(self) -> StrategyInfo | None:

@@ -74,20 +74,24 @@ def userspace_aggregators(count: int, elements: int):
 
 
 def sharded_members(aggs, job: int, world: int, elements: int, *, slots: int = 16, give_up_after: float = 10.0,
-                    strategy: str = "sync", **sharded) -> list:
+                    strategy: str = "sync", precision: int = 32, **sharded) -> list:
     """Per rank a ShardedClient (``sharded``: its keyword arguments) over one AggClient an aggregator
-    of ``aggs``, the job installed on each with those members, under ``strategy``."""
+    of ``aggs``, the job installed on each with those members, under ``strategy``, of contributions
+    of ``precision`` bits."""
     from aggd.core import strategy as strat
     from aggd.core.model import JobConfig
     from aggd_client import AggClient
     from aggd_client.shards import ShardedClient
 
+    from aggd_client.quant import precision_of
+
     per_rank = [[AggClient(a.address, job, r, world, bind=("127.0.0.1", 0), slots=slots, give_up_after=give_up_after,
-                           strategy=strategy)
+                           strategy=strategy, precision=precision, elements=elements, seed=r)
                  for a in aggs] for r in range(world)]
     for i, a in enumerate(aggs):
         a.add_job(JobConfig(job=job, world=world, slots=slots, max_chunks=1 << 20, strategy=strat.parse(strategy),
-                            members={r: per_rank[r][i].address for r in range(world)}, elements=elements))
+                            members={r: per_rank[r][i].address for r in range(world)}, elements=elements,
+                            precision=precision_of(precision)))
     return [ShardedClient(cs, **sharded) for cs in per_rank]
 
 

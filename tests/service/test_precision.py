@@ -8,6 +8,8 @@ import pytest
 
 from aggd.lab.runner import LabJob, run_workers
 
+from tests.harness import feedback_worker
+
 pytestmark = pytest.mark.root
 
 SIZES = "1,300,4096,100000"
@@ -82,3 +84,27 @@ def test_narrow_jobs_in_multi_buffer_frames(make_lab, make_daemon, room):
         assert 4 * 4 * chunks <= kernel["counters"]["contributions"] < 4 * 4 * (chunks + 1)
         assert user["counters"]["contributions"] == 0
         assert (kernel["counters"]["to_userspace"] == 0) == (room == "auto")
+
+
+@pytest.mark.parametrize("path", ["kernel", "user"])
+def test_error_feedback_delivers_the_gradients_when_members_scales_differ(make_lab, make_daemon, path):
+    """Real worker processes with error feedback on an 8-bit job, one member's gradients 8 times
+    the others' and last to send: with shared scales (the default) what 48 calls delivered stays
+    within the first call's alignment of the gradients, period after period; with each member's
+    own scale (shown on the kernel path) the aggregator's floors of partial sums pile up and no
+    reset takes them back."""
+    lab = make_lab(4)
+    d = make_daemon(lab)
+    job = d.call("jobs.create", name=f"ef{path}", world=4, precision=8,
+                 kernel_slots=None if path == "kernel" else 0)
+    for shared in ([True, False] if path == "kernel" else [True]):
+        reports = feedback_worker.run(lab, job, 4, shared=shared)
+        print(path, "shared" if shared else "own", [r["mean"] for r in reports])
+        for r in reports:
+            assert r["stats"]["resets"] == 3
+            if shared:
+                assert max(r["max"]) <= 2.1 and r["mean"][-1] <= r["mean"][0] + 0.1, r
+            else:
+                assert r["mean"][-1] > r["mean"][0] + 5, r
+    paths = d.call("jobs.show", job=job["name"])["paths"]
+    assert paths[path if path == "kernel" else "userspace"]["counters"]["contributions"] > 0
