@@ -19,8 +19,16 @@ The rules (defaults in brackets, all in the config):
   than that is a slow job, not a straggler: nothing changes;
 * a job the policy switched goes back to its own strategy once every member has been even (below
   ``even_factor`` [1.35] times the median: hysteresis, so an estimate near ``slow_factor`` does not
-  flap the job) for ``even_rounds`` [30] rounds, and follows a change in the number of stragglers (``quorum:n-s``
-  names another quorum) once that holds for ``slow_rounds``;
+  flap the job) for ``even_rounds`` [30] rounds, *and* over the last ``even_rounds`` rounds under
+  the switched strategy every member made at least ``1 / even_factor`` as many contributions as the
+  median member (members declared gone aside). The readings alone are not evidence enough under a
+  quorum: the detector's rate view forgives one round's worth of contributions an interval (a
+  snapshot may fall between members' sends), so with few rounds an interval it reads a steady
+  straggler well below its rate (1.6x as about 1.2x at 5 rounds an interval), and the job went back
+  to ``sync``, where the waiting showed again, then to the quorum again. Counted over
+  ``even_rounds`` rounds, a snapshot's phase weighs one contribution at either end. The job also
+  follows a change in the number of stragglers (``quorum:n-s`` names another quorum) once that
+  holds for ``slow_rounds``;
 * no two switches of a job less than ``min_rounds_between`` [20] rounds or ``min_seconds_between``
   [2] seconds apart, and ``settle_rounds`` [4] rounds after a switch takes effect are not judged
   (members adapt to the new strategy);
@@ -33,8 +41,10 @@ the runner logs it and keeps the last ones for ``aggctl workers`` and ``aggctl s
 from __future__ import annotations
 
 import fnmatch
+import math
 import re
 from dataclasses import dataclass, field, fields
+from statistics import median
 from typing import Any, Mapping
 
 from aggd_client.protocol import StrategyKind
@@ -142,6 +152,9 @@ class JobPolicy:
     last_switch_round: int | None = None    #: from_round of the last switch
     last_switch_t: float | None = None
     note: str = ""                          #: why nothing happens, when something could
+    #: (round, each member's cumulative contributions, None for a gone one) at the observations
+    #: since the switched strategy took effect: the rates a return to the job's own is judged on
+    counted: list[tuple[int, tuple[int | None, ...]]] = field(default_factory=list)
 
     @property
     def in_force(self) -> str:
@@ -156,6 +169,7 @@ class JobPolicy:
         if current != self.in_force:
             self.own, self.switched, self.stragglers = current, None, ()
             self._reset_tracking()
+            self.counted.clear()
             self.note = f"strategy set to {current} by hand: it is the job's own now"
 
     def _may_switch(self, obs: Observation, now: float) -> str | None:
@@ -170,9 +184,44 @@ class JobPolicy:
             return f"at most one switch per {r.min_seconds_between:g} s"
         return None
 
+    def _count(self, obs: Observation) -> None:
+        """Keep the contribution counters of an observation made under the switched strategy."""
+        if self.switched is None or (self.last_switch_round is not None and obs.round < self.last_switch_round):
+            return
+        counts = tuple(None if w.gone else w.contributions for w in obs.workers)
+        if self.counted and (len(self.counted[-1][1]) != len(counts) or any(
+                a is not None and b is not None and a < b for a, b in zip(counts, self.counted[-1][1]))):
+            self.counted.clear()    # counters that went backwards: the job's maps were reset
+        self.counted.append((obs.round, counts))
+        limit = obs.round - self.rules.even_rounds
+        while len(self.counted) > 1 and self.counted[1][0] <= limit:
+            del self.counted[0]     # the newest one at least even_rounds old is all a judgement needs
+
+    def _behind(self, obs: Observation) -> str | None:
+        """Why the rates under the switched strategy do not allow going back (a member made fewer than
+        1/even_factor of the median member's contributions over the last even_rounds rounds, or
+        they were not counted that long yet); None if they allow it."""
+        r = self.rules
+        start = [c for c in self.counted if c[0] <= obs.round - r.even_rounds]
+        if not start:
+            return f"contributions under {self.switched} not counted for {r.even_rounds} rounds yet"
+        r0, before = start[-1]
+        now = self.counted[-1][1]
+        made = {i: a - b for i, (a, b) in enumerate(zip(now, before)) if a is not None and b is not None}
+        if not made or median(made.values()) <= 0:
+            return None             # nothing counted: the rates say nothing
+        med = median(made.values())
+        rank = min(made, key=lambda i: made[i])
+        ratio = med / made[rank] if made[rank] > 0 else math.inf
+        if ratio < r.even_factor:
+            return None
+        return (f"rank {rank} made 1/{ratio:.2f} of the median member's contributions over the last "
+                f"{obs.round - r0} rounds under {self.switched} (not within {r.even_factor:g}x)")
+
     def step(self, obs: Observation, current: str, now: float) -> Decision | None:
         r = self.rules
         self.sync_with(current)
+        self._count(obs)
         if self.last_switch_round is not None and obs.round < self.last_switch_round + r.settle_rounds:
             self._reset_tracking()  # the new strategy is not in force long enough to be judged
             return None
@@ -207,10 +256,12 @@ class JobPolicy:
             why = (f"{slowdown_text(obs, confirmed)} slower than {r.slow_factor:g}x the median for "
                    f"{rounds} rounds")
         else:
-            if not uneven and obs.round - self.even_since >= r.even_rounds:
+            even_long = not uneven and obs.round - self.even_since >= r.even_rounds
+            behind = self._behind(obs) if even_long else None
+            if even_long and behind is None:
                 target, back = self.own, True
                 why = (f"every member within {r.even_factor:g}x of the median for "
-                       f"{obs.round - self.even_since} rounds")
+                       f"{obs.round - self.even_since} rounds, in step time and in contributions")
             elif confirmed and len(slow) <= allowed and set(confirmed) != set(self.stragglers):
                 target = fill(r.switch_to, world, len(confirmed))
                 if target == self.switched:
@@ -218,7 +269,7 @@ class JobPolicy:
                 rounds = min(obs.round - self.slow_since[k] for k in confirmed)
                 why = f"stragglers now {slowdown_text(obs, confirmed)} for {rounds} rounds"
             else:
-                self.note = ""
+                self.note = f"staying on {self.switched}: {behind}" if behind else ""
                 return None
         blocked = self._may_switch(obs, now)
         if blocked:
@@ -234,6 +285,7 @@ class JobPolicy:
         self.stragglers = decision.stragglers
         self.last_switch_round, self.last_switch_t = from_round, now
         self._reset_tracking()
+        self.counted.clear()
 
     def failed(self, decision: Decision, error: str, now: float) -> None:
         self.note = f"could not switch to {decision.strategy}: {error}"

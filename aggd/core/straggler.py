@@ -21,7 +21,10 @@ work; the daemon reads the counters every few hundred milliseconds and hands the
     ``S`` while the others take ``S - x = P - x`` is ``P / (P - x)`` times slower;
   - *rate*: where nobody waits for it (``quorum``, ``async``, and the extra steps of ``wbsp``'s fast
     members) a slow member simply contributes less often: ``median contributions / its own`` (one
-    round's worth of contributions is forgiven: a snapshot may fall between members' sends).
+    round's worth of contributions is forgiven: a snapshot may fall between members' sends). With
+    ``n`` rounds an interval that reads a member ``R`` times slower as about ``n R / (n + R)``, low
+    at few rounds an interval: the policy judges a return from a quorum on the counters over many
+    rounds (``aggd.core.policy``).
 
   The larger of the two counts. An even job stays near 1 under every strategy;
 * ``wait_s``: cumulative time it spent waiting for others at the barrier (Serene's waiting time):
@@ -94,6 +97,7 @@ class WorkerState:
     late: int = 0
     last_round: int | None = None
     flagged: bool = False
+    gone: bool = False              #: declared gone (dead, removed, quarantined): rounds do not wait for it
 
     def to_json(self) -> dict:
         return {"rank": self.rank, "lag_ms": None if self.lag_ms is None else round(self.lag_ms, 3),
@@ -211,7 +215,7 @@ class Detector:
             if absent >> i & 1:     # whatever its average was
                 slowdown = 1.0
             out.append(WorkerState(i, lag_ms, slowdown, wait, snap.contributions[i], snap.late[i],
-                                   snap.last_round[i], slowdown >= cfg.slow_factor))
+                                   snap.last_round[i], slowdown >= cfg.slow_factor, bool(absent >> i & 1)))
         self._state = out
         self.last = Observation(snap.t, base.t, r1, rounds, period / 1e6, tuple(out))
         return self.last

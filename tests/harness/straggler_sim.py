@@ -3,8 +3,11 @@
 at once after that member's step time; under ``sync`` a round is released when the last member
 arrives and every member's lag is its arrival minus the first one's; under ``quorum:k`` a round is
 released at the k-th arrival, later arrivals are late (carried: counted, no lag) and their sender
-starts its next step at once, on the newest round. Snapshots of the cumulative counters are taken
-every ``poll`` seconds, as the daemon does. ``const`` makes step times, ``run`` feeds a detector."""
+starts its next step on the newest round. ``comm`` seconds of communication a call: a member's next
+step starts that long after its call is answered (its round released, or at once by the newest
+result when it is late). Snapshots of the cumulative counters are taken every ``poll`` seconds, as
+the daemon does. ``const`` makes step times, ``run`` feeds a detector, ``follow`` plays a job whose
+strategy follows the policy's decisions."""
 from __future__ import annotations
 
 import heapq
@@ -17,10 +20,12 @@ CHUNKS = 19
 
 
 def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | None = None, jitter: float = 0.1,
-             poll: float = 0.2, seed: int = 0, steps_per_round=None):
+             poll: float = 0.2, seed: int = 0, steps_per_round=None, comm: float = 0.0):
     """Snapshots of a job. ``step(rank, round) -> seconds`` of compute; ``strategy`` "sync" or
     "quorum" (release at the ``k``-th own contribution); ``steps_per_round(rank, round)``: wbsp's
-    extra steps (sync only), spread over the time the fast members wait."""
+    extra steps (sync only), spread over the time the fast members wait. ``comm``: seconds from a
+    call's answer to its sender's next step (the result's way back, and everything else a round
+    costs besides the compute), the same for a late call answered by the newest result."""
     rng = random.Random(seed)
     k = world if strategy == "sync" else k
     events = []  # (time, rank, contributions, lag_ns, late, round)
@@ -33,7 +38,7 @@ def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | 
         if target[i] < open_round:  # its round was released without it: late, carried
             events.append((a, i, CHUNKS, 0, CHUNKS, target[i]))
             target[i] = open_round
-            heapq.heappush(heap, (a + 0.001 + step(i, open_round) * (1 + jitter * rng.random()), i))
+            heapq.heappush(heap, (a + 0.001 + comm + step(i, open_round) * (1 + jitter * rng.random()), i))
             continue
         first = a if first is None else first
         members.append((a, i))
@@ -46,7 +51,7 @@ def simulate(world: int, step, *, rounds: int, strategy: str = "sync", k: int | 
                 # the data plane sums the lag of a call's start only: its step-0 chunk 0
                 events.append((t_s, m, CHUNKS, int((t_s - first) * 1e9) if s == 0 else 0, 0, open_round))
             target[m] = open_round + 1
-            heapq.heappush(heap, (a + 0.001 + step(m, open_round + 1) * (1 + jitter * rng.random()), m))
+            heapq.heappush(heap, (a + 0.001 + comm + step(m, open_round + 1) * (1 + jitter * rng.random()), m))
         open_round, first, members = open_round + 1, None, []
     events.sort()
     snaps = []
@@ -79,3 +84,34 @@ def const(fast: float, slow: float = 0.0, who: int = 3, start: int = 0, end: int
             return fast * slow
         return fast
     return step
+
+
+def follow(world, step, decide, *, rounds: int, strategy: str = "sync", **kw):
+    """A job whose strategy follows decisions: ``decide(snapshot) -> None`` or the strategy's text
+    (``sync``, ``quorum:3:50ms``). The job is simulated under its strategy; at a decision it is
+    simulated afresh under the new one from the next round on, its clock and counters carried on
+    (every member starts that round's step at the decision). ``kw`` goes to ``simulate`` (``seed``
+    moves on with each part). Returns the strategies in force as ``[(from_round, strategy)]``."""
+    seed = kw.pop("seed", 0)
+    base = Snapshot(0.0, (0,) * world, (0,) * world, (0,) * world, (None,) * world)
+    r0, t0, part = 0, 0.0, 0
+    history = [(0, strategy)]
+    while r0 < rounds:
+        kind = strategy.split(":")[0]
+        k = int(strategy.split(":")[1]) if kind == "quorum" else None
+        snaps = simulate(world, lambda i, r, r0=r0: step(i, r + r0), rounds=rounds - r0, strategy=kind, k=k,
+                         seed=seed + part, **kw)
+        part += 1
+        for q in snaps:
+            shifted = Snapshot(q.t + t0, tuple(a + b for a, b in zip(q.contributions, base.contributions)),
+                               tuple(a + b for a, b in zip(q.lag_ns_sum, base.lag_ns_sum)),
+                               tuple(a + b for a, b in zip(q.late, base.late)),
+                               tuple(b if r is None else r + r0 for r, b in zip(q.last_round, base.last_round)))
+            new = decide(shifted)
+            if new is not None and new != strategy:
+                strategy, base, t0, r0 = new, shifted, shifted.t, shifted.round + 1
+                history.append((r0, strategy))
+                break
+        else:
+            break
+    return history

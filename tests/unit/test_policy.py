@@ -7,13 +7,15 @@ from aggd.daemon import config
 from aggd.core.policy import JobPolicy, PolicyError, PolicyRules, fill, rules_from_config
 from aggd.core.straggler import Detector, Observation, WorkerState
 
-from tests.harness.straggler_sim import const, simulate
+from tests.harness.straggler_sim import const, follow, simulate
 
 
 def obs(round_: int, slow: dict[int, float] | None = None, *, world: int = 4, rounds: int = 4,
-        factor: float = 1.5) -> Observation:
+        factor: float = 1.5, counts: dict[int, int] | None = None, gone: tuple[int, ...] = ()) -> Observation:
+    """``counts``: cumulative contributions (every member: ``round_``, unless given; none at all without)."""
     slow = slow or {}
-    workers = tuple(WorkerState(r, slowdown=slow.get(r, 1.0), flagged=slow.get(r, 1.0) >= factor)
+    workers = tuple(WorkerState(r, slowdown=slow.get(r, 1.0), flagged=slow.get(r, 1.0) >= factor,
+                                contributions=0 if counts is None else counts.get(r, round_), gone=r in gone)
                     for r in range(world))
     return Observation(t=round_ * 0.02, t0=(round_ - rounds) * 0.02, round=round_, rounds=rounds,
                        period_ms=20.0, workers=workers)
@@ -67,7 +69,7 @@ def test_back_to_the_jobs_own_strategy_after_even_rounds_and_not_before():
     for o in seq:
         job.feed(o)
     assert [(r, s) for r, s, _ in job.log] == [(8, "quorum:3:50ms"), (76, "sync")]
-    assert "every member within 1.35x of the median for 20 rounds" in job.log[1][2]
+    assert "every member within 1.35x of the median for 20 rounds, in step time and in contributions" in job.log[1][2]
     assert job.policy.switched is None and job.strategy == "sync"
 
 
@@ -202,3 +204,74 @@ def test_detector_and_policy_together_switch_and_switch_back_on_a_middle_phase_s
     assert [s for _, s, _ in job.log] == ["quorum:3:50ms", "sync"], job.log
     back_at = job.log[1][0]
     assert 200 + rules.even_rounds <= back_at <= 200 + rules.even_rounds + 40, back_at
+
+
+def test_going_back_also_needs_every_members_contributions_within_even_factor_of_the_median():
+    # rank 3 reads even (the detector's per-interval rate view reads a straggler left behind by the
+    # quorum low) but makes a member's contributions at 1/1.6 of the others' rate: no return
+    job = Job(RULES)
+    for r in range(4, 20, 4):
+        job.feed(obs(r, {3: 3.0}, counts={}))                      # switch at 8, from round 10
+    for r in range(20, 200, 4):
+        job.feed(obs(r, {3: 1.2}, counts={3: 10 + int((r - 10) / 1.6)}))
+    assert [s for _, s, _ in job.log] == ["quorum:3:50ms"]
+    assert "rank 3 made 1/1.5" in job.policy.note and "over the last 20 rounds under quorum:3:50ms" in job.policy.note
+    # it recovers at round 200: back once the last 20 rounds' contributions are within 1.35x
+    behind = 10 + int((200 - 10) / 1.6)
+    for r in range(200, 260, 4):
+        job.feed(obs(r, {3: 1.0}, counts={3: behind + r - 200}))
+    assert [s for _, s, _ in job.log] == ["quorum:3:50ms", "sync"]
+    assert 200 < job.log[1][0] <= 200 + 20, job.log
+
+
+def test_a_member_declared_gone_does_not_hold_the_job_on_the_quorum():
+    job = Job(RULES)
+    for r in range(4, 20, 4):
+        job.feed(obs(r, {3: 3.0}, counts={}))
+    for r in range(20, 80, 4):                                    # rank 2 gone at 10: it contributes no more
+        job.feed(obs(r, counts={2: 10}, gone=(2,)))
+    assert [s for _, s, _ in job.log] == ["quorum:3:50ms", "sync"]
+
+
+def play(step, *, rounds: int, comm: float, seed: int = 1):
+    """Detector and policy on a job whose strategy follows the policy (tests/harness/straggler_sim.follow)."""
+    rules = PolicyRules()
+    job = Job(rules)
+    det = Detector(4, rules.detector())
+    seen = []
+
+    def decide(snap):
+        o = det.update(snap)
+        if o is None:
+            return None
+        strategy = job.strategy
+        job.feed(o)
+        seen.append((strategy, o, job.policy.note))
+        return job.strategy
+
+    return follow(4, step, decide, rounds=rounds, comm=comm, seed=seed), job, seen
+
+
+@pytest.mark.parametrize("compute, slow, comm", [(0.02, 2.25, 0.02), (0.02, 1.7, 0.0037)])
+def test_a_steady_straggler_gets_one_switch_to_the_quorum_and_no_return(compute, slow, comm):
+    # rank 3's extra compute is small beside the round's communication: 20 ms of compute, 20 ms of
+    # communication, 45 ms for rank 3 (1.6x a round); or the benchmark's 20 ms + 3.7 ms, 1.7x. Under
+    # sync the detector sees it 1.6x slow; under the quorum its per-interval rate view reads it
+    # below even_factor (about 1.2x: one round's worth forgiven of 5 an interval), and the policy
+    # used to go back to sync after even_rounds, and to the quorum again: sync -> quorum -> sync -> ...
+    history, job, seen = play(const(compute, slow), rounds=500, comm=comm)
+    assert [s for _, s in history] == ["sync", "quorum:3:50ms"], history
+    assert history[1][0] <= 30
+    under_quorum = [o.workers[3].slowdown for s, o, _ in seen if s != "sync"]
+    assert sorted(under_quorum)[len(under_quorum) // 2] < 1.35     # what the readings alone said
+    notes = [n for _, _, n in seen if n.startswith("staying on quorum:3:50ms: rank 3 made 1/1.")]
+    assert len(notes) > 10, [n for _, _, n in seen]
+
+
+@pytest.mark.parametrize("compute, slow, comm", [(0.02, 2.25, 0.02), (0.02, 1.7, 0.0037), (0.02, 3.0, 0.0)])
+def test_a_straggler_that_recovers_under_the_quorum_gets_the_job_back_to_sync(compute, slow, comm):
+    history, job, _ = play(const(compute, slow, end=200), rounds=500, comm=comm)
+    assert [s for _, s in history] == ["sync", "quorum:3:50ms", "sync"], history
+    # the readings come down from the slow phase (EWMA), then even_rounds (as the middle-phase test)
+    assert 200 < history[2][0] <= 200 + PolicyRules().even_rounds + 40, history
+    assert "in step time and in contributions" in job.log[-1][2]
