@@ -288,6 +288,12 @@ def _number_above(lo: float) -> Callable[[Any], float]:
     return check
 
 
+def _non_negative(v) -> float:
+    if not v >= 0:
+        raise ValueError(f"must be 0 or more, not {v}")
+    return float(v)
+
+
 def _fraction(v: float) -> float:
     if not 0 < v < 1:
         raise ValueError(f"must be a fraction between 0 and 1, not {v}")
@@ -323,16 +329,16 @@ class PolicyConfig:
     max_stragglers: float = _setting(0.25, _fraction, "most members (fraction of the world, at least "
                                      "one) left behind; more slow ones is a slow job", _NUMBER)
     min_rounds_between: int = _setting(20, _int_range(0, 1 << 20), "fewest rounds between two switches")
-    min_seconds_between: float = _setting(2.0, _number_above(-1e-12), "fewest seconds between two switches",
+    min_seconds_between: float = _setting(2.0, _non_negative, "fewest seconds between two switches",
                                           _NUMBER)
     settle_rounds: int = _setting(4, _int_range(0, 1 << 20), "rounds after a switch that are not judged")
     jobs: str = _setting("*", None, "glob of the job names the policy manages (their own strategy "
                          "must be sync)")
     # Members that go silent (aggd/core/departures.py), whatever auto_switch says.
-    silent_after: float = _setting(5.0, _number_above(-1e-12), "seconds a member may send nothing while "
+    silent_after: float = _setting(5.0, _non_negative, "seconds a member may send nothing while "
                                    "another is at a newer round before it is declared gone and rounds "
                                    "stop waiting for it (0: never by itself)", _NUMBER)
-    silent_steps: float = _setting(20.0, _number_above(-1e-12), "... and at least this many of the job's "
+    silent_steps: float = _setting(20.0, _non_negative, "... and at least this many of the job's "
                                    "usual steps", _NUMBER)
     readmit_rounds: int = _setting(2, _int_range(0, 1 << 20), "rounds every other member must be past the "
                                    "round a gone member left or rejoined at before rounds wait for it again")

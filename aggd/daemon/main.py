@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from aggd.daemon.config import DEFAULT_PATH, ConfigError, load
+from aggd.daemon.config import DEFAULT_PATH, ConfigError, changed_keys, load
 from aggd.daemon.control import ControlError, ControlServer
 from aggd.daemon.sdnotify import Notifier
 
@@ -38,9 +38,38 @@ def _quiet_libraries(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING or not record.name.startswith(("pyroute2", "asyncio"))
 
 
-def _setup_logging(level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+def _value(cfg, key: str):
+    section, name = key.split(".", 1)
+    return cfg.to_dict()[section][name]
+
+
+#: syslog priorities (sd-daemon(3)'s "<N>" line prefixes) of the logging levels
+_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
+
+
+class _JournalFormatter(logging.Formatter):
+    """Each line prefixed with its syslog priority, which journald takes from a service's stderr
+    (``journalctl -u aggd -p err`` then shows the errors); a traceback's lines each get it too."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = f"<{_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)}>"
+        return "\n".join(prefix + line for line in super().format(record).split("\n"))
+
+
+def _on_journal(stream) -> bool:
+    """Whether ``stream`` is the journal's: systemd sets JOURNAL_STREAM to its device and inode."""
+    try:
+        st = os.fstat(stream.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return os.environ.get("JOURNAL_STREAM", "") == f"{st.st_dev}:{st.st_ino}"
+
+
+def _setup_logging(level: str, stream=None) -> None:
+    stream = sys.stderr if stream is None else stream
+    handler = logging.StreamHandler(stream)
+    fmt = _JournalFormatter if _on_journal(stream) else logging.Formatter
+    handler.setFormatter(fmt("%(levelname)s %(name)s: %(message)s"))
     handler.addFilter(_quiet_libraries)
     root = logging.getLogger()
     root.addHandler(handler)
@@ -171,16 +200,18 @@ class Daemon:
             log.error("reload refused, keeping the running config: %s", exc)
             self.notifier.ready("reload refused: config has errors (see the log)")
             return
+        running = self.service.config
         restart = self.service.reload(new)
+        now_in_force = sorted(changed_keys(running, self.service.config))
         logging.getLogger().setLevel(new.log.level.upper())
         try:
             self.control.set_group(new.control.group)
         except (OSError, KeyError, ControlError) as exc:
             log.error("control.group %r: %s", new.control.group, exc)
+        log.info("reloaded %s; applied: %s", self.path, ", ".join(
+            f"{k} = {_value(self.service.config, k)!r}" for k in now_in_force) or "nothing changed")
         if restart:
             log.warning("reloaded; these changes need a restart: %s", ", ".join(restart))
-        else:
-            log.info("reloaded %s", self.path)
         self.notifier.ready(f"reloaded; serving {len(self.service.registry.jobs)} job(s)")
 
 

@@ -108,6 +108,10 @@ def _warm_userspace_kernels() -> None:
         log.debug("early warm-up of the user-space kernels failed: %s", exc)
 
 
+def _where(netns: str | None) -> str:
+    return f" in namespace {netns}" if netns else " on this host"
+
+
 def interface_address(ifname: str, netns: str | None) -> str:
     """The first IPv4 address of ``ifname`` (in ``netns``)."""
     from pyroute2 import IPRoute
@@ -116,12 +120,32 @@ def interface_address(ifname: str, netns: str | None) -> str:
     with _netns(netns), IPRoute() as ipr:
         idx = ipr.link_lookup(ifname=ifname)
         if not idx:
-            where = f" in namespace {netns}" if netns else ""
-            raise ServiceError(f"no interface {ifname}{where} (dataplane.interface)")
+            raise ServiceError(f"dataplane.interface: no interface {ifname}{_where(netns)}")
         addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=idx[0], family=socket.AF_INET)]
     if not addrs:
-        raise ServiceError(f"interface {ifname} has no IPv4 address; set dataplane.address")
+        raise ServiceError(f"dataplane.interface: {ifname}{_where(netns)} has no IPv4 address; set "
+                           f"dataplane.address")
     return addrs[0]
+
+
+def host_problems(cfg: Config) -> list[str]:
+    """What of ``cfg`` this host lacks, by key (``aggctl config check`` and a start ask alike): the
+    network namespace, the interface in it, and its IPv4 address where ``dataplane.address`` is unset."""
+    dpc = cfg.dataplane
+    netns = dpc.netns or None
+    if netns and not Path("/run/netns", netns).exists():
+        return [f"dataplane.netns: no network namespace {netns!r} (/run/netns/{netns} does not exist; "
+                f"`ip netns list` shows them)"]
+    try:
+        if dpc.kind == "xdp":
+            link_kind(dpc.interface, netns)
+        if not dpc.address:
+            interface_address(dpc.interface, netns)
+    except ServiceError as exc:
+        return [str(exc)]
+    except PermissionError as exc:   # entering a namespace takes CAP_SYS_ADMIN: a start has it
+        log.warning("dataplane.netns: not checked (%s): a start checks it", exc)
+    return []
 
 
 def asks_narrow_room(setting: str, kind: str, mode: str, elements: int, interface_kind: str | None) -> bool:
@@ -143,7 +167,7 @@ def link_kind(ifname: str, netns: str | None) -> str | None:
     with _netns(netns), IPRoute() as ipr:
         links = ipr.get_links(ifname=ifname)
     if not links:
-        raise ServiceError(f"no interface {ifname} (dataplane.interface)")
+        raise ServiceError(f"dataplane.interface: no interface {ifname}{_where(netns)}")
     info = links[0].get_attr("IFLA_LINKINFO")
     return info.get_attr("IFLA_INFO_KIND") if info is not None else None
 
@@ -217,9 +241,9 @@ class Service:
 
         cfg, dpc = self.config, self.config.dataplane
         netns = dpc.netns or None
-        if netns and not Path("/run/netns", netns).exists():
-            raise ServiceError(f"dataplane.netns: no network namespace {netns!r} (/run/netns/{netns} does not "
-                               f"exist; `ip netns list` shows them)")
+        problems = host_problems(cfg)
+        if problems:
+            raise ServiceError(problems[0])
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = dpc.address or interface_address(dpc.interface, netns)
         if dpc.kind == "xdp":

@@ -33,6 +33,7 @@ def test_notify_reload_and_clean_stop(make_lab, make_daemon):
     d.notify.wait_for("RELOADING=1", 10, after=mark)
     d.notify.wait_for("READY=1", 10, after=mark)
     assert d.call("jobs.create", name="after", world=1)["slots"] == 32
+    assert "applied: jobs.default_slots = 32, log.level = 'debug'" in d.log()   # what a reload did
     d.configure(dataplane={"mode": "fast"})
     mark = len(d.notify.messages)
     d.send(signal.SIGHUP)

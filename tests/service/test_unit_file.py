@@ -26,6 +26,7 @@ def test_systemd_analyze_verify(tmp_path):
 def test_unit_contents():
     text = UNIT.read_text()
     for line in ("Type=notify", "ExecReload=/bin/kill -HUP $MAINPID", "Restart=on-failure",
+                 "RestartPreventExitStatus=2",
                  "EnvironmentFile=-/etc/default/aggd", "ProtectSystem=strict", "PrivateTmp=yes",
                  "NoNewPrivileges=yes", "RestrictAddressFamilies=AF_UNIX AF_INET AF_NETLINK",
                  "ReadWritePaths=/sys/fs/bpf", "StateDirectory=aggd", "RuntimeDirectory=aggd"):

@@ -110,8 +110,10 @@ def test_reload_sees_which_keys_changed():
 
 def test_aggctl_config_check(tmp_path):
     runner = CliRunner()
-    good = runner.invoke(aggctl, ["config", "check", str(SHIPPED)])
-    assert good.exit_code == 0 and "OK" in good.output
+    good = tmp_path / "good.toml"   # the shipped file on an interface every host has
+    good.write_text(SHIPPED.read_text().replace('interface = "eth0"', 'interface = "lo"'))
+    res = runner.invoke(aggctl, ["config", "check", str(good)])
+    assert res.exit_code == 0 and "OK" in res.output, res.output
     bad = tmp_path / "bad.toml"
     bad.write_text('[dataplane]\nmode = "fast"\nwhatever = 2\n')
     res = runner.invoke(aggctl, ["config", "check", str(bad)])
@@ -120,6 +122,23 @@ def test_aggctl_config_check(tmp_path):
     assert "dataplane.whatever: unknown key" in res.output
     res = runner.invoke(aggctl, ["config", "check", "--json", str(bad)])
     assert res.exit_code == 1 and '"ok": false' in res.output
+
+
+def test_aggctl_config_check_looks_for_the_interface_as_a_start_would(tmp_path):
+    """A config whose interface or namespace this host lacks passes the file's checks but would not
+    start: the check says so, naming the key."""
+    runner = CliRunner()
+    path = tmp_path / "aggd.toml"
+    path.write_text('[dataplane]\ninterface = "nosuch9"\n')
+    res = runner.invoke(aggctl, ["config", "check", str(path)])
+    assert res.exit_code == 1 and "dataplane.interface: no interface nosuch9 on this host" in res.output, res.output
+    path.write_text('[dataplane]\ninterface = "lo"\nnetns = "aggd-nosuch-ns"\n')
+    res = runner.invoke(aggctl, ["config", "check", str(path)])
+    assert res.exit_code == 1 and "dataplane.netns: no network namespace 'aggd-nosuch-ns'" in res.output, res.output
+    path.write_text('[dataplane]\ninterface = "ifb0"\n')   # no IPv4 address: dataplane.address is needed
+    if (Path("/sys/class/net") / "ifb0").exists():
+        res = runner.invoke(aggctl, ["config", "check", str(path)])
+        assert res.exit_code == 1 and "ifb0 on this host has no IPv4 address; set dataplane.address" in res.output
 
 
 # -- [dataplane] kind and [p4] ---------------------------------------------------------------------
@@ -193,7 +212,7 @@ def test_p4_hosts_problems_all_named():
 
 def test_aggctl_config_check_p4(tmp_path):
     path = tmp_path / "p4.toml"
-    path.write_text('[dataplane]\nkind = "p4"\n[p4]\ngrpc = "127.0.0.1"\n')
+    path.write_text('[dataplane]\nkind = "p4"\ninterface = "lo"\n[p4]\ngrpc = "127.0.0.1"\n')
     res = CliRunner().invoke(aggctl, ["config", "check", str(path)])
     assert res.exit_code == 1
     assert 'p4.grpc: must be "HOST:PORT"' in res.output and "p4.hosts: the switch needs its hosts" not in res.output
@@ -202,12 +221,12 @@ def test_aggctl_config_check_p4(tmp_path):
 def test_aggctl_config_check_p4_reads_the_p4info(tmp_path):
     hosts = 'hosts = { "10.77.0.1" = ["02:77:00:00:00:01", 100] }\n'
     good = tmp_path / "bmv2.toml"
-    good.write_text('[dataplane]\nkind = "p4"\n[p4]\n' + hosts)
+    good.write_text('[dataplane]\nkind = "p4"\ninterface = "lo"\n[p4]\n' + hosts)
     res = CliRunner().invoke(aggctl, ["config", "check", str(good)])
     assert res.exit_code == 0 and "P4 bmv2 switch at 127.0.0.1:9559" in res.output, res.output
     # the Tofino program adds 32 values a packet, not the default 256; a device_config that is not there
     tofino = tmp_path / "tofino.toml"
-    tofino.write_text('[dataplane]\nkind = "p4"\n[p4]\ntarget = "tofino"\ndevice_config = "/nonexistent/tofino.bin"\n'
+    tofino.write_text('[dataplane]\nkind = "p4"\ninterface = "lo"\n[p4]\ntarget = "tofino"\ndevice_config = "/nonexistent/tofino.bin"\n'
                       + hosts)
     res = CliRunner().invoke(aggctl, ["config", "check", str(tofino)])
     assert res.exit_code == 1

@@ -17,17 +17,16 @@ def config():
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def check(path, as_json):
-    """Check FILE as aggd would load it: every unknown key and bad value, by key path."""
+    """Check FILE as aggd would load it: every unknown key and bad value, by key path; and what this
+    host lacks of it (the network namespace, the interface and its address), as a start would."""
     try:
         cfg = load(path)
     except ConfigError as exc:
-        if as_json:
-            click.echo(json.dumps({"ok": False, "file": path, "problems": exc.problems}, indent=2))
-        else:
-            click.echo(f"{path}: {len(exc.problems)} problem(s)", err=True)
-            for p in exc.problems:
-                click.echo(f"  {p}", err=True)
-        raise SystemExit(1)
+        _fail(path, exc.problems, as_json)
+    from aggd.daemon.service import host_problems   # pyroute2: only for the check that needs it
+    host = host_problems(cfg)
+    if host:
+        _fail(path, host, as_json)
     if cfg.dataplane.kind == "p4":
         _check_p4(path, cfg, as_json)
         return
@@ -37,6 +36,16 @@ def check(path, as_json):
     else:
         click.echo(f"{path}: OK (the kernel memory holds about {cfg.kernel_slots} slots; "
                    f"`aggctl status` shows the exact number)")
+
+
+def _fail(path: str, problems: list[str], as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"ok": False, "file": path, "problems": problems}, indent=2))
+    else:
+        click.echo(f"{path}: {len(problems)} problem(s)", err=True)
+        for p in problems:
+            click.echo(f"  {p}", err=True)
+    raise SystemExit(1)
 
 
 def _check_p4(path: str, cfg, as_json: bool) -> None:
@@ -65,13 +74,7 @@ def _check_p4(path: str, cfg, as_json: bool) -> None:
     if p4.device_config and not Path(p4.device_config).is_file():
         problems.append(f"p4.device_config: no file {p4.device_config} (build it with `make p4`)")
     if problems:
-        if as_json:
-            click.echo(json.dumps({"ok": False, "file": path, "problems": problems}, indent=2))
-        else:
-            click.echo(f"{path}: {len(problems)} problem(s)", err=True)
-            for p in problems:
-                click.echo(f"  {p}", err=True)
-        raise SystemExit(1)
+        _fail(path, problems, as_json)
     slots = p4.slots or info.slots
     if as_json:
         click.echo(json.dumps({"ok": True, "file": path, "config": cfg.to_dict(), "switch_slots": slots}, indent=2))
