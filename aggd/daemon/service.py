@@ -21,6 +21,7 @@ installed afresh at start (its switch slots start empty).
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import logging
 import os
@@ -106,6 +107,11 @@ def _warm_userspace_kernels() -> None:
         fastpath.warm_up()
     except Exception as exc:  # noqa: BLE001 - reported by the server's warm-up
         log.debug("early warm-up of the user-space kernels failed: %s", exc)
+
+
+#: how an operator passes --reset-kernel-state, under the unit and by hand
+RESET_HOW = "(under systemd: AGGD_OPTS=--reset-kernel-state in /etc/default/aggd, then remove it; by hand: " \
+            "aggd --reset-kernel-state)"
 
 
 def _where(netns: str | None) -> str:
@@ -199,6 +205,7 @@ class Service:
         self.us = None          # UserspaceAggregator
         self.policy = None      # aggd.daemon.policy_runner.PolicyRunner: straggler detector and policy, a thread
         self.address: str | None = None
+        self._locks: list[int] = []   # this daemon's interface and pinned maps (_claim)
         # The kernel's slot array is sized once, at load, from the budget and the slot size of the
         # program being loaded; a reload may lower the budget for new jobs but not grow the array.
         self.slot_bytes = config.slot_bytes  # estimate until start() measures it
@@ -244,6 +251,7 @@ class Service:
         problems = host_problems(cfg)
         if problems:
             raise ServiceError(problems[0])
+        self._claim(cfg)
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.address = dpc.address or interface_address(dpc.interface, netns)
         if dpc.kind == "xdp":
@@ -254,14 +262,21 @@ class Service:
         else:
             self._start_xdp()
         warming.join()
-        with _netns(netns):  # sockets stay in the namespace they were made in
-            self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
-                                          extra_binds=((self.address, dpc.userspace_port),),
-                                          handlers={int(proto.MsgType.JOIN): self._on_join,
-                                                    int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack,
-                                                    int(proto.MsgType.NACK): self.upstream.on_nack,
-                                                    int(proto.MsgType.SHARDS): self._on_shards},
-                                          keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
+        try:
+            with _netns(netns):  # sockets stay in the namespace they were made in
+                self.us = UserspaceAggregator((self.address, dpc.port), dpc.elements_per_packet,
+                                              extra_binds=((self.address, dpc.userspace_port),),
+                                              handlers={int(proto.MsgType.JOIN): self._on_join,
+                                                        int(proto.MsgType.JOIN_ACK): self.upstream.on_join_ack,
+                                                        int(proto.MsgType.NACK): self.upstream.on_nack,
+                                                        int(proto.MsgType.SHARDS): self._on_shards},
+                                              keep_dir=Path(cfg.state.dir) / USERSPACE_DIR)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise ServiceError(f"dataplane.port / dataplane.userspace_port: UDP {self.address}:{dpc.port} or "
+                               f":{dpc.userspace_port}{_where(netns)} is in use by another program "
+                               f"(`ss -ulpn` shows which)") from None
         self._restore()
         self.us.start()
         self.upstream.start()
@@ -276,6 +291,20 @@ class Service:
             log.info("serving on %s:%d (%s XDP on %s%s), user-space port %d, kernel budget %d slots",
                      self.address, dpc.port, dpc.mode, dpc.interface, f" in {netns}" if netns else "",
                      dpc.userspace_port, self.registry.limits.kernel_budget)
+
+    def _claim(self, cfg: Config) -> None:
+        """This daemon's locks on its interface and pinned maps (aggd.daemon.instance_lock), before
+        anything touches them."""
+        from aggd.daemon.instance_lock import InstanceLocked, claim
+        dpc = cfg.dataplane
+        if dpc.kind != "xdp":
+            return
+        where = f"{dpc.interface}{_where(dpc.netns or None)}"
+        try:
+            self._locks = [claim(f"if.{dpc.netns or '-'}.{dpc.interface}", f"dataplane.interface {where}"),
+                           claim(f"pins.{dpc.pin_dir}", f"dataplane.pin_dir {dpc.pin_dir}")]
+        except InstanceLocked as exc:
+            raise ServiceError(str(exc)) from None
 
     def _start_p4(self) -> None:
         """Connect to the switch (P4Runtime, and its registers), push the program if configured,
@@ -315,7 +344,7 @@ class Service:
         self.registry.with_limits(self._limits(cfg))
 
     def _start_xdp(self) -> None:
-        from aggd.dataplane.xdp.loader import XdpDataPlane, XdpError, remove_pinned
+        from aggd.dataplane.xdp.loader import PinnedLayoutError, XdpDataPlane, XdpError, remove_pinned
 
         cfg, dpc = self.config, self.config.dataplane
         netns = dpc.netns or None
@@ -330,7 +359,7 @@ class Service:
         problems = xdp_ops.pinned_layout_problems(dpc.pin_dir, sizes)
         if problems:
             raise ServiceError(f"the maps pinned in {dpc.pin_dir} were made by another XDP program "
-                               f"({'; '.join(problems)}): start once with `aggd --reset-kernel-state` "
+                               f"({'; '.join(problems)}): start once with --reset-kernel-state {RESET_HOW} "
                                f"(jobs are kept, their kernel slots start empty)")
         try:
             # The array holds at least one slot (a map cannot be empty); the registry never hands
@@ -338,13 +367,11 @@ class Service:
             self.dp = XdpDataPlane(dpc.interface, mode=dpc.mode, port=dpc.port,
                                    elements=dpc.elements_per_packet, total_slots=max(1, self.kernel_capacity),
                                    netns=netns, pin_dir=dpc.pin_dir)
+        except PinnedLayoutError as exc:
+            raise ServiceError(f"{exc}: restore the old settings, or start once with --reset-kernel-state "
+                               f"{RESET_HOW} (jobs are kept, their kernel slots start empty)") from None
         except XdpError as exc:
-            hint = ""
-            if "another layout" in str(exc):
-                hint = (" -- dataplane.kernel_memory, elements_per_packet or port changed since the maps "
-                        "were pinned: start once with `aggd --reset-kernel-state` (jobs are kept, their "
-                        "kernel slots start empty) or restore the old settings")
-            raise ServiceError(f"{exc}{hint}") from None
+            raise ServiceError(str(exc)) from None
         if xdp_ops.slot_size(self.dp) != self.slot_bytes:
             raise ServiceError(f"a kernel slot takes {xdp_ops.slot_size(self.dp)} bytes, the probe said "
                                f"{self.slot_bytes}: the budget would be wrong")
@@ -357,6 +384,9 @@ class Service:
             self.policy.stop()
             self.policy = None
         self.upstream.stop()
+        for fd in self._locks:   # a later start in this process takes them again
+            os.close(fd)
+        self._locks = []
         planes, self.dp, self.us = self.planes[::-1], None, None
         failed = None
         for plane in planes:  # the user-space path first: it answers what XDP passes on

@@ -75,6 +75,20 @@ def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
     assert [j["name"] for j in d.call("jobs.list")] == ["a"]
     assert "kernel slots installed empty" in d.log()
     d.stop()
+    # a smaller kernel_memory over the pinned maps: what changed, and how to start anyway
+    d.configure(dataplane={"unpin_on_stop": False})
+    d.start()
+    d.stop()
+    d.configure(dataplane={"kernel_memory": "4MiB"})
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert "dataplane.kernel_memory changed since: restore the old settings, or start once with " \
+           "--reset-kernel-state (under systemd: AGGD_OPTS=--reset-kernel-state in /etc/default/aggd" in d.log()
+    d.start("--reset-kernel-state")
+    d.stop()
+    d.configure(dataplane={"unpin_on_stop": True})
+    d.start()
+    d.stop()
     # a bad interface is a clear error and a non-zero exit before READY
     d.configure(dataplane={"interface": "nosuch0"})
     d.start(wait=False)
@@ -113,3 +127,30 @@ def test_a_stop_after_the_namespace_went_away_is_clean(make_lab, make_daemon):
     subprocess.run(["ip", "netns", "del", lab.agg_ns], check=True)
     assert d.stop(signal.SIGTERM) == 0
     assert "is gone: nothing to detach" in d.log() and "Traceback" not in d.log(), d.log()[-3000:]
+
+
+def test_a_second_daemon_on_the_interface_leaves_the_first_alone(make_lab, make_daemon):
+    """An operator starts aggd by hand with the service's config while the service runs: it refuses
+    before it touches the interface, naming the running one, and the first keeps its program. The
+    status and the health gauge read the link: a program detached behind the daemon's back shows."""
+    from aggd.lab.namespaces import in_netns
+    from tests.harness.prometheus import free_port
+
+    lab = make_lab(1)
+    port = free_port(lab.agg_ns)
+    d = make_daemon(lab, metrics={"address": f"127.0.0.1:{port}"})
+    prog = xdp_prog_id(lab.agg_ns, lab.agg_ifname)
+    second = subprocess.run(d.command(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1
+    assert f"another aggd (pid {d.proc.pid}) serves dataplane.interface {lab.agg_ifname} in namespace " \
+           f"{lab.agg_ns}" in second.stderr, second.stderr[-2000:]
+    assert "attached" not in second.stderr and "Traceback" not in second.stderr
+    assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) == prog
+    assert d.call("status")["dataplane"]["attached"] is True
+    subprocess.run(["ip", "netns", "exec", lab.agg_ns, "ip", "link", "set", "dev", lab.agg_ifname, "xdp", "off"],
+                   check=True)
+    assert d.call("status")["dataplane"]["attached"] is False
+    with in_netns(lab.agg_ns):
+        import urllib.request
+        page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert "aggd_xdp_attached 0.0" in page

@@ -47,6 +47,23 @@ class XdpError(DataPlaneError):
     pass
 
 
+#: what each part of the pinned maps' layout record comes from
+_LAYOUT_SOURCES = {"elements": "dataplane.elements_per_packet", "frags": "dataplane.elements_per_packet",
+                   "total_slots": "dataplane.kernel_memory", "port": "dataplane.port",
+                   "protocol_version": "the aggd version", "map_layout": "the aggd version"}
+
+
+class PinnedLayoutError(XdpError):
+    """The pinned maps were made with other settings: ``changed`` names them, with the pinned and the
+    wanted value of each part of the layout."""
+
+    def __init__(self, pin_dir, diff: dict):
+        self.changed = sorted({_LAYOUT_SOURCES.get(k, k) for k in diff})
+        parts = ", ".join(f"{k} {a} pinned, {b} now" for k, (a, b) in diff.items())
+        super().__init__(f"the maps pinned in {pin_dir} were made with other settings ({parts}): "
+                         f"{' and '.join(self.changed)} changed since")
+
+
 def multicast_mac(group_ip: str) -> bytes:
     """01:00:5e plus the low 23 bits of the group address (RFC 1112)."""
     ip = int(ipaddress.IPv4Address(group_ip))
@@ -195,6 +212,7 @@ class XdpDataPlane(DataPlane):
         self.total_slots = total_slots
         self.allocator = SlotAllocator(total_slots)
         self._attached = False
+        self._prog_id: int | None = None   # our program's id on the link, read once attached
         self._own_mac: bytes | None = None
         cflags = [f"-I{XDP_DIR}", f"-DELEMS={elements}", f"-DTOTAL_SLOTS={total_slots}",
                   f"-DAGGD_PORT={port}", "-Wno-unused-function", "-Wno-compare-distinct-pointer-types"]
@@ -279,8 +297,7 @@ class XdpDataPlane(DataPlane):
             pinned = json.loads(self._layout_file.read_text())
             if pinned != self._layout():
                 diff = {k: (pinned.get(k), v) for k, v in self._layout().items() if pinned.get(k) != v}
-                raise XdpError(f"maps pinned in {self.pin_dir} have another layout {diff} (pinned, wanted): "
-                               f"remove them (`aggctl reset`) to start empty, or restore the old settings")
+                raise PinnedLayoutError(self.pin_dir, diff)
 
     def _recover_allocations(self) -> None:
         for job in self.active_jobs():
@@ -334,7 +351,19 @@ class XdpDataPlane(DataPlane):
             raise XdpError(f"cannot attach XDP ({self.mode}) to {self.ifname}: {exc}{self._attach_hint()}") from exc
         self.set_own_mac(self._interface_mac())
         self._attached = True
+        self._prog_id = self._link_prog_id()
         log.info("attached %s to %s in %s mode", FUNCTION, self.ifname, self.mode)
+
+    def _link_prog_id(self) -> int | None:
+        """The id of the XDP program on the interface now (None: none, or no such interface)."""
+        from pyroute2 import IPRoute
+        try:
+            with self._in_netns(), IPRoute() as ipr:
+                links = ipr.get_links(ifname=self.ifname)
+        except OSError:   # the namespace is gone
+            return None
+        xdp = links[0].get_attr("IFLA_XDP") if links else None
+        return None if xdp is None else xdp.get_attr("IFLA_XDP_PROG_ID")
 
     def _attach_hint(self) -> str:
         """Why native attach fails on a link whose MTU a one-page program cannot take (the kernel
@@ -612,7 +641,9 @@ class XdpDataPlane(DataPlane):
 
     @property
     def attached(self) -> bool:
-        return self._attached
+        """Whether our program is on the interface: read from the link, so that one detached or
+        replaced behind our back (``ip link set dev X xdp off``, another program) shows."""
+        return self._attached and self._link_prog_id() == self._prog_id
 
     def describe(self) -> dict:
         return {"slot_bytes": ctypes.sizeof(self.slots.Leaf), "array_slots": self.total_slots}
