@@ -202,6 +202,16 @@ class Job:
     score_rho: float = DEFAULT_SCORE_RHO
     #: Policy windows in a row with a score below -0.5 (departures.SUSPECT_SCORE) that quarantine a member (0: never).
     score_after: int = 0
+    #: The round after the newest any member had sent when the daemon last stopped: a data plane
+    #: that lost its rounds (a reboot, --reset-kernel-state) must not start the job's rounds again
+    #: below it, where the strategy table's versions and the members' records are
+    resume_round: int = 0
+
+    def round_floor(self) -> int:
+        """The lowest round a restart of every member may go on from: past what the daemon saw
+        before it stopped, and at least the newest strategy version's first round (an earlier one
+        would run under versions the table has moved past, and leave no room for a new one)."""
+        return max([self.resume_round] + [r for _, r, _ in self.strategies])
 
     @property
     def precision(self) -> Precision:
@@ -274,7 +284,7 @@ class Job:
              "port": self.port, "strategy": str(self.strategy), "strategy_version": self.strategy_version,
              "headroom": self.headroom, "precision": self.precision_bits, "max_abs": self.max_abs,
              "max_norm": self.max_norm, "quarantine_after": self.quarantine_after, "combine": self.combine,
-             "score_rho": self.score_rho, "score_after": self.score_after,
+             "score_rho": self.score_rho, "score_after": self.score_after, "resume_round": self.resume_round,
              "strategies": [{"version": v, "from_round": r, "strategy": t} for v, r, t in self.strategies],
              "kernel_slots": self.kernel_slots, "userspace_slots": self.userspace_slots,
              "placement": self.placement(),
@@ -308,7 +318,8 @@ class Job:
                   max_abs=None if d.get("max_abs") is None else float(d["max_abs"]),
                   max_norm=None if d.get("max_norm") is None else float(d["max_norm"]),
                   quarantine_after=int(d.get("quarantine_after", 0)), combine=str(d.get("combine", "sum")),
-                  score_rho=float(d.get("score_rho", DEFAULT_SCORE_RHO)), score_after=int(d.get("score_after", 0)))
+                  score_rho=float(d.get("score_rho", DEFAULT_SCORE_RHO)), score_after=int(d.get("score_after", 0)),
+                  resume_round=int(d.get("resume_round", 0)))
         job.members = {m.rank: m for m in map(Member.from_json, d["members"])}
         job.gone = {int(r): {"since": float(g["since"]), "reason": str(g["reason"]), "round": int(g["round"]),
                              "quarantined": bool(g.get("quarantined", False))}

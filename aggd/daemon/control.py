@@ -209,7 +209,12 @@ class ControlServer:
             os.umask(old)
         self.sock.listen(64)
         self.sock.setblocking(False)
-        self.set_group(group)
+        try:
+            self.set_group(group)
+        except BaseException:
+            self.sock.close()
+            self.path.unlink(missing_ok=True)
+            raise
         self._conns: dict[int, _Conn] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -220,7 +225,13 @@ class ControlServer:
     def set_group(self, group: str) -> None:
         """Let ``group`` (besides root) use the socket; empty: root only."""
         gid = grp.getgrnam(group).gr_gid if group else 0
-        os.chown(self.path, 0 if os.geteuid() == 0 else -1, gid)
+        try:
+            os.chown(self.path, 0 if os.geteuid() == 0 else -1, gid)
+        except PermissionError:
+            # without CAP_CHOWN (the unit has none) a process may give a file only to its own groups
+            raise ControlError("control_group", f"control.group {group!r}: the daemon is not in that group, so "
+                                                f"it cannot give it {self.path}: add SupplementaryGroups={group} "
+                                                f"to the unit (`systemctl edit aggd`)") from None
         os.chmod(self.path, SOCKET_MODE)
 
     @property

@@ -201,13 +201,14 @@ class Daemon:
             self.notifier.ready("reload refused: config has errors (see the log)")
             return
         running = self.service.config
-        restart = self.service.reload(new)
-        now_in_force = sorted(changed_keys(running, self.service.config))
-        logging.getLogger().setLevel(new.log.level.upper())
         try:
             self.control.set_group(new.control.group)
         except (OSError, KeyError, ControlError) as exc:
-            log.error("control.group %r: %s", new.control.group, exc)
+            log.error("reload: %s; control.group stays %r", exc, running.control.group)
+            new = new.with_changes("control", group=running.control.group)
+        restart = self.service.reload(new)
+        now_in_force = sorted(changed_keys(running, self.service.config))
+        logging.getLogger().setLevel(new.log.level.upper())
         log.info("reloaded %s; applied: %s", self.path, ", ".join(
             f"{k} = {_value(self.service.config, k)!r}" for k in now_in_force) or "nothing changed")
         if restart:

@@ -384,6 +384,7 @@ class Service:
             self.policy.stop()
             self.policy = None
         self.upstream.stop()
+        self._keep_rounds()
         for fd in self._locks:   # a later start in this process takes them again
             os.close(fd)
         self._locks = []
@@ -397,6 +398,24 @@ class Service:
                 failed = failed or exc
         if failed is not None:
             raise failed
+
+    def _keep_rounds(self) -> None:
+        """Record in the state file, per job, the round after the newest any member sent
+        (``Job.resume_round``): the next start may find the data planes' rounds gone."""
+        if self.us is None:
+            return
+        with self.lock:
+            changed = False
+            for job in self.registry.jobs.values():
+                try:
+                    top = max_round(self._holding(job), job)
+                except Exception as exc:  # noqa: BLE001 - a stop goes on; the floor is only lower
+                    log.warning("job %s: its newest round could not be read at stop: %s", job.name, exc)
+                    continue
+                if top is not None and top + 1 > job.resume_round:
+                    job.resume_round, changed = top + 1, True
+            if changed:
+                self._save()
 
     def healthy(self) -> bool:
         return self.us is not None and self.us.attached and self.dp is not None
@@ -522,8 +541,10 @@ class Service:
         if rank not in job.gone and not outcome.rejoined:
             first = 0
         else:
-            restart = self._restarts[job.id] = restart_of(self._restarts.get(job.id), rank, rounds,
-                                                          max_round(self._holding(job), job))
+            top = max_round(self._holding(job), job)
+            if job.round_floor() and (top is None or top < job.round_floor() - 1):
+                top = job.round_floor() - 1   # the data plane lost its rounds (a reboot, a reset)
+            restart = self._restarts[job.id] = restart_of(self._restarts.get(job.id), rank, rounds, top)
             first = restart.round
             if job.upstream is not None and restart.ranks == {rank}:
                 self.upstream.relink(job.id, f"its workers restart (rank {rank} rejoined)")
@@ -710,12 +731,20 @@ class Service:
         """The straggler detector's and the policy's view of a job (or of one of its ranks)."""
         return self.policy.view(job, rank) if self.policy is not None else {}
 
-    @staticmethod
-    def _summary(job: Job) -> dict:
+    def _in_force(self, job: Job) -> dict:
+        """The strategy governing the job's newest round (``strategy``, ``strategy_version``), and
+        the newer versions waiting for their first rounds (``pending``: strategy, version,
+        from_round each, oldest first): the table's newest entry is not in force until then."""
+        top, _ = self._rounds(job)
+        version, in_force = job.strategy_table().governing(0 if top is None else top)
+        pending = [{"strategy": t, "version": v, "from_round": r} for v, r, t in job.strategies if v > version]
+        return {"strategy": str(in_force), "strategy_version": version, "pending": pending}
+
+    def _summary(self, job: Job) -> dict:
         return {"name": job.name, "id": job.id, "world": job.world, "joined": len(job.members),
-                "strategy": str(job.strategy), "slots": job.slots, "kernel_slots": job.kernel_slots,
+                **self._in_force(job), "slots": job.slots, "kernel_slots": job.kernel_slots,
                 "userspace_slots": job.userspace_slots, "elements": job.elements,
-                "precision": job.precision_bits}
+                "precision": job.precision_bits, "gone": sorted(job.gone)}
 
     def cmd_jobs_list(self):
         return [self._summary(j) for j in self.registry.list()]
@@ -758,7 +787,7 @@ class Service:
 
     def cmd_jobs_show(self, job):
         j = self._job(job)
-        d = j.describe()
+        d = {**j.describe(), **self._in_force(j)}
         d["paths"] = self._paths(j)
         if j.upstream is not None:
             d["upstream"]["link"] = self.upstream.describe(j.id)

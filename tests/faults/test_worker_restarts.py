@@ -8,6 +8,7 @@ however long since the last run, or the rounds go on without them and every surv
 partial (n_contrib 1 or 2 of 4, with no error), as a user running the README's code twice saw."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -56,3 +57,29 @@ def test_a_script_run_again_lines_up_however_its_ranks_start(lab_daemon, path):
     # and once more, every rank at once: a restart ended by the last is no part of the next one
     run(lab, job, [0.0] * WORLD)
     assert "declared gone" not in d.log()
+
+
+def test_rounds_go_on_past_a_restart_that_lost_the_kernel_rounds(lab_daemon):
+    """The daemon stops, and starts with its kernel rounds gone (a reboot empties bpffs; a new
+    kernel_memory needs --reset-kernel-state): the members' next run goes on past the rounds the
+    job had run, so the strategy table's versions stay ahead of nothing and a new one can be set;
+    status shows the version in force, and the newer one waiting."""
+    lab, d = lab_daemon(WORLD)
+    job = d.call("jobs.create", name="resume", world=WORLD)
+    run(lab, job, [0.0] * WORLD)
+    first = d.call("strategy.set", job="resume", strategy="ssp:2")["versions"][-1]["from_round"]
+    later = d.call("strategy.set", job="resume", strategy="sync", from_round=first + 500)["versions"][-1]
+    shown = d.call("jobs.show", job="resume")
+    assert (shown["strategy"], shown["strategy_version"]) == ("sync", 0), shown   # the newest waits
+    assert [(p["strategy"], p["version"]) for p in shown["pending"]] == [("ssp:2", 1), ("sync", 2)]
+    assert [j["strategy"] for j in d.call("status")["jobs"]] == ["sync"]
+    d.stop()
+    d.start("--reset-kernel-state")
+    assert "kernel slots installed empty" in d.log()
+    run(lab, job, [0.0] * WORLD)
+    gone_on = int(re.findall(r"job resume: every member restarted; .* goes on from round (\d+)", d.log())[-1])
+    assert gone_on >= later["from_round"] > ROUNDS
+    assert d.call("strategy.show", job="resume")["in_force"]["strategy"] == "sync"
+    # a new version goes in (it used to be refused "table full" until the rounds got back to the old ones)
+    shown = d.call("strategy.set", job="resume", strategy="ssp:1")
+    assert shown["versions"][-1]["from_round"] > gone_on + ROUNDS - 1 and shown["versions"][-1]["version"] == 3

@@ -154,3 +154,24 @@ def test_a_second_daemon_on_the_interface_leaves_the_first_alone(make_lab, make_
         import urllib.request
         page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "aggd_xdp_attached 0.0" in page
+
+
+def test_a_control_group_the_daemon_is_not_in_names_the_fix(make_lab, make_daemon):
+    """Under the unit's capabilities (no CAP_CHOWN) the daemon can give its socket only to a group
+    it is in: the start, and a reload, say which key and how to fix it, and a reload keeps the
+    group it had (not reported applied)."""
+    import grp
+    group = next(g.gr_name for g in grp.getgrall() if g.gr_gid not in os.getgroups() and g.gr_gid != 0)
+    lab = make_lab(1)
+    d = make_daemon(lab)
+    d.configure(control={"group": group})
+    mark = len(d.notify.messages)
+    d.send(signal.SIGHUP)
+    d.notify.wait_for("READY=1", 10, after=mark)
+    assert f"reload: control.group '{group}': the daemon is not in that group" in d.log()
+    assert f"SupplementaryGroups={group}" in d.log() and "control.group stays ''" in d.log()
+    assert "control.group =" not in d.log()
+    d.stop()
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    assert f"cannot start: control.group '{group}': the daemon is not in that group" in d.log(), d.log()[-2000:]

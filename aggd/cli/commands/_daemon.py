@@ -65,7 +65,9 @@ def job_columns(fast_path: str = "KERNEL") -> tuple[str, ...]:
 
 def job_cells(j: dict) -> tuple:
     """A job's values under :func:`job_columns`, from its entry in ``jobs.list`` or ``status``."""
-    return (j["name"], j["id"], j["world"], j["joined"], j["strategy"], j["slots"], j["kernel_slots"],
+    gone = j.get("gone") or []
+    joined = f"{j['joined']} ({len(gone)} gone)" if gone else j["joined"]
+    return (j["name"], j["id"], j["world"], joined, j["strategy"], j["slots"], j["kernel_slots"],
             j["userspace_slots"])
 
 

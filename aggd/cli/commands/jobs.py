@@ -146,7 +146,9 @@ def show(job, as_json):
     click.echo(f"job {j['name']} (id {j['id']}), world {j['world']}, {j['joined']} joined, "
                f"round {'-' if j['round'] is None else j['round']}")
     click.echo(f"token:     {j['token']}")
-    click.echo(f"strategy:  {j['strategy']} (version {j['strategy_version']})")
+    then = "".join(f"; {p['strategy']} (version {p['version']}) from round {p['from_round']}"
+                   for p in j.get("pending") or [])
+    click.echo(f"strategy:  {j['strategy']} (version {j['strategy_version']}) in force{then}")
     bounds = ", ".join(f"{k} {j[k]:g}" for k in ("max_abs", "max_norm") if j.get(k) is not None)
     if bounds:
         after = j.get("quarantine_after") or 0

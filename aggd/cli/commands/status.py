@@ -28,7 +28,12 @@ def status(as_json):
         click.echo(f"data plane: XDP {dp['mode']} on {dp['interface']}{where} "
                    f"({'attached' if dp['attached'] else 'DETACHED'}), {dp['address']}:{dp['port']}, "
                    f"{dp['elements']} elements a packet; user-space port {dp['userspace_port']}")
-        click.echo(f"kernel memory: {k['budget_bytes']} bytes = {k['budget_slots']} slots of {k['slot_bytes']} B; "
+        held = k["budget_slots"] * k["slot_bytes"]
+        # a reload may ask for more than the array loaded at start holds (it grows at a restart
+        # with --reset-kernel-state): say both
+        more = (f" (kernel_memory asks {k['budget_bytes']} bytes: the rest after a restart with "
+                f"--reset-kernel-state)" if k["budget_bytes"] > held + k["slot_bytes"] else "")
+        click.echo(f"kernel memory: {k['budget_slots']} slots of {k['slot_bytes']} B = {held} bytes{more}; "
                    f"{k['used_slots']} used, {k['free_slots']} free (largest run {k['largest_free_run']})")
     click.echo(f"user-space path: {'running' if us['alive'] else 'STOPPED'}, {us['errors']} errors, "
                f"{us['send_errors']} send errors")
