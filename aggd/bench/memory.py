@@ -87,8 +87,10 @@ class Contributor:
 
     def send(self, chunks: range, burst: int = 128, pause: float = 0.004) -> None:
         for n, chunk in enumerate(chunks):
+            # the member's tag rides in ``contributors`` (docs/protocol.md, "Member tags"): without
+            # it every contribution is dropped bad_tag and no slot opens
             hdr = Header(type=MsgType.CONTRIB, job=self.info.job, rank=0, round=0, chunk=chunk,
-                         count=self.info.elements)
+                         count=self.info.elements, contributors=self.info.tag)
             self.sock.sendto(hdr.pack() + self.payload, self.server)
             if n % burst == burst - 1:
                 time.sleep(pause)   # the user-space socket's buffer, not a loss test
@@ -188,6 +190,10 @@ def run(*, jobs: int = 256, slots: int | None = None, active: tuple[int, ...] = 
                     c.send(range(sent, k))
                     sent = k
                     counted = _wait_contributions(d, "active", k)
+                    if counted < k:   # a per-slot figure over slots that never opened would be made up
+                        drops = d.call("jobs.show", job="active")["paths"]["userspace"]["drops"]
+                        raise RuntimeError(f"only {counted} of {k} contributions reached the job's slots "
+                                           f"(drops: { {r: n for r, n in drops.items() if n} })")
                     now = settled_memory(pid)
                     grown = _delta(now, empty)
                     emit({"bench": "memory", "case": "active_slots", "slots": most, "active_slots": counted,

@@ -95,3 +95,16 @@ def test_creating_the_largest_job_holds_up_neither_status_nor_another_jobs_traff
     assert any(t0 > end for t0, _ in gaps)     # and the job's traffic went on after it
     # 16384 slots of 256 values are 512 MiB of sums: none of it made until used
     assert process_memory(d.proc.pid)["rss"] - rss0 < 64 * MIB
+
+
+def test_the_memory_bench_opens_the_active_slots_it_measures():
+    """`aggctl bench memory`'s active-slot rows count slots that really opened: its sender carries
+    the member tag (without it every packet was dropped bad_tag, and the per-slot figure was the
+    whole job's growth over 1)."""
+    import secrets
+
+    from aggd.bench import memory
+
+    rows = memory.run(jobs=2, active=(64,), big_slots=1024, lab_name=f"bm{secrets.token_hex(2)}")
+    active = [r for r in rows if r["case"] == "active_slots"]
+    assert [r["active_slots"] for r in active] == [64], active
