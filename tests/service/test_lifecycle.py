@@ -65,6 +65,14 @@ def test_notify_reload_and_clean_stop(make_lab, make_daemon):
     assert xdp_prog_id(lab.agg_ns, lab.agg_ifname) is not None
 
 
+def refused_start(d, **dataplane) -> str:
+    """Start ``d`` with these ``[dataplane]`` settings: it must exit 1 before READY; its log."""
+    d.configure(dataplane=dataplane)
+    d.start(wait=False)
+    assert d.proc.wait(60) == 1
+    return d.log()
+
+
 def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
     lab = make_lab(1)
     d = make_daemon(lab, dataplane={"unpin_on_stop": True})
@@ -79,26 +87,19 @@ def test_unpin_on_stop_and_refusing_to_start(make_lab, make_daemon):
     d.configure(dataplane={"unpin_on_stop": False})
     d.start()
     d.stop()
-    d.configure(dataplane={"kernel_memory": "4MiB"})
-    d.start(wait=False)
-    assert d.proc.wait(60) == 1
     assert "dataplane.kernel_memory changed since: restore the old settings, or start once with " \
-           "--reset-kernel-state (under systemd: AGGD_OPTS=--reset-kernel-state in /etc/default/aggd" in d.log()
+           "--reset-kernel-state (under systemd: AGGD_OPTS=--reset-kernel-state in /etc/default/aggd" in \
+        refused_start(d, kernel_memory="4MiB")
     d.start("--reset-kernel-state")
     d.stop()
     d.configure(dataplane={"unpin_on_stop": True})
     d.start()
     d.stop()
     # a bad interface is a clear error and a non-zero exit before READY
-    d.configure(dataplane={"interface": "nosuch0"})
-    d.start(wait=False)
-    assert d.proc.wait(60) == 1
-    assert "no interface nosuch0" in d.log()
+    assert "no interface nosuch0" in refused_start(d, interface="nosuch0")
     # a namespace that does not exist: named by its key, no traceback
-    d.configure(dataplane={"netns": "nosuchns"})
-    d.start(wait=False)
-    assert d.proc.wait(60) == 1
-    assert "dataplane.netns: no network namespace 'nosuchns'" in d.log() and "Traceback" not in d.log()
+    log = refused_start(d, netns="nosuchns")
+    assert "dataplane.netns: no network namespace 'nosuchns'" in log and "Traceback" not in log
 
 
 def test_a_jumbo_link_names_the_settings_native_xdp_needs(make_lab, make_daemon):
