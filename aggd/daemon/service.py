@@ -134,19 +134,23 @@ def interface_address(ifname: str, netns: str | None) -> str:
     return addrs[0]
 
 
-def host_problems(cfg: Config) -> list[str]:
-    """What of ``cfg`` this host lacks, by key (``aggctl config check`` and a start ask alike): the
-    network namespace, the interface in it, and its IPv4 address where ``dataplane.address`` is unset."""
+def inspect_host(cfg: Config) -> tuple[str, str | None]:
+    """The daemon's address (``dataplane.address``, or the interface's first IPv4 one) and, for the
+    XDP data plane, the interface's kind (``link_kind``); ServiceError naming the key when this host
+    lacks the network namespace, the interface in it, or its address."""
     dpc = cfg.dataplane
     netns = dpc.netns or None
     if netns and not Path("/run/netns", netns).exists():
-        return [f"dataplane.netns: no network namespace {netns!r} (/run/netns/{netns} does not exist; "
-                f"`ip netns list` shows them)"]
+        raise ServiceError(f"dataplane.netns: no network namespace {netns!r} (/run/netns/{netns} does not "
+                           f"exist; `ip netns list` shows them)")
+    kind = link_kind(dpc.interface, netns) if dpc.kind == "xdp" else None
+    return dpc.address or interface_address(dpc.interface, netns), kind
+
+
+def host_problems(cfg: Config) -> list[str]:
+    """What of ``cfg`` this host lacks, by key (``aggctl config check``; a start asks ``inspect_host``)."""
     try:
-        if dpc.kind == "xdp":
-            link_kind(dpc.interface, netns)
-        if not dpc.address:
-            interface_address(dpc.interface, netns)
+        inspect_host(cfg)
     except ServiceError as exc:
         return [str(exc)]
     except PermissionError as exc:   # entering a namespace takes CAP_SYS_ADMIN: a start has it
@@ -248,14 +252,10 @@ class Service:
 
         cfg, dpc = self.config, self.config.dataplane
         netns = dpc.netns or None
-        problems = host_problems(cfg)
-        if problems:
-            raise ServiceError(problems[0])
+        self.address, self._interface_kind = inspect_host(cfg)
         self._claim(cfg)
         Path(cfg.state.dir).mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.address = dpc.address or interface_address(dpc.interface, netns)
         if dpc.kind == "xdp":
-            self._interface_kind = link_kind(dpc.interface, netns)
             self.registry.with_limits(self._limits(cfg))     # ([dataplane] narrow_room "auto")
         if dpc.kind == "p4":
             self._start_p4()
@@ -541,9 +541,9 @@ class Service:
         if rank not in job.gone and not outcome.rejoined:
             first = 0
         else:
-            top = max_round(self._holding(job), job)
-            if job.round_floor() and (top is None or top < job.round_floor() - 1):
-                top = job.round_floor() - 1   # the data plane lost its rounds (a reboot, a reset)
+            top, floor = max_round(self._holding(job), job), job.round_floor()
+            if floor and (top is None or top < floor - 1):
+                top = floor - 1   # the data plane lost its rounds (a reboot, a reset)
             restart = self._restarts[job.id] = restart_of(self._restarts.get(job.id), rank, rounds, top)
             first = restart.round
             if job.upstream is not None and restart.ranks == {rank}:
@@ -731,18 +731,19 @@ class Service:
         """The straggler detector's and the policy's view of a job (or of one of its ranks)."""
         return self.policy.view(job, rank) if self.policy is not None else {}
 
-    def _in_force(self, job: Job) -> dict:
-        """The strategy governing the job's newest round (``strategy``, ``strategy_version``), and
-        the newer versions waiting for their first rounds (``pending``: strategy, version,
-        from_round each, oldest first): the table's newest entry is not in force until then."""
-        top, _ = self._rounds(job)
+    @staticmethod
+    def _in_force(job: Job, top: int | None) -> dict:
+        """The strategy governing the job's newest round ``top`` (None: none yet): ``strategy``,
+        ``strategy_version``; and the newer versions waiting for their first rounds (``pending``:
+        strategy, version, from_round each, oldest first): the table's newest entry is not in force
+        until then."""
         version, in_force = job.strategy_table().governing(0 if top is None else top)
         pending = [{"strategy": t, "version": v, "from_round": r} for v, r, t in job.strategies if v > version]
         return {"strategy": str(in_force), "strategy_version": version, "pending": pending}
 
     def _summary(self, job: Job) -> dict:
         return {"name": job.name, "id": job.id, "world": job.world, "joined": len(job.members),
-                **self._in_force(job), "slots": job.slots, "kernel_slots": job.kernel_slots,
+                **self._in_force(job, self._rounds(job)[0]), "slots": job.slots, "kernel_slots": job.kernel_slots,
                 "userspace_slots": job.userspace_slots, "elements": job.elements,
                 "precision": job.precision_bits, "gone": sorted(job.gone)}
 
@@ -787,13 +788,13 @@ class Service:
 
     def cmd_jobs_show(self, job):
         j = self._job(job)
-        d = {**j.describe(), **self._in_force(j)}
+        top, _ = self._rounds(j)
+        d = {**j.describe(), **self._in_force(j, top)}
         d["paths"] = self._paths(j)
         if j.upstream is not None:
             d["upstream"]["link"] = self.upstream.describe(j.id)
         d["shards"] = self.shard_reports.describe(j.id)
         d["dataplane"] = self.config.dataplane.kind    # the "kernel" path is the switch's with "p4"
-        top, _ = self._rounds(j)
         d["round"] = top
         return d
 
@@ -865,9 +866,9 @@ class Service:
         j = self._job(job)
         top, _ = self._rounds(j)
         # the newest version may govern only from a later round: say which one governs now
-        version, in_force = j.strategy_table().governing(0 if top is None else top)
+        now = self._in_force(j, top)
         return {"job": j.name, "id": j.id, "current": str(j.strategy), "version": j.strategy_version,
-                "round": top, "in_force": {"strategy": str(in_force), "version": version},
+                "round": top, "in_force": {"strategy": now["strategy"], "version": now["strategy_version"]},
                 "versions": [{"version": v, "from_round": r, "strategy": t} for v, r, t in j.strategies]}
 
     def cmd_strategy_set(self, job, strategy, from_round=None):

@@ -183,8 +183,9 @@ def _fill_narrow(x, xb, absmask, pick_b, pick_f, xc0, c0, k, E, fq, jq, ring_u8,
     or int16: ``ring_u8`` viewed so, the payload at ``_P8`` or ``_P16``) and each value is rounded
     stochastically, ``floor(x * 2**e + U)`` clipped to ``±qmax``, with ``U`` from a counter-based
     generator of a per-chunk key drawn from ``state`` and the value's index: the numpy path's rule
-    with another generator. ``cap`` and ``own`` as ``_fill``'s. A 32-bit generator (``_hash32``) whose draw serves two values, 16 bits
-    each (``U = (k + 1/2) / 2**16``: a bias below 2**-16 of a step, which error feedback carries).
+    with another generator (``cap`` and ``own`` as ``_fill``'s). A 32-bit generator (``_hash32``)
+    whose draw serves two values, 16 bits each (``U = (k + 1/2) / 2**16``: a bias below 2**-16 of a
+    step, which error feedback carries).
     Loops run over slices of C-contiguous rows, without a branch inside: numba then vectorises them
     (16M float32 values on this project's lab host: int8 1.1 ns a value, int16 1.3, where splitmix64
     and 24 bits a value took 1.7).

@@ -39,8 +39,9 @@ gradients, by up to a step of the result a call per chunk. So the members share 
 scale (``aggd_client.scales``, on by default: ``shared_scales``): every call after a key's first
 sends each chunk at the exponent of that chunk's previous result (a step coarser where that moved)
 unless a member's values outgrew it; and at each reset a round of flags (``ROOM_FLAGS`` per chunk)
-lets the shared exponents grow finer again. Contributions of one exponent are added without a shift: only a key's first call,
-and a call where some member's values outgrew the shared scale, are aligned at all. (Under
+lets the shared exponents grow finer again. Contributions of one exponent are added without a
+shift: only a key's first call, and a call where some member's values outgrew the shared scale,
+are aligned at all. (Under
 ``quorum``/``wbsp`` neither is the alignment of a contribution carried into a later round fed
 back.)
 
